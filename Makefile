@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+OPTKIT := $(VENV)/bin/optkit
+TORCH ?= torch==2.13.0
+DEMO := out/demo
+
+.PHONY: install demo test models bench lint clean
+
+install: $(VENV)/.installed
+
+# torch goes in first and pinned: an unpinned resolve would fetch a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(OPTKIT) quantize small --method rtn --bits 4 --group-size 128 --out $(DEMO)/small-w4 --overwrite
+	$(OPTKIT) inspect $(DEMO)/small-w4
+	$(OPTKIT) eval $(DEMO)/small-w4 --baseline small --max-ppl-increase 2 --max-kld 0.02 --min-top1 85 \
+		--report $(DEMO)/gate.json
+
+test: install
+	$(VENV)/bin/pytest -q
+
+models: install
+	$(OPTKIT) zoo build small
+	$(OPTKIT) zoo build draft
+
+bench: install
+	$(PY) bench/quant_quality.py
+
+lint: install
+	$(VENV)/bin/ruff check optkit tests bench
+	$(VENV)/bin/ruff format --check optkit tests bench
+
+clean:
+	rm -rf out .pytest_cache

@@ -1,0 +1,11 @@
+"""Where optkit keeps what it builds for itself (eval sets, tokenizers): $OPTKIT_CACHE or ~/.cache/optkit."""
+
+import os
+from pathlib import Path
+
+
+def cache_dir(*parts: str) -> Path:
+    root = Path(os.environ.get("OPTKIT_CACHE") or Path.home() / ".cache" / "optkit")
+    path = root.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,47 @@
+"""`optkit eval`: the quality gate."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from optkit.cli.options import EvalSet, JsonFlag, SeqLen, console, print_json
+
+
+def eval_(
+    artifact: Annotated[str, typer.Argument(help="Quantized artifact directory (or any model).")],
+    baseline: Annotated[
+        str, typer.Option("--baseline", help="Full-precision base model: directory or reference name.")
+    ],
+    eval_set: EvalSet = "heldout",
+    max_ppl_increase: Annotated[
+        float | None, typer.Option(help="Fail if perplexity rises by more than this percent.")
+    ] = None,
+    max_kld: Annotated[float | None, typer.Option(help="Fail if the mean KL divergence (nats) exceeds this.")] = None,
+    min_top1: Annotated[
+        float | None, typer.Option(help="Fail if fewer than this percent of tokens keep the base's top token.")
+    ] = None,
+    seq_len: SeqLen = 256,
+    max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
+
+    Exit codes: 0 all thresholds hold, 1 a threshold is crossed, 2 bad input.
+
+    Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
+    """
+    from optkit.gate.evaluate import evaluate
+    from optkit.gate.report import gate_table, write_report
+    from optkit.gate.thresholds import Thresholds
+
+    thresholds = Thresholds(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
+    result = evaluate(artifact, baseline, thresholds, eval_set=eval_set, seq_len=seq_len, max_windows=max_windows)
+    if report is not None:
+        write_report(result, report)
+    if json_output:
+        print_json(result.to_json())
+    else:
+        console().print(gate_table(result))
+    raise typer.Exit(0 if result.passed else 1)

@@ -1,0 +1,53 @@
+"""`optkit inspect`: what an artifact is and how much each layer lost."""
+
+from typing import Annotated
+
+import typer
+
+from optkit.cli.options import JsonFlag, console, print_json
+
+
+def inspect(
+    artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit.")],
+    json_output: JsonFlag = False,
+) -> None:
+    """Show an artifact's manifest and per-layer quantization error.
+
+    Example: optkit inspect out/small-w4 --json
+    """
+    from rich.table import Table
+
+    from optkit.errors import OptkitError
+    from optkit.manifest import read_manifest
+    from optkit.modeldir import resolve_model_dir
+
+    path = resolve_model_dir(artifact)
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise OptkitError(f"{path} has no optkit.json: inspect reads artifacts written by `optkit quantize`")
+    if json_output:
+        print_json(manifest)
+        return
+    out = console()
+    summary = Table(title=f"artifact {path}", show_header=False)
+    for key, value in [
+        ("method", manifest["method"]),
+        ("options", manifest["options"]),
+        ("format", manifest["format"]),
+        ("base model", f"{manifest['base_model']['path']} (sha256 {manifest['base_model']['sha256'][:12]})"),
+        ("calibration", manifest["calibration"]["name"] or "none"),
+        ("ignored layers", ", ".join(manifest["ignored_layers"]) or "none"),
+        ("files", ", ".join(manifest["files"])),
+        ("versions", ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())),
+        ("created", f"{manifest['created']} in {manifest['wall_time_s']:.1f}s"),
+    ]:
+        summary.add_row(key, str(value))
+    out.print(summary)
+    layers = Table(title="per-layer weight error")
+    for column in ("layer", "shape", "rel. error", "MSE"):
+        layers.add_column(column, justify="left" if column == "layer" else "right")
+    for layer in manifest["layers"]:
+        layers.add_row(
+            layer["name"], "×".join(map(str, layer["shape"])), f"{layer['rel_error']:.4f}", f"{layer['mse']:.3e}"
+        )
+    out.print(layers)

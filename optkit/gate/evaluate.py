@@ -1,0 +1,90 @@
+"""Run an artifact and its base over an eval set, token for token, and score the difference."""
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from optkit.data.eval_sets import load_text_set
+from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.errors import OptkitError
+from optkit.gate.metrics import TokenStats, summarize
+from optkit.gate.thresholds import Check, Thresholds, check
+from optkit.modeldir import load_model, load_tokenizer, resolve_model_dir
+from optkit.progress import progress_bar
+
+
+@dataclass
+class GateResult:
+    artifact: str
+    baseline: str
+    eval_set: dict
+    metrics: dict[str, float]
+    checks: list[Check] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_json(self) -> dict:
+        return {
+            "artifact": self.artifact,
+            "baseline": self.baseline,
+            "eval_set": self.eval_set,
+            "metrics": self.metrics,
+            "checks": [{**c.__dict__, "rule": c.rule} for c in self.checks],
+            "verdict": "pass" if self.passed else "fail",
+            "wall_time_s": self.wall_time_s,
+        }
+
+
+def evaluate(
+    artifact: str | Path,
+    baseline: str | Path,
+    thresholds: Thresholds,
+    *,
+    eval_set: str = "heldout",
+    seq_len: int = 256,
+    max_windows: int | None = None,
+    batch_size: int = 8,
+) -> GateResult:
+    start = time.perf_counter()
+    artifact_dir, baseline_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
+    texts = load_text_set(eval_set)
+    tokenizer = load_tokenizer(baseline_dir)
+    if seq_len < 2:
+        raise OptkitError(f"--seq-len {seq_len} is too short: at least 2 tokens are needed to predict one")
+    windows = pack_windows(tokenize_stream(tokenizer, texts.texts), seq_len, max_windows)
+    if len(windows) == 0:
+        raise OptkitError(
+            f"eval set {eval_set!r} is shorter than one window of {seq_len} tokens: "
+            "give more text or a smaller --seq-len"
+        )
+
+    base_model, artifact_model = load_model(baseline_dir), load_model(artifact_dir)
+    base_vocab = base_model.get_output_embeddings().out_features
+    artifact_vocab = artifact_model.get_output_embeddings().out_features
+    if base_vocab != artifact_vocab:
+        raise OptkitError(
+            f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
+            "compare an artifact with the model it was made from"
+        )
+
+    stats = TokenStats()
+    with torch.inference_mode(), progress_bar() as bar:
+        task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
+        for batch in windows.split(batch_size):
+            stats.add(base_model(batch).logits, artifact_model(batch).logits, batch)
+            bar.update(task, advance=len(batch))
+
+    metrics = summarize(stats)
+    return GateResult(
+        artifact=str(artifact_dir),
+        baseline=str(baseline_dir),
+        eval_set={"name": eval_set, "sha256": texts.sha256, "seq_len": seq_len, "windows": len(windows)},
+        metrics=metrics,
+        checks=check(metrics, thresholds),
+        wall_time_s=round(time.perf_counter() - start, 3),
+    )

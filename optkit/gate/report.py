@@ -1,0 +1,49 @@
+"""How a gate result reads: a rich table for people, JSON for machines."""
+
+import json
+from pathlib import Path
+
+from rich.table import Table
+
+from optkit.gate.evaluate import GateResult
+
+ROWS = [  # (metric, label, format)
+    ("ppl_artifact", "perplexity (artifact)", "{:.3f}"),
+    ("ppl_base", "perplexity (base)", "{:.3f}"),
+    ("ppl_increase_pct", "perplexity increase %", "{:+.3f}"),
+    ("kld_mean", "KL divergence, mean", "{:.5f}"),
+    ("kld_median", "KL divergence, median", "{:.5f}"),
+    ("kld_p95", "KL divergence, p95", "{:.5f}"),
+    ("kld_p99", "KL divergence, p99", "{:.5f}"),
+    ("kld_max", "KL divergence, max", "{:.5f}"),
+    ("top1_pct", "same top token %", "{:.2f}"),
+]
+
+
+def gate_table(result: GateResult) -> Table:
+    checks = {c.metric: c for c in result.checks}
+    verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    table = Table(
+        title=f"optkit gate: {verdict}  ({result.metrics['num_tokens']:,} tokens of {result.eval_set['name']})"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("threshold", justify="right")
+    table.add_column("", justify="center")
+    for metric, label, fmt in ROWS:
+        value = fmt.format(result.metrics[metric])
+        c = checks.get(metric)
+        if c is None:
+            table.add_row(label, value, "", "")
+        elif c.passed:
+            table.add_row(label, value, c.rule, "[green]ok[/]")
+        else:
+            table.add_row(f"[red]{label}[/]", f"[red]{value}[/]", f"[red]{c.rule}[/]", "[bold red]crossed[/]")
+    return table
+
+
+def write_report(result: GateResult, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    tmp.replace(path)

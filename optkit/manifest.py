@@ -1,0 +1,43 @@
+"""`optkit.json`: what was done to make an artifact, from what, and the sha256 of every file."""
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+from optkit import __version__
+from optkit.artifacts import file_hashes
+
+MANIFEST = "optkit.json"
+
+
+def versions() -> dict[str, str]:
+    import compressed_tensors
+    import torch
+    import transformers
+
+    return {
+        "optkit": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "compressed_tensors": compressed_tensors.__version__,
+    }
+
+
+def write_manifest(directory: Path, fields: dict) -> dict:
+    """Write `optkit.json` last, with the sha256 of every other file in `directory`."""
+    manifest = {
+        "optkit_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        **fields,
+        "files": file_hashes(directory, exclude=(MANIFEST,)),
+    }
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(directory: Path) -> dict | None:
+    path = Path(directory) / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else None

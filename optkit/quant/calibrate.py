@@ -1,0 +1,221 @@
+"""Layer-by-layer calibration, so that models bigger than memory still fit.
+
+Only one decoder layer is materialised (on the compute device) at a time; the inputs of that
+layer for every calibration sample are cached on the CPU. Inside a layer the linear modules
+are calibrated in true-sequential order (q/k/v, then o, then gate/up, then down), each on the
+inputs produced by the already-quantized sublayers before it; then the quantized layer runs
+once more and its outputs become the next layer's inputs (the sequential scheme of GPTQ's
+reference code). The method-specific math is a callback: `quantize_linear(name, W, H)`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from optkit.data.eval_sets import TextSet, load_text_set
+from optkit.data.packing import tokenize_stream
+from optkit.errors import OptkitError
+from optkit.modeldir import TensorReader
+from optkit.progress import progress_bar
+from optkit.quant.gptq import accumulate_hessian, empty_hessian
+from optkit.quant.rtn import QuantizedWeight
+
+# True-sequential order of a Llama-family decoder layer (Mistral and Qwen2 use the same names).
+SEQUENTIAL_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+GATE_EVAL_SETS = ("heldout",)
+
+
+class CalibrationOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    calib: str = "calib"  # bundled set name or a local .txt/.jsonl/.parquet/datasets dir
+    num_samples: int = 128
+    seq_len: int = 256
+    seed: int = 0
+    batch_size: int = 16  # samples per forward pass
+
+
+@dataclass
+class CalibrationData:
+    tokens: torch.Tensor  # [num_samples, seq_len]
+    source: TextSet
+
+
+def calibration_data(tokenizer, options: CalibrationOptions) -> CalibrationData:
+    """`num_samples` windows of `seq_len` tokens at seeded random offsets of the token stream."""
+    if options.calib in GATE_EVAL_SETS:
+        raise OptkitError(f"--calib {options.calib} is the gate's eval set: calibrate on 'calib' or your own data")
+    if options.num_samples < 1 or options.seq_len < 2:
+        raise OptkitError("--num-samples must be at least 1 and --seq-len at least 2")
+    source = load_text_set(options.calib)
+    stream = tokenize_stream(tokenizer, source.texts)
+    if stream.numel() < options.seq_len:
+        raise OptkitError(
+            f"calibration data {options.calib!r} has {stream.numel()} tokens, fewer than "
+            f"--seq-len {options.seq_len}: give more text or a smaller --seq-len"
+        )
+    generator = torch.Generator().manual_seed(options.seed)
+    starts = torch.randint(0, stream.numel() - options.seq_len + 1, (options.num_samples,), generator=generator)
+    return CalibrationData(torch.stack([stream[s : s + options.seq_len] for s in starts.tolist()]), source)
+
+
+class LayerStream:
+    """A causal LM read one decoder layer at a time from its safetensors."""
+
+    def __init__(self, path, device: torch.device):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+        self.prefix = skeleton.base_model_prefix  # "model"
+        self.decoder = skeleton.get_decoder()
+        self.reader = TensorReader(path)
+        self.device = device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder.layers)
+
+    def layer_name(self, index: int) -> str:
+        return f"{self.prefix}.layers.{index}"
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[N, L] token ids -> [N, L, hidden] fp32 on the CPU."""
+        weight = self.reader.get(f"{self.prefix}.embed_tokens.weight").float()
+        return torch.nn.functional.embedding(tokens, weight)
+
+    def position_embeddings(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = type(self.decoder.rotary_emb)(self.config).to(self.device)
+        positions = torch.arange(seq_len, device=self.device)[None]
+        cos, sin = rotary(torch.zeros(1, device=self.device), positions)
+        return cos.float(), sin.float()
+
+    def load_layer(self, index: int) -> torch.nn.Module:
+        layer = self.decoder.layers[index].to_empty(device=self.device)
+        layer.load_state_dict(self.reader.get_prefixed(f"{self.layer_name(index)}."), strict=True)
+        return layer.float()
+
+    def release_layer(self, index: int) -> None:
+        self.decoder.layers[index].to("meta")
+
+
+class _GroupCaptured(Exception):
+    """Raised from a hook once every module of a group has seen its input: stop the forward."""
+
+
+def run_layer(
+    layer: torch.nn.Module,
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    batch_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The layer's outputs for every cached sample: [N, L, hidden] on the CPU."""
+    outputs = torch.empty_like(hidden)
+    for start in range(0, hidden.shape[0], batch_size):
+        batch = hidden[start : start + batch_size].to(device)
+        out = layer(batch, position_embeddings=rope, attention_mask=None)
+        outputs[start : start + batch_size] = (out[0] if isinstance(out, tuple) else out).cpu()
+    return outputs
+
+
+def capture_hessians(
+    layer: torch.nn.Module,
+    names: list[str],
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    batch_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """H = 2/N Σ x xᵀ of the inputs of each named linear, stopping each forward once all are seen."""
+    hessians = {name: empty_hessian(layer.get_submodule(name).in_features, device) for name in names}
+    seen: set[str] = set()
+
+    def hook_for(name):
+        def hook(module, args):
+            hessians[name] = accumulate_hessian(*hessians[name], args[0].detach())
+            seen.add(name)
+            if seen.issuperset(names):
+                raise _GroupCaptured
+
+        return hook
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
+    try:
+        for start in range(0, hidden.shape[0], batch_size):
+            seen.clear()
+            try:
+                layer(hidden[start : start + batch_size].to(device), position_embeddings=rope, attention_mask=None)
+            except _GroupCaptured:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: h for name, (h, _) in hessians.items()}
+
+
+def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
+    """The layer's linear modules in true-sequential order; unknown ones last, one per group."""
+    linears = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    groups = [[n for n in group if n in linears] for group in SEQUENTIAL_GROUPS]
+    known = {n for group in groups for n in group}
+    return [g for g in groups if g] + [[n] for n in linears if n not in known]
+
+
+QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], tuple[QuantizedWeight, dict]]
+
+
+@torch.inference_mode()
+def calibrate_layerwise(
+    model_path,
+    tokens: torch.Tensor,
+    targets: set[str],
+    quantize_linear: QuantizeLinear,
+    *,
+    device: torch.device,
+    batch_size: int = 16,
+    label: str = "calibrate",
+) -> dict[str, tuple[QuantizedWeight, dict]]:
+    """Quantize every target linear (full module names) layer by layer; returns name -> (weight, stats)."""
+    stream = LayerStream(model_path, device)
+    hidden = stream.embed(tokens)
+    rope = stream.position_embeddings(tokens.shape[1])
+    results: dict[str, tuple[QuantizedWeight, dict]] = {}
+    with progress_bar() as bar:
+        task = bar.add_task(label, total=len(targets), info="")
+        for index in range(stream.num_layers):
+            layer = stream.load_layer(index)
+            prefix = stream.layer_name(index)
+            for group in sequential_groups(layer):
+                group = [n for n in group if f"{prefix}.{n}" in targets]
+                if not group:
+                    continue
+                hessians = capture_hessians(layer, group, hidden, rope, batch_size, device)
+                for name in group:
+                    linear = layer.get_submodule(name)
+                    full_name = f"{prefix}.{name}"
+                    qw, stats = quantize_linear(full_name, linear.weight.detach(), hessians.pop(name))
+                    linear.weight.copy_(qw.dequantize().to(device))
+                    results[full_name] = (qw, stats)
+                    bar.update(
+                        task,
+                        advance=1,
+                        info=f"layer {index + 1}/{stream.num_layers} {name}  "
+                        f"loss {stats.get('loss', float('nan')):.3g}",
+                    )
+            hidden = run_layer(layer, hidden, rope, batch_size, device)
+            if not torch.isfinite(hidden).all():
+                raise OptkitError(
+                    f"{prefix} produces NaN or inf on the calibration data: "
+                    "check the checkpoint, or quantize it in a wider dtype"
+                )
+            stream.release_layer(index)
+    return results

@@ -1,0 +1,117 @@
+"""The compressed-tensors checkpoint format ("pack-quantized"), as transformers and vLLM load it.
+
+Per quantized linear `P` (e.g. `model.layers.0.mlp.down_proj`), the safetensors file holds:
+  P.weight_packed      int32 [out, ceil(in * bits / 32)]  signed ints, densely bit-packed along `in`
+  P.weight_scale       [out, G]                           in the model's dtype
+  P.weight_zero_point  int32 [ceil(out * bits / 32), G]   packed along `out`; asymmetric only
+  P.weight_shape       int64 [2]                          (out, in)
+  P.weight_g_idx       int32 [in]                         read if present (older act-order checkpoints)
+and config.json carries `quantization_config` (quant_method "compressed-tensors").
+Packing uses the compressed-tensors library itself, so the bits are exactly what it reads.
+"""
+
+import compressed_tensors
+import torch
+from compressed_tensors.compressors import pack_to_int32, unpack_from_int32
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+from optkit.errors import OptkitError
+from optkit.quant.rtn import QuantizedWeight
+from optkit.quant.schemes import WeightScheme
+
+NAME = "compressed-tensors"
+FORMAT = "pack-quantized"
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]]) -> None:
+    """Any bits from 1 to 8 and any group size fit; act-order only with static groups."""
+    if act_order == "group":
+        raise OptkitError(
+            "compressed-tensors no longer stores g_idx, which --act-order needs unless groups are "
+            "static: add --static-groups or use --format gptq"
+        )
+
+
+def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: list[str]) -> dict:
+    """The `quantization_config` entry of config.json, built with the library's own models.
+
+    act_order: False or "weight" (GPTQ act-order with static groups: the processing order
+    changed but groups stay contiguous, so the checkpoint needs no g_idx).
+    """
+    args = QuantizationArgs(
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=scheme.symmetric,
+        strategy="channel" if scheme.group_size == -1 else "group",
+        group_size=None if scheme.group_size == -1 else scheme.group_size,
+        actorder=act_order or None,
+    )
+    config = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        format=FORMAT,
+        quantization_status="compressed",
+        ignore=ignore,
+    )
+    return {
+        "version": compressed_tensors.__version__,
+        "sparsity_config": {},
+        "transform_config": {},
+        **config.model_dump(mode="json"),
+    }
+
+
+def compress(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The tensors that stand for one quantized linear layer in the checkpoint."""
+    bits = qw.scheme.bits
+    tensors = {
+        f"{prefix}.weight_packed": pack_to_int32(qw.q, bits),
+        f"{prefix}.weight_scale": qw.scale.contiguous(),
+        f"{prefix}.weight_shape": torch.tensor(qw.q.shape, dtype=torch.int64),
+    }
+    if not qw.scheme.symmetric:
+        tensors[f"{prefix}.weight_zero_point"] = pack_to_int32(qw.zero_point, bits, packed_dim=0).contiguous()
+    assert qw.g_idx is None, "compressed-tensors cannot store g_idx (checked in `check`)"
+    return tensors
+
+
+def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:
+    """Inverse of `compress`: the integer weight, its scales and zero points."""
+    shape = tuple(int(d) for d in tensors[f"{prefix}.weight_shape"])
+    scale = tensors[f"{prefix}.weight_scale"]
+    q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], scheme.bits, torch.Size(shape))
+    if scheme.symmetric:
+        zero_point = torch.zeros(scale.shape, dtype=torch.int8)
+    else:
+        zero_point = unpack_from_int32(
+            tensors[f"{prefix}.weight_zero_point"], scheme.bits, torch.Size(scale.shape), packed_dim=0
+        )
+    return QuantizedWeight(
+        q.to(torch.int8), scale, zero_point.to(torch.int8), scheme, tensors.get(f"{prefix}.weight_g_idx")
+    )
+
+
+def scheme_from_config(quant_config: dict) -> WeightScheme:
+    """Our scheme from a compressed-tensors `quantization_config` with one weight-only group."""
+    groups = list(quant_config["config_groups"].values())
+    if len(groups) != 1 or quant_config.get("format") != FORMAT:
+        raise ValueError("only single-group pack-quantized compressed-tensors configs are read")
+    weights = groups[0]["weights"]
+    return WeightScheme(
+        bits=weights["num_bits"],
+        group_size=-1 if weights.get("strategy") == "channel" else weights["group_size"],
+        symmetric=weights["symmetric"],
+    )
+
+
+def dequantized_state_dict(
+    tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """A plain state dict: every packed layer replaced by its dequantized `weight`."""
+    scheme = scheme_from_config(quant_config)
+    prefixes = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    state = {k: v for k, v in tensors.items() if not k.endswith(SUFFIXES)}
+    for prefix in prefixes:
+        qw = decompress(prefix, tensors, scheme)
+        state[f"{prefix}.weight"] = qw.dequantize(dtype)
+    return state

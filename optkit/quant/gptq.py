@@ -1,0 +1,163 @@
+"""GPTQ (Frantar et al., 2022): quantize W column by column, pushing each column's rounding
+error onto the columns not yet quantized, weighted by the inverse Hessian of the layer loss.
+
+Layer objective, for calibration inputs X ([in, tokens]):  min_Ŵ ‖WX − ŴX‖².
+Its Hessian is H = 2XXᵀ ([in, in]), kept here as a running average over tokens.
+After quantizing column i to q_i, the optimal update of the remaining columns F is
+    δ_F = −(w_i − q_i) / [H⁻¹]_ii · [H⁻¹]_{i,F}                       (paper, eq. 3)
+and with the upper Cholesky factor U of H⁻¹ this becomes row i of U (eq. 4–5), which lets
+the updates be applied lazily, one block of columns at a time (the paper's §"Lazy batch").
+Pure tensor functions: no modules, hooks or I/O.
+"""
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from optkit.errors import OptkitError
+from optkit.quant.rtn import QuantizedWeight, minmax_qparams
+from optkit.quant.schemes import WeightScheme
+
+
+class GPTQOptions(BaseModel):
+    """GPTQ settings; the field names are the recipe keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = 128
+    damp: float = 0.01  # fraction of the mean diagonal of H added to it
+    act_order: bool = False  # quantize columns by descending H_ii (the most sensitive first)
+    static_groups: bool = False  # group parameters from the unpermuted W: contiguous g_idx
+    max_damp_retries: int = 6  # each retry multiplies the dampening by 10
+
+
+@dataclass
+class GPTQResult:
+    weight: QuantizedWeight
+    loss: float  # mean over calibration tokens of ‖(W − Ŵ)x‖²
+    damp: float  # the dampening fraction finally used
+
+
+def empty_hessian(in_features: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+    return torch.zeros(in_features, in_features, dtype=torch.float32, device=device), 0
+
+
+def accumulate_hessian(hessian: torch.Tensor, num_tokens: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Fold a batch of inputs x ([..., in]) into the running average H = 2/N Σ x xᵀ."""
+    x = x.reshape(-1, x.shape[-1]).to(hessian.device, torch.float32)
+    new_total = num_tokens + x.shape[0]
+    hessian.mul_(num_tokens / new_total)
+    hessian.addmm_(x.T, x, alpha=2.0 / new_total)
+    return hessian, new_total
+
+
+def output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
+    """tr(Δ H Δᵀ) / 2 with Δ = W − Ŵ: the mean over tokens of ‖Δx‖²."""
+    delta = (w.float() - w_hat.float()).to(hessian.device)
+    return ((delta @ hessian) * delta).sum().item() / 2
+
+
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp: float, options: GPTQOptions, name: str
+) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise λ on failure."""
+    mean_diag = torch.mean(torch.diag(hessian)).item()
+    for attempt in range(options.max_damp_retries + 1):
+        damped = hessian.clone()
+        damped.diagonal().add_(damp * mean_diag)
+        factor, info = torch.linalg.cholesky_ex(damped)
+        if info == 0:
+            factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
+        if info == 0 and torch.isfinite(factor).all():
+            if attempt:
+                warnings.warn(
+                    f"{name}: Hessian not positive definite; GPTQ used dampening {damp:g} instead of {options.damp:g}",
+                    stacklevel=2,
+                )
+            return factor, damp
+        tried, damp = damp, damp * 10 if damp > 0 else 1e-3
+    raise OptkitError(
+        f"{name}: the Hessian stays singular even with dampening {tried:g}: "
+        "use more calibration samples (--num-samples) or a larger --damp"
+    )
+
+
+def gptq_quantize(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: WeightScheme,
+    options: GPTQOptions = GPTQOptions(),
+    *,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    name: str = "layer",
+) -> GPTQResult:
+    """Quantize W ([out, in]) with H ([in, in]); returns integers, scales, zero points, g_idx, loss."""
+    if not torch.isfinite(w).all():
+        raise OptkitError(f"{name}: the weight contains NaN or inf: repair the checkpoint before quantizing")
+    if not torch.isfinite(hessian).all():
+        raise OptkitError(f"{name}: the calibration activations contain NaN or inf: check the model and --calib data")
+    out_features, in_features = w.shape
+    group_size = scheme.group_size_for(in_features)
+    num_groups = in_features // group_size
+    w_orig = w.float().to(hessian.device)
+    W = w_orig.clone()
+    H = hessian.clone()
+
+    dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    # Group parameters fixed up front from the unpermuted weight (static groups, or per channel).
+    fixed_params = None
+    if options.static_groups or group_size == in_features:
+        fixed_params = minmax_qparams(W, scheme, scale_dtype)
+
+    perm = torch.arange(in_features, device=W.device)
+    if options.act_order:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+
+    Hinv, damp = inverse_hessian_factor(H, options.damp, options, name)
+
+    # Group of each *permuted* position: contiguous runs in processing order, unless static.
+    if fixed_params is not None:
+        group_of_position = perm // group_size
+    else:
+        group_of_position = torch.arange(in_features, device=W.device) // group_size
+    scale = torch.empty(out_features, num_groups, dtype=scale_dtype, device=W.device)
+    zero_point = torch.zeros(out_features, num_groups, dtype=torch.int8, device=W.device)
+    if fixed_params is not None:
+        scale[:], zero_point[:] = fixed_params
+    Q = torch.zeros_like(W, dtype=torch.int8)
+
+    # Blocks never straddle a group, so each group's parameters come from up-to-date weights.
+    block_size = max(options.block_size, group_size) if fixed_params is None else options.block_size
+    if fixed_params is None and block_size % group_size:
+        block_size = group_size * max(1, block_size // group_size)
+    for i1 in range(0, in_features, block_size):
+        i2 = min(i1 + block_size, in_features)
+        W1 = W[:, i1:i2].clone()  # [out, B]
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
+        for i in range(i2 - i1):
+            column = i1 + i
+            g = group_of_position[column]
+            if fixed_params is None and column % group_size == 0:
+                s, z = minmax_qparams(W1[:, i : i + group_size], scheme, scale_dtype)
+                scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
+            s, z = scale[:, g].float(), zero_point[:, g].float()
+            q = torch.clamp(torch.round(W1[:, i] / s) + z, scheme.qmin, scheme.qmax)
+            Q[:, column] = q.to(torch.int8)
+            err = (W1[:, i] - (q - z) * s) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # eq. 3 within the block
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's deferred update of all later columns
+
+    inverse = torch.argsort(perm)
+    q_int = Q[:, inverse]
+    g_idx = group_of_position[inverse].to(torch.int32)
+    contiguous = torch.equal(g_idx, torch.arange(in_features, device=W.device, dtype=torch.int32) // group_size)
+    result = QuantizedWeight(q_int.cpu(), scale.cpu(), zero_point.cpu(), scheme, None if contiguous else g_idx.cpu())
+    return GPTQResult(result, output_error(w_orig, result.dequantize().to(W.device), hessian), damp)

@@ -1,0 +1,188 @@
+"""`optkit quantize`: turn a model directory into a quantized artifact directory.
+
+The math lives in `rtn.py` and `gptq.py`, the layer-by-layer walk in `calibrate.py`, the on-disk
+layouts in `formats/`. This module chooses, collects per-layer results and writes atomically.
+"""
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors.torch import save_file
+
+from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256
+from optkit.errors import OptkitError
+from optkit.manifest import MANIFEST, write_manifest
+from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
+from optkit.progress import progress_bar
+from optkit.quant import rtn
+from optkit.quant.calibrate import CalibrationOptions, calibrate_layerwise, calibration_data
+from optkit.quant.formats import FORMATS, get_format
+from optkit.quant.gptq import GPTQOptions, gptq_quantize, output_error
+from optkit.quant.rtn import QuantizedWeight
+from optkit.quant.schemes import WeightScheme
+from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
+
+METHODS = ("rtn", "gptq")
+
+
+class QuantizeOptions(BaseModel):
+    """Everything that decides the artifact's weights; the field names are the recipe keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["rtn", "gptq"] = "rtn"
+    weights: WeightScheme = Field(default_factory=WeightScheme)
+    ignore: list[str] = Field(default_factory=list)
+    format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
+    gptq: GPTQOptions = Field(default_factory=GPTQOptions)
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.method != "gptq" and (self.gptq.act_order or self.gptq.static_groups):
+            raise ValueError("act_order and static_groups are GPTQ options: use them with method gptq")
+        return self
+
+    @property
+    def act_order(self) -> bool | str:
+        """How the format must describe the column order: False, "group" (g_idx) or "weight"."""
+        if self.method != "gptq" or not self.gptq.act_order:
+            return False
+        return "weight" if self.gptq.static_groups else "group"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OptkitError(f"--device {device} asked for, but no CUDA device is available: use --device cpu")
+    return torch.device(device)
+
+
+def quantize_model(
+    model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool = False, device: str = "auto"
+) -> dict:
+    """Quantize `model` into `out` and return the manifest written there."""
+    start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    base = resolve_model_dir(model)
+    verify_weights(base)
+    config_dict = read_config(base)
+    if "quantization_config" in config_dict:
+        raise OptkitError(f"model {base} is already quantized: give its full-precision base model")
+    from transformers import AutoConfig
+
+    targets, ignored = select_targets(decoder_linears(AutoConfig.from_pretrained(base)), options.ignore)
+    for target in targets:
+        options.weights.check_layer(target.name, target.in_features)
+    fmt = get_format(options.format)
+    fmt.check(options.weights, options.act_order, [(t.name, t.in_features, t.out_features) for t in targets])
+
+    reader = TensorReader(base)
+    calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
+    if options.method == "rtn":
+        results = _quantize_rtn(reader, targets, options.weights)
+    else:
+        data = calibration_data(load_tokenizer(base), options.calibration)
+        calibration = {
+            "name": options.calibration.calib,
+            "sha256": data.source.sha256,
+            "num_samples": options.calibration.num_samples,
+            "seq_len": options.calibration.seq_len,
+        }
+        results = calibrate_layerwise(
+            base,
+            data.tokens,
+            {t.name for t in targets},
+            _gptq_callback(options),
+            device=resolve_device(device),
+            batch_size=options.calibration.batch_size,
+            label=f"gptq {options.weights.describe()}",
+        )
+
+    quantized = {f"{name}.weight" for name in results}
+    tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
+    layers = []
+    for target in targets:
+        qw, stats = results[target.name]
+        tensors.update(fmt.compress(target.name, qw))
+        layers.append({"name": target.name, "shape": [target.out_features, target.in_features], **stats})
+    config_dict["quantization_config"] = fmt.quantization_config(
+        options.weights, options.act_order, ignored + ["lm_head"]
+    )
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+        _copy_side_files(base, tmp)
+        manifest = write_manifest(
+            tmp,
+            {
+                "method": options.method,
+                "options": options.model_dump(),
+                "format": options.format,
+                "base_model": {"path": str(base.resolve()), "sha256": content_sha256(base)},
+                "calibration": calibration,
+                "ignored_layers": ignored,
+                "layers": layers,
+                "wall_time_s": round(time.perf_counter() - start, 3),
+            },
+        )
+    return manifest
+
+
+def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
+    """Scales are stored in the checkpoint's half dtype (bf16 for fp32 checkpoints)."""
+    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _quantize_rtn(
+    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme
+) -> dict[str, tuple[QuantizedWeight, dict]]:
+    results = {}
+    with progress_bar() as bar:
+        task = bar.add_task(f"rtn {scheme.describe()}", total=len(targets), info="")
+        for target in targets:
+            weight = reader.get(f"{target.name}.weight")
+            if not torch.isfinite(weight).all():
+                raise OptkitError(
+                    f"{target.name}: the weight contains NaN or inf: repair the checkpoint before quantizing"
+                )
+            qw = rtn.rtn_quantize(weight, scheme, scale_dtype=_scale_dtype(weight))
+            stats = rtn.weight_error(weight, qw.dequantize())
+            results[target.name] = (qw, stats)
+            bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
+    return results
+
+
+def _gptq_callback(options: QuantizeOptions):
+    def quantize_linear(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> tuple[QuantizedWeight, dict]:
+        scale_dtype = torch.bfloat16  # layers are calibrated in fp32; checkpoints here are bf16/fp16
+        result = gptq_quantize(weight, hessian, options.weights, options.gptq, scale_dtype=scale_dtype, name=name)
+        rtn_loss = output_error(
+            weight, rtn.rtn_quantize(weight, options.weights, scale_dtype).dequantize().to(weight.device), hessian
+        )
+        stats = {
+            "loss": result.loss,
+            "rtn_loss": rtn_loss,
+            "damp": result.damp,
+            **rtn.weight_error(weight.cpu(), result.weight.dequantize()),
+        }
+        return result.weight, stats
+
+    return quantize_linear
+
+
+def _copy_side_files(base: Path, out: Path) -> None:
+    """Tokenizer, generation config and the like: everything but weights, config and manifest."""
+    skip = {"config.json", MANIFEST, "model.safetensors.index.json"} | {p.name for p in weight_files(base)}
+    for path in base.iterdir():
+        if path.is_file() and path.name not in skip:
+            shutil.copy2(path, out / path.name)
+
+
+__all__ = ["FORMATS", "METHODS", "QuantizeOptions", "quantize_model"]

@@ -1,0 +1,89 @@
+"""Round-to-nearest quantization: min/max scales per group, then round. Pure tensor math.
+
+Shapes: W is [out_features, in_features]; with G = in_features / group_size groups per row,
+scale and zero_point are [out_features, G]. Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)],
+where g(i) = i // group_size, or g_idx[i] when columns were quantized out of order (GPTQ act-order).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from optkit.quant.schemes import WeightScheme
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor  # int8 [out, in], values in [scheme.qmin, scheme.qmax]
+    scale: torch.Tensor  # [out, G] in the stored dtype
+    zero_point: torch.Tensor  # int8 [out, G]; zeros when symmetric
+    scheme: WeightScheme
+    g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column; None = i // group_size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.q, self.scale, self.zero_point, self.g_idx).to(dtype)
+
+
+def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[out, in] -> [out, G, group_size]."""
+    return w.reshape(w.shape[0], -1, group_size)
+
+
+def minmax_qparams(
+    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each group from its range (which always includes 0).
+
+    Symmetric: s = max|w| / ((2^b - 1) / 2), z = 0. Asymmetric: s = (max - min) / (2^b - 1),
+    z = qmin - round(min / s). The scale is rounded to `scale_dtype` first, so q is computed
+    with exactly the scale a loader will read back.
+    """
+    g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
+    lo = g.amin(dim=-1).clamp(max=0)
+    hi = g.amax(dim=-1).clamp(min=0)
+    levels = (1 << scheme.bits) - 1
+    if scheme.symmetric:
+        scale = torch.maximum(-lo, hi) / (levels / 2)
+    else:
+        scale = (hi - lo) / levels
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    if scheme.symmetric:
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    else:
+        zero_point = (scheme.qmin - torch.round(lo / scale.float())).clamp(scheme.qmin, scheme.qmax)
+        zero_point = zero_point.to(torch.int8)
+    return scale, zero_point
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, qmin, qmax), as int8 [out, in]."""
+    group_size = w.shape[1] // scale.shape[1]
+    q = torch.round(grouped(w.float(), group_size) / scale.float().unsqueeze(-1))
+    q = (q + zero_point.float().unsqueeze(-1)).clamp(scheme.qmin, scheme.qmax)
+    return q.reshape(w.shape).to(torch.int8)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, g_idx: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Ŵ = (q - z) * s, in float32 [out, in]."""
+    if g_idx is not None:
+        columns = g_idx.long()
+        return (q.float() - zero_point.float()[:, columns]) * scale.float()[:, columns]
+    group_size = q.shape[1] // scale.shape[1]
+    centered = grouped(q.float(), group_size) - zero_point.float().unsqueeze(-1)
+    return (centered * scale.float().unsqueeze(-1)).reshape(q.shape)
+
+
+def rtn_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
+    scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
+    return QuantizedWeight(quantize(w, scale, zero_point, scheme), scale, zero_point, scheme)
+
+
+def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> dict[str, float]:
+    """Mean squared error and relative Frobenius error ‖W − Ŵ‖ / ‖W‖."""
+    diff = w.float() - w_hat.float()
+    return {
+        "mse": diff.pow(2).mean().item(),
+        "rel_error": (diff.norm() / w.float().norm().clamp(min=1e-12)).item(),
+    }

@@ -1,0 +1,157 @@
+"""Every bad input ends in one line naming what to change, exit code 2, and nothing on disk."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import leftovers
+
+
+def assert_user_error(result, *fragments):
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def out_parent(tmp_path):
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    return parent
+
+
+def test_missing_model_dir(run_cli, tmp_path, out_parent):
+    result = run_cli("quantize", tmp_path / "nope", "--out", out_parent / "q")
+    assert_user_error(result, "does not exist")
+    assert leftovers(out_parent, "q") == []
+
+
+def test_dir_without_config(run_cli, tmp_path, out_parent, draft_dir):
+    model = tmp_path / "model"
+    shutil.copytree(draft_dir, model)
+    (model / "config.json").unlink()
+    assert_user_error(run_cli("quantize", model, "--out", out_parent / "q"), "no config.json")
+    assert leftovers(out_parent, "q") == []
+
+
+def test_pickle_only_checkpoint_is_refused(run_cli, tmp_path, out_parent, draft_dir):
+    model = tmp_path / "model"
+    shutil.copytree(draft_dir, model)
+    (model / "model.safetensors").rename(model / "pytorch_model.bin")
+    assert_user_error(run_cli("quantize", model, "--out", out_parent / "q"), "never loads pickle")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_header"])
+def test_corrupt_safetensors(run_cli, tmp_path, out_parent, draft_dir, damage):
+    model = tmp_path / "model"
+    shutil.copytree(draft_dir, model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 64 + data[64:])
+    assert_user_error(
+        run_cli("quantize", model, "--out", out_parent / "q"), "truncated or corrupt", "model.safetensors"
+    )
+    assert leftovers(out_parent, "q") == []
+    assert_user_error(run_cli("eval", model, "--baseline", draft_dir), "truncated or corrupt")
+
+
+def test_artifact_file_changed_after_writing_is_caught(run_cli, tmp_path, draft_dir):
+    artifact = tmp_path / "q"
+    assert run_cli("quantize", draft_dir, "--out", artifact)[0] == 0
+    (artifact / "tokenizer.json").write_text((artifact / "tokenizer.json").read_text() + " ")
+    assert_user_error(run_cli("eval", artifact, "--baseline", draft_dir), "tokenizer.json", "sha256")
+
+
+def test_unknown_method(run_cli, out_parent, draft_dir):
+    assert_user_error(
+        run_cli("quantize", draft_dir, "--method", "magic", "--out", out_parent / "q"), "--method 'magic'", "rtn"
+    )
+    assert leftovers(out_parent, "q") == []
+
+
+def test_unsupported_bits(run_cli, out_parent, draft_dir):
+    assert_user_error(
+        run_cli("quantize", draft_dir, "--bits", "5", "--out", out_parent / "q"), "--bits 5", "2, 3, 4, 8"
+    )
+    assert leftovers(out_parent, "q") == []
+
+
+def test_group_size_the_layers_do_not_allow(run_cli, out_parent, draft_dir):
+    # the draft model's layers have 128 and 384 input features; 96 does not divide 128
+    result = run_cli("quantize", draft_dir, "--group-size", "96", "--out", out_parent / "q")
+    assert_user_error(result, "--group-size 96 does not divide", "input features")
+    assert leftovers(out_parent, "q") == []
+
+
+def test_ignore_pattern_that_matches_nothing(run_cli, out_parent, draft_dir):
+    assert_user_error(
+        run_cli("quantize", draft_dir, "--ignore", "*.nothing", "--out", out_parent / "q"),
+        "--ignore '*.nothing' matches no layer",
+    )
+
+
+def test_existing_out_without_overwrite(run_cli, out_parent, draft_dir):
+    existing = out_parent / "q"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("precious")
+    assert_user_error(run_cli("quantize", draft_dir, "--out", existing), "already exists", "--overwrite")
+    assert (existing / "keep.txt").read_text() == "precious"
+    assert leftovers(out_parent, "q") == [existing]
+
+
+def test_already_quantized_input(run_cli, tmp_path, draft_dir):
+    assert run_cli("quantize", draft_dir, "--out", tmp_path / "q")[0] == 0
+    assert_user_error(run_cli("quantize", tmp_path / "q", "--out", tmp_path / "qq"), "already quantized")
+
+
+@pytest.mark.parametrize("content", ["", "   \n\n"])
+def test_empty_eval_set(run_cli, tmp_path, draft_dir, content):
+    empty = tmp_path / "empty.txt"
+    empty.write_text(content)
+    report = tmp_path / "report.json"
+    result = run_cli("eval", draft_dir, "--baseline", draft_dir, "--eval-set", empty, "--report", report)
+    assert_user_error(result, "has no text")
+    assert not report.exists()
+
+
+def test_eval_set_shorter_than_one_window(run_cli, tmp_path, draft_dir):
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n")
+    assert_user_error(
+        run_cli("eval", draft_dir, "--baseline", draft_dir, "--eval-set", short), "shorter than one window"
+    )
+
+
+def test_jsonl_without_text_field(run_cli, tmp_path, draft_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"prompt": "no"}) + "\n")
+    assert_user_error(run_cli("eval", draft_dir, "--baseline", draft_dir, "--eval-set", bad), "line 2", '"text" field')
+
+
+def test_unknown_eval_set_name(run_cli, draft_dir):
+    assert_user_error(
+        run_cli("eval", draft_dir, "--baseline", draft_dir, "--eval-set", "wikitext"),
+        "neither a bundled set",
+        "heldout",
+    )
+
+
+def test_unknown_reference_model(run_cli, tmp_path):
+    assert_user_error(run_cli("zoo", "build", "huge", "--out", tmp_path / "m"), "unknown reference model 'huge'")
+
+
+def test_interrupted_quantize_leaves_nothing(monkeypatch, run_cli, out_parent, draft_dir):
+    import optkit.quant.quantize as quantize_module
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize_module, "save_file", crash)
+    code, _, _ = run_cli("quantize", draft_dir, "--out", out_parent / "q")
+    assert code == 130
+    assert leftovers(out_parent, "q") == []
