@@ -10,28 +10,35 @@ from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json
 def quantize(
     out: OutDir,
     model: Annotated[str, typer.Argument(help="Model directory or reference model name.")] = "small",
-    method: Annotated[str, typer.Option(help="Quantization method: rtn.")] = "rtn",
+    method: Annotated[str, typer.Option(help="Quantization method: rtn or gptq.")] = "rtn",
     bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = 4,
-    group_size: Annotated[
-        int, typer.Option("--group-size", help="Input columns per scale; -1 = per output channel.")
-    ] = 128,
-    symmetric: Annotated[
-        bool, typer.Option("--sym/--asym", help="Symmetric (zero point 0) or asymmetric integers.")
-    ] = True,
+    group_size: Annotated[int, typer.Option(help="Input columns per scale; -1 = per output channel.")] = 128,
+    symmetric: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric or asymmetric integers.")] = True,
     ignore: Annotated[
-        list[str] | None, typer.Option("--ignore", help="Glob of layer names to keep in full precision (repeatable).")
+        list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")
     ] = None,
-    format: Annotated[
-        str, typer.Option("--format", help="Checkpoint format: compressed-tensors.")
-    ] = "compressed-tensors",
+    format: Annotated[str, typer.Option(help="Checkpoint format: compressed-tensors or gptq.")] = "compressed-tensors",
+    calib: Annotated[
+        str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")
+    ] = "calib",
+    num_samples: Annotated[int, typer.Option(help="Calibration sequences.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration sampling.")] = 0,
+    damp: Annotated[float, typer.Option(help="GPTQ dampening, a fraction of the mean Hessian diagonal.")] = 0.01,
+    block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
+    act_order: Annotated[bool, typer.Option(help="GPTQ: quantize columns by descending Hessian diagonal.")] = False,
+    static_groups: Annotated[bool, typer.Option(help="GPTQ: fix group parameters before reordering.")] = False,
+    device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")] = "auto",
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Quantize the decoder's linear layers and write a loadable artifact.
 
-    Example: optkit quantize small --method rtn --bits 4 --group-size 128 --out out/small-w4
+    Example: optkit quantize small --method gptq --bits 4 --group-size 128 --act-order --static-groups --out out/w4
     """
     from optkit.errors import OptkitError
+    from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.gptq import GPTQOptions
     from optkit.quant.quantize import FORMATS, METHODS, QuantizeOptions, quantize_model
     from optkit.quant.schemes import SUPPORTED_BITS, WeightScheme
 
@@ -43,18 +50,28 @@ def quantize(
         raise OptkitError(f"--bits {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
     if group_size != -1 and group_size <= 0:
         raise OptkitError(f"--group-size {group_size} is invalid: give a positive size or -1 for per channel")
+    if method != "gptq" and (act_order or static_groups):
+        raise OptkitError("--act-order and --static-groups are GPTQ options: add --method gptq")
+    if damp < 0 or block_size < 1:
+        raise OptkitError("--damp must be ≥ 0 and --block-size ≥ 1")
     options = QuantizeOptions(
         method=method,
         format=format,
         ignore=ignore or [],
         weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
+        gptq=GPTQOptions(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups),
+        calibration=CalibrationOptions(calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed),
     )
-    manifest = quantize_model(model, out, options, overwrite=overwrite)
+    manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
     if json_output:
         print_json(manifest)
         return
-    errors = [layer["rel_error"] for layer in manifest["layers"]]
+    layers = manifest["layers"]
+    summary = f"mean rel. weight error {sum(x['rel_error'] for x in layers) / len(layers):.4f}"
+    if method == "gptq":
+        loss, rtn_loss = sum(x["loss"] for x in layers), sum(x["rtn_loss"] for x in layers)
+        summary += f", output error {loss:.4g} (RTN {rtn_loss:.4g})"
     console().print(
-        f"[bold green]wrote[/] {out}  ({options.weights.describe()}, {len(errors)} layers, "
-        f"mean rel. weight error {sum(errors) / len(errors):.4f}, {manifest['wall_time_s']:.1f}s)"
+        f"[bold green]wrote[/] {out}  ({method} {options.weights.describe()}, {len(layers)} layers, "
+        f"{summary}, {manifest['wall_time_s']:.1f}s)"
     )

@@ -137,27 +137,28 @@ class TextSet:
     sha256: str
 
 
-def load_text_set(name_or_path: str) -> TextSet:
+def load_text_set(name_or_path: str, flag: str = "--eval-set") -> TextSet:
     """A bundled set by name, or a local `.txt`, `.jsonl` (a "text" field), `.parquet` or a
-    directory saved with `datasets.save_to_disk` (a "text" column)."""
+    directory saved with `datasets.save_to_disk` (a "text" column). `flag` names the option
+    that gave it, for error messages."""
     if name_or_path in bundled_names():
         path = materialize(name_or_path)
         if load_definition(name_or_path).kind != "text":
             raise OptkitError(
-                f"eval set {name_or_path!r} is a task, not text: use a text set "
+                f"{flag} {name_or_path!r} is a task, not text: use a text set "
                 f"({', '.join(_text_set_names())}) or a .txt/.jsonl file"
             )
     else:
         path = Path(name_or_path)
         if not path.exists():
             raise OptkitError(
-                f"eval set {name_or_path!r} is neither a bundled set "
+                f"{flag} {name_or_path!r} is neither a bundled set "
                 f"({', '.join(bundled_names())}) nor an existing file"
             )
     texts = _read_texts(path)
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise OptkitError(f"eval set {name_or_path!r} has no text: give a file with content")
+        raise OptkitError(f"{flag} {name_or_path!r} has no text: give a file with content")
     return TextSet(name=name_or_path, path=path, texts=texts, sha256=content_sha256(path))
 
 

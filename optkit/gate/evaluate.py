@@ -59,7 +59,7 @@ def evaluate(
     windows = pack_windows(tokenize_stream(tokenizer, texts.texts), seq_len, max_windows)
     if len(windows) == 0:
         raise OptkitError(
-            f"eval set {eval_set!r} is shorter than one window of {seq_len} tokens: "
+            f"--eval-set {eval_set!r} is shorter than one window of {seq_len} tokens: "
             "give more text or a smaller --seq-len"
         )
 

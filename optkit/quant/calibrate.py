@@ -54,7 +54,7 @@ def calibration_data(tokenizer, options: CalibrationOptions) -> CalibrationData:
         raise OptkitError(f"--calib {options.calib} is the gate's eval set: calibrate on 'calib' or your own data")
     if options.num_samples < 1 or options.seq_len < 2:
         raise OptkitError("--num-samples must be at least 1 and --seq-len at least 2")
-    source = load_text_set(options.calib)
+    source = load_text_set(options.calib, flag="--calib")
     stream = tokenize_stream(tokenizer, source.texts)
     if stream.numel() < options.seq_len:
         raise OptkitError(

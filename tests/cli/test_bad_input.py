@@ -155,3 +155,67 @@ def test_interrupted_quantize_leaves_nothing(monkeypatch, run_cli, out_parent, d
     code, _, _ = run_cli("quantize", draft_dir, "--out", out_parent / "q")
     assert code == 130
     assert leftovers(out_parent, "q") == []
+
+
+GPTQ = ("--method", "gptq", "--num-samples", "4", "--seq-len", "32")
+
+
+def damaged_copy(source, target, key, value):
+    """A copy of a model directory with one tensor's entries set to `value`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    tensors[key][0] = value
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def test_calibration_file_missing(run_cli, tmp_path, draft_dir):
+    result = run_cli("quantize", draft_dir, *GPTQ, "--calib", tmp_path / "none.txt", "--out", tmp_path / "q")
+    assert_user_error(result, "--calib", "none.txt", "is neither a bundled set", "nor an existing file")
+    assert leftovers(tmp_path, "q") == []
+
+
+def test_calibration_file_empty(run_cli, tmp_path, draft_dir):
+    (tmp_path / "empty.jsonl").write_text("")
+    result = run_cli("quantize", draft_dir, *GPTQ, "--calib", tmp_path / "empty.jsonl", "--out", tmp_path / "q")
+    assert_user_error(result, "has no text")
+    assert leftovers(tmp_path, "q") == []
+
+
+def test_calibration_shorter_than_seq_len(run_cli, tmp_path, draft_dir):
+    (tmp_path / "short.txt").write_text("import os\n")
+    result = run_cli("quantize", draft_dir, *GPTQ, "--calib", tmp_path / "short.txt", "--out", tmp_path / "q")
+    assert_user_error(result, "fewer than --seq-len 32")
+    assert leftovers(tmp_path, "q") == []
+
+
+@pytest.mark.parametrize("method", [("--method", "rtn"), GPTQ])
+def test_nan_in_weights_names_the_layer(run_cli, tmp_path, draft_dir, method):
+    model = damaged_copy(draft_dir, tmp_path / "m", "model.layers.1.mlp.up_proj.weight", float("nan"))
+    result = run_cli("quantize", model, *method, "--out", tmp_path / "q")
+    assert_user_error(result, "model.layers.1.mlp.up_proj", "NaN")
+    assert leftovers(tmp_path, "q") == []
+
+
+def test_inf_in_activations_names_the_layer(run_cli, tmp_path, draft_dir):
+    model = damaged_copy(draft_dir, tmp_path / "m", "model.layers.0.input_layernorm.weight", float("inf"))
+    result = run_cli("quantize", model, *GPTQ, "--out", tmp_path / "q")
+    assert_user_error(result, "model.layers.0.self_attn.q_proj", "activations contain NaN or inf")
+    assert leftovers(tmp_path, "q") == []
+
+
+def test_act_order_with_a_format_that_cannot_store_it(run_cli, tmp_path, draft_dir):
+    result = run_cli("quantize", draft_dir, *GPTQ, "--act-order", "--out", tmp_path / "q")
+    assert_user_error(result, "g_idx", "--static-groups", "--format gptq")
+    assert leftovers(tmp_path, "q") == []
+
+
+def test_gptq_options_without_gptq(run_cli, tmp_path, draft_dir):
+    assert_user_error(run_cli("quantize", draft_dir, "--act-order", "--out", tmp_path / "q"), "--method gptq")
+
+
+def test_gptq_layout_with_asymmetric_weights(run_cli, tmp_path, draft_dir):
+    result = run_cli("quantize", draft_dir, "--format", "gptq", "--asym", "--out", tmp_path / "q")
+    assert_user_error(result, "--format gptq stores symmetric weights only", "--sym")

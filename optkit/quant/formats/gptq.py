@@ -1,9 +1,9 @@
 """The GPTQ v1 checkpoint layout (AutoGPTQ / gptqmodel / vLLM `quant_method: gptq`).
 
-Per quantized linear `P` with W [out, in], b bits, p = 32 / b values per int32, G groups:
-  P.qweight  int32 [in / p, out]   unsigned q = q_signed + 2^(b-1), packed along `in`:
-                                   value of input row r·p + j sits at bits j·b of qweight[r]
-  P.qzeros   int32 [G, out / p]    unsigned zero point minus one (the v1 convention), packed along `out`
+Per quantized linear `P` with W [out, in], b bits, G groups:
+  P.qweight  int32 [in·b / 32, out]  unsigned q = q_signed + 2^(b-1), densely bit-packed along `in`
+                                     (see `_pack_rows`; 3 bits straddle words as in GPTQ's reference)
+  P.qzeros   int32 [G, out·b / 32]   unsigned zero point minus one (the v1 convention), packed along `out`
   P.scales   float16 [G, out]
   P.g_idx    int32 [in]            group of each input row (act-order makes it non-contiguous)
 Dequantization: Ŵᵀ[i, o] = (q[i, o] − (qzeros[g_idx[i], o] + 1)) · scales[g_idx[i], o].
@@ -18,27 +18,20 @@ from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 
 NAME = "gptq"
-PACKABLE_BITS = (2, 4, 8)
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
 def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]]) -> None:
     """User errors for what this layout cannot store. layers: (name, in_features, out_features)."""
-    if scheme.bits not in PACKABLE_BITS:
-        raise OptkitError(
-            f"--format gptq stores {', '.join(map(str, PACKABLE_BITS))} bits, not {scheme.bits}: "
-            "use --format compressed-tensors"
-        )
     if not scheme.symmetric:
         raise OptkitError(
             "--format gptq stores symmetric weights only (its v1 zero points cannot hold 0): "
             "use --sym or --format compressed-tensors"
         )
-    per_int = 32 // scheme.bits
     for name, in_features, out_features in layers:
-        if in_features % per_int or out_features % per_int:
+        if in_features % 32 or out_features % 32:
             raise OptkitError(
-                f"{name} ({out_features}×{in_features}) cannot be packed {per_int} per int32: "
+                f"{name} ({out_features}×{in_features}): --format gptq packs runs of 32 rows and columns: "
                 "use --format compressed-tensors"
             )
 
@@ -57,19 +50,35 @@ def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: lis
 
 
 def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Unsigned ints [R, C] -> int32 [R / p, C]: row r·p + j at bits j·b (two's complement wrap)."""
-    per_int = 32 // bits
-    grouped = values.to(torch.int64).reshape(-1, per_int, values.shape[1])
-    shifts = (torch.arange(per_int, dtype=torch.int64) * bits).view(1, per_int, 1)
-    packed = (grouped << shifts).sum(dim=1)
+    """Unsigned ints [R, C] -> int32 [R·b / 32, C], packed densely along the rows.
+
+    Within each run of 32 rows, value j occupies bits j·b .. j·b + b − 1 of the little-endian
+    concatenation of b int32 words; a value may straddle two words (3 bits). For b = 2, 4, 8
+    this is the familiar "row r·p + j at bits j·b of word r" layout.
+    """
+    rows, cols = values.shape
+    grouped = values.to(torch.int64).reshape(rows // 32, 32, cols)
+    words = torch.zeros(rows // 32, bits, cols, dtype=torch.int64)
+    for j in range(32):
+        word, offset = divmod(j * bits, 32)
+        words[:, word] |= (grouped[:, j] << offset) & 0xFFFFFFFF
+        if offset + bits > 32:  # the high bits spill into the next word
+            words[:, word + 1] |= grouped[:, j] >> (32 - offset)
+    packed = words.reshape(rows * bits // 32, cols)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `_pack_rows`: int32 [R / p, C] -> int64 [R, C]."""
-    per_int = 32 // bits
-    shifts = (torch.arange(per_int, dtype=torch.int64) * bits).view(1, per_int, 1)
-    values = (packed.to(torch.int64).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    """Inverse of `_pack_rows`: int32 [R·b / 32, C] -> int64 [R, C]."""
+    words = (packed.to(torch.int64) & 0xFFFFFFFF).reshape(-1, bits, packed.shape[1])
+    values = torch.zeros(words.shape[0], 32, packed.shape[1], dtype=torch.int64)
+    mask = (1 << bits) - 1
+    for j in range(32):
+        word, offset = divmod(j * bits, 32)
+        value = words[:, word] >> offset
+        if offset + bits > 32:
+            value |= words[:, word + 1] << (32 - offset)
+        values[:, j] = value & mask
     return values.reshape(-1, packed.shape[1])
 
 
@@ -87,7 +96,7 @@ def compress(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         raise OptkitError(f"{prefix}: scales do not fit float16 exactly: use --format compressed-tensors")
     return {
         f"{prefix}.qweight": _pack_rows((qw.q.to(torch.int64) + offset).T, bits),
-        f"{prefix}.qzeros": _pack_rows((qw.zero_point.to(torch.int64) + offset - 1).T, bits).T.contiguous(),
+        f"{prefix}.qzeros": _pack_rows(qw.zero_point.to(torch.int64) + offset - 1, bits).T.contiguous(),
         f"{prefix}.scales": scales.T.contiguous(),
         f"{prefix}.g_idx": g_idx.to(torch.int32),
     }
@@ -97,7 +106,7 @@ def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightSche
     bits = scheme.bits
     offset = 1 << (bits - 1)
     q = (_unpack_rows(tensors[f"{prefix}.qweight"], bits) - offset).T.to(torch.int8)
-    zeros = _unpack_rows(tensors[f"{prefix}.qzeros"].T.contiguous(), bits).T + 1 - offset
+    zeros = _unpack_rows(tensors[f"{prefix}.qzeros"].T.contiguous(), bits) + 1 - offset  # [out, G]
     g_idx = tensors[f"{prefix}.g_idx"]
     group_size = q.shape[1] // tensors[f"{prefix}.scales"].shape[0]
     contiguous = torch.equal(g_idx, torch.arange(q.shape[1], dtype=torch.int32) // group_size)

@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from optkit.errors import OptkitError
+from optkit.modeldir import load_model, load_tokenizer
+from optkit.quant.calibrate import (
+    CalibrationOptions,
+    LayerStream,
+    calibration_data,
+    capture_hessians,
+    run_layer,
+    sequential_groups,
+)
+
+
+def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
+    """Streaming one layer at a time computes exactly what the whole model computes."""
+    model = load_model(draft_dir)
+    tokens = torch.randint(0, model.config.vocab_size, (3, 40))
+    stream = LayerStream(draft_dir, torch.device("cpu"))
+    hidden = stream.embed(tokens)
+    rope = stream.position_embeddings(tokens.shape[1])
+    with torch.inference_mode():
+        for index in range(stream.num_layers):
+            hidden = run_layer(stream.load_layer(index), hidden, rope, batch_size=2, device=torch.device("cpu"))
+            stream.release_layer(index)
+        logits = model.lm_head(model.model.norm(hidden))
+        expected = model(tokens).logits
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_released_layers_hold_no_memory(draft_dir):
+    stream = LayerStream(draft_dir, torch.device("cpu"))
+    stream.load_layer(0)
+    stream.release_layer(0)
+    assert all(p.device.type == "meta" for p in stream.decoder.parameters())
+
+
+def test_true_sequential_groups(draft_dir):
+    stream = LayerStream(draft_dir, torch.device("cpu"))
+    assert sequential_groups(stream.decoder.layers[0]) == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"],
+        ["mlp.down_proj"],
+    ]
+
+
+def test_capture_stops_the_forward_once_the_group_is_seen(draft_dir):
+    stream = LayerStream(draft_dir, torch.device("cpu"))
+    layer = stream.load_layer(0)
+    mlp_calls = []
+    layer.mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
+    hidden = torch.randn(4, 16, stream.config.hidden_size)
+    with torch.inference_mode():
+        hessians = capture_hessians(
+            layer, ["self_attn.q_proj", "self_attn.v_proj"], hidden, stream.position_embeddings(16), 2, torch.device("cpu")
+        )
+    assert mlp_calls == []  # attention inputs captured: the MLP never ran
+    x = layer.input_layernorm(hidden).reshape(-1, stream.config.hidden_size)
+    torch.testing.assert_close(hessians["self_attn.q_proj"], 2 * x.T @ x / x.shape[0], atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_sampling_is_seeded(draft_dir):
+    tokenizer = load_tokenizer(draft_dir)
+    options = CalibrationOptions(num_samples=5, seq_len=32)
+    first, second = calibration_data(tokenizer, options), calibration_data(tokenizer, options)
+    assert first.tokens.shape == (5, 32) and torch.equal(first.tokens, second.tokens)
+    other = calibration_data(tokenizer, CalibrationOptions(num_samples=5, seq_len=32, seed=1))
+    assert not torch.equal(first.tokens, other.tokens)
+
+
+def test_calibrating_on_the_gate_set_is_refused(draft_dir):
+    with pytest.raises(OptkitError, match="the gate's eval set"):
+        calibration_data(load_tokenizer(draft_dir), CalibrationOptions(calib="heldout"))
