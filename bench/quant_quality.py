@@ -1,78 +1,155 @@
-"""Quality of each quantization method on a reference model, measured in one run.
+"""Quality, time and memory of each quantization method on a reference model, in one run.
 
-Prints method × bits × group size -> perplexity, Δppl %, mean KLD, same-top-token %, wall time.
-Usage: python bench/quant_quality.py [--model small] [--bits 8 4 3 2] [--group-sizes 128 32] [--json]
+Prints method × bits × group size -> perplexity, Δppl %, mean KLD, same-top-token %, wall time and
+peak memory, with RTN measured in the same run as the baseline, then the memory bound of the
+layer-by-layer pipeline: model size + 3 × largest layer (fp32) + activation cache.
+
+Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--json]
+Peak RSS is measured with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, set by this
+script), so that freed tensors go back to the OS and RSS follows live memory, after one warm-up
+quantization so that one-time costs (imports, kernel caches) are not counted.
 """
 
 import argparse
 import json
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the process starts
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.execv(sys.executable, [sys.executable, *sys.argv])
 
-from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
-from optkit.quant.quantize import METHODS, QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from optkit.gate.evaluate import evaluate  # noqa: E402
+from optkit.gate.thresholds import Thresholds  # noqa: E402
+from optkit.memory import PeakMemory  # noqa: E402
+from optkit.modeldir import resolve_model_dir, weight_files  # noqa: E402
+from optkit.quant.calibrate import CalibrationOptions  # noqa: E402
+from optkit.quant.gptq import GPTQOptions  # noqa: E402
+from optkit.quant.quantize import QuantizeOptions, quantize_model  # noqa: E402
+from optkit.quant.schemes import WeightScheme  # noqa: E402
+
+# label -> (method, format, GPTQ options)
+VARIANTS = {
+    "rtn": ("rtn", "compressed-tensors", GPTQOptions()),
+    "gptq": ("gptq", "compressed-tensors", GPTQOptions()),
+    "gptq act-order": ("gptq", "gptq", GPTQOptions(act_order=True)),
+    "gptq act-order static": ("gptq", "compressed-tensors", GPTQOptions(act_order=True, static_groups=True)),
+}
+
+
+def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
+    from transformers import AutoConfig
+
+    path = resolve_model_dir(model)
+    config = AutoConfig.from_pretrained(path)
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    layer_params = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    sizes = {
+        "model_bytes": sum(f.stat().st_size for f in weight_files(path)),
+        "largest_layer_fp32_bytes": 4 * layer_params,
+        "activation_cache_bytes": 4 * calibration.num_samples * calibration.seq_len * h,
+    }
+    sizes["bound_bytes"] = (
+        sizes["model_bytes"] + 3 * sizes["largest_layer_fp32_bytes"] + sizes["activation_cache_bytes"]
+    )
+    return sizes
+
+
+def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str) -> dict:
+    method, fmt, gptq = VARIANTS[label]
+    options = QuantizeOptions(
+        method=method, format=fmt, gptq=gptq, weights=WeightScheme(bits=bits, group_size=group_size)
+    )
+    start = time.perf_counter()
+    with PeakMemory() as peak:
+        quantize_model(model, out, options)
+    seconds = time.perf_counter() - start
+    m = evaluate(out, model, Thresholds(), eval_set=eval_set).metrics
+    return {
+        "variant": label,
+        "bits": bits,
+        "group_size": group_size,
+        "ppl": m["ppl_artifact"],
+        "ppl_base": m["ppl_base"],
+        "ppl_increase_pct": m["ppl_increase_pct"],
+        "kld_mean": m["kld_mean"],
+        "top1_pct": m["top1_pct"],
+        "quantize_s": seconds,
+        "peak_rss_bytes": peak.rss_bytes,
+        "peak_cuda_bytes": peak.cuda_bytes,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--bits", nargs="+", type=int, default=[8, 4, 3, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[128, 32])
     parser.add_argument("--eval-set", default="heldout")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    torch.manual_seed(0)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        warm_up = QuantizeOptions(method="gptq", calibration=CalibrationOptions(num_samples=8, seq_len=64))
+        quantize_model("draft", Path(tmp) / "warm-up", warm_up)
         for bits in args.bits:
             for group_size in args.group_sizes:
-                for method in args.methods:
-                    out = Path(tmp) / f"{method}-w{bits}-g{group_size}"
-                    start = time.perf_counter()
-                    options = QuantizeOptions(method=method, weights=WeightScheme(bits=bits, group_size=group_size))
-                    quantize_model(args.model, out, options)
-                    seconds = time.perf_counter() - start
-                    m = evaluate(out, args.model, Thresholds(), eval_set=args.eval_set).metrics
-                    rows.append(
-                        {
-                            "method": method,
-                            "bits": bits,
-                            "group_size": group_size,
-                            "ppl": m["ppl_artifact"],
-                            "ppl_base": m["ppl_base"],
-                            "ppl_increase_pct": m["ppl_increase_pct"],
-                            "kld_mean": m["kld_mean"],
-                            "top1_pct": m["top1_pct"],
-                            "quantize_s": seconds,
-                        }
-                    )
+                for label in args.variants:
+                    out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}"
+                    rows.append(run_variant(args.model, out, label, bits, group_size, args.eval_set))
+    bound = memory_bound(args.model, CalibrationOptions())
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"rows": rows, "memory": bound}, indent=2))
         return
-    table = Table(
-        title=f"quantization quality on {args.model} ({args.eval_set}; base perplexity {rows[0]['ppl_base']:.3f})"
-    )
-    for column in ("method", "bits", "group", "perplexity", "Δppl %", "mean KLD", "same top-1 %", "quantize s"):
-        table.add_column(column, justify="right")
+    print_tables(args, rows, bound)
+
+
+def print_tables(args, rows: list[dict], bound: dict) -> None:
+    mb = 1 / 2**20
+    title = f"quantization quality on {args.model} ({args.eval_set}, base perplexity {rows[0]['ppl_base']:.3f})"
+    table = Table(title=title)
+    columns = ("variant", "bits", "group", "perplexity", "Δppl %", "vs RTN", "mean KLD", "same top-1 %", "s", "peak MB")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "variant" else "right")
+    rtn = {(r["bits"], r["group_size"]): r for r in rows if r["variant"] == "rtn"}
     for r in rows:
+        base = rtn.get((r["bits"], r["group_size"]))
+        ratio = f"{r['ppl_increase_pct'] / base['ppl_increase_pct']:.2f}×" if base else ""
+        peak = r["peak_cuda_bytes"] if r["peak_cuda_bytes"] is not None else r["peak_rss_bytes"]
         table.add_row(
-            r["method"],
+            r["variant"],
             str(r["bits"]),
             str(r["group_size"]),
             f"{r['ppl']:.3f}",
-            f"{r['ppl_increase_pct']:+.2f}",
-            f"{r['kld_mean']:.4f}",
-            f"{r['top1_pct']:.1f}",
+            f"{r['ppl_increase_pct']:+.3f}",
+            ratio,
+            f"{r['kld_mean']:.5f}",
+            f"{r['top1_pct']:.2f}",
             f"{r['quantize_s']:.1f}",
+            "" if peak is None else f"{peak * mb:.1f}",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    peaks = [r["peak_rss_bytes"] for r in rows if r["variant"] != "rtn" and r["peak_rss_bytes"] is not None]
+    console.print(
+        f"memory bound of the layer-by-layer pipeline: model {bound['model_bytes'] * mb:.1f} MB + 3 × largest "
+        f"layer {bound['largest_layer_fp32_bytes'] * mb:.1f} MB + activation cache "
+        f"{bound['activation_cache_bytes'] * mb:.1f} MB = {bound['bound_bytes'] * mb:.1f} MB; "
+        f"peak RSS of GPTQ runs: {max(peaks) * mb:.1f} MB"
+        if peaks
+        else ""
+    )
 
 
 if __name__ == "__main__":

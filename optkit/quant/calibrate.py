@@ -39,7 +39,7 @@ class CalibrationOptions(BaseModel):
     num_samples: int = 128
     seq_len: int = 256
     seed: int = 0
-    batch_size: int = 16  # samples per forward pass
+    batch_size: int = 1  # samples per forward pass (as GPTQ's reference): the smallest working memory
 
 
 @dataclass
@@ -112,19 +112,25 @@ class _GroupCaptured(Exception):
 
 
 def run_layer(
+    name: str,
     layer: torch.nn.Module,
     hidden: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
     batch_size: int,
     device: torch.device,
-) -> torch.Tensor:
-    """The layer's outputs for every cached sample: [N, L, hidden] on the CPU."""
-    outputs = torch.empty_like(hidden)
+) -> None:
+    """Replace every cached sample ([N, L, hidden], CPU) by the layer's output for it.
+
+    Samples are independent, so one cache serves as both input and output of a layer."""
     for start in range(0, hidden.shape[0], batch_size):
-        batch = hidden[start : start + batch_size].to(device)
-        out = layer(batch, position_embeddings=rope, attention_mask=None)
-        outputs[start : start + batch_size] = (out[0] if isinstance(out, tuple) else out).cpu()
-    return outputs
+        batch = hidden[start : start + batch_size]
+        out = layer(batch.to(device), position_embeddings=rope, attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        if not torch.isfinite(out).all():
+            raise OptkitError(
+                f"{name} produces NaN or inf on the calibration data: check the checkpoint, or quantize in a wider dtype"
+            )
+        batch.copy_(out)
 
 
 def capture_hessians(
@@ -135,13 +141,25 @@ def capture_hessians(
     batch_size: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """H = 2/N Σ x xᵀ of the inputs of each named linear, stopping each forward once all are seen."""
-    hessians = {name: empty_hessian(layer.get_submodule(name).in_features, device) for name in names}
+    """H = 2/N Σ x xᵀ of the inputs of each named linear, stopping each forward once all are seen.
+
+    Modules fed the very same input tensor (q/k/v; gate/up) share one Hessian: it is the same
+    matrix, so it is accumulated once and the dict holds the same tensor under each name."""
+    hessians: dict[str, tuple[torch.Tensor, int]] = {}
+    owner_of: dict[str, str] = {}  # module -> module whose Hessian it shares (itself if none)
     seen: set[str] = set()
+    inputs_this_batch: list[tuple[torch.Tensor, str]] = []
 
     def hook_for(name):
         def hook(module, args):
-            hessians[name] = accumulate_hessian(*hessians[name], args[0].detach())
+            x = args[0].detach()
+            if name not in owner_of:  # first batch: did a module before this one see this tensor?
+                owner_of[name] = next((n for t, n in inputs_this_batch if t is args[0]), name)
+                inputs_this_batch.append((args[0], name))
+                if owner_of[name] == name:
+                    hessians[name] = empty_hessian(x.shape[-1], device)
+            if owner_of[name] == name:
+                hessians[name] = accumulate_hessian(*hessians[name], x)
             seen.add(name)
             if seen.issuperset(names):
                 raise _GroupCaptured
@@ -152,6 +170,7 @@ def capture_hessians(
     try:
         for start in range(0, hidden.shape[0], batch_size):
             seen.clear()
+            inputs_this_batch.clear()
             try:
                 layer(hidden[start : start + batch_size].to(device), position_embeddings=rope, attention_mask=None)
             except _GroupCaptured:
@@ -159,7 +178,7 @@ def capture_hessians(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: h for name, (h, _) in hessians.items()}
+    return {name: hessians[owner_of[name]][0] for name in names}
 
 
 def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
@@ -211,11 +230,6 @@ def calibrate_layerwise(
                         info=f"layer {index + 1}/{stream.num_layers} {name}  "
                         f"loss {stats.get('loss', float('nan')):.3g}",
                     )
-            hidden = run_layer(layer, hidden, rope, batch_size, device)
-            if not torch.isfinite(hidden).all():
-                raise OptkitError(
-                    f"{prefix} produces NaN or inf on the calibration data: "
-                    "check the checkpoint, or quantize it in a wider dtype"
-                )
+            run_layer(prefix, layer, hidden, rope, batch_size, device)
             stream.release_layer(index)
     return results

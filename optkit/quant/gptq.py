@@ -62,14 +62,18 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) ->
 def inverse_hessian_factor(
     hessian: torch.Tensor, damp: float, options: GPTQOptions, name: str
 ) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise λ on failure."""
+    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise λ on failure.
+
+    `hessian` is consumed: the dampening is added to it in place."""
     mean_diag = torch.mean(torch.diag(hessian)).item()
+    applied = 0.0
     for attempt in range(options.max_damp_retries + 1):
-        damped = hessian.clone()
-        damped.diagonal().add_(damp * mean_diag)
-        factor, info = torch.linalg.cholesky_ex(damped)
-        if info == 0:
-            factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
+        hessian.diagonal().add_((damp - applied) * mean_diag)
+        applied = damp
+        factor, info = torch.linalg.cholesky_ex(hessian)
+        if info == 0:  # (H + λI)⁻¹ from its Cholesky factor, written over the factor
+            torch.cholesky_inverse(factor, out=factor)
+            factor, info = torch.linalg.cholesky_ex(factor, upper=True)
         if info == 0 and torch.isfinite(factor).all():
             if attempt:
                 warnings.warn(
@@ -120,6 +124,7 @@ def gptq_quantize(
         W, H = W[:, perm], H[perm][:, perm]
 
     Hinv, damp = inverse_hessian_factor(H, options.damp, options, name)
+    del H
 
     # Group of each *permuted* position: contiguous runs in processing order, unless static.
     if fixed_params is not None:

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256
 from optkit.errors import OptkitError
 from optkit.manifest import MANIFEST, write_manifest
+from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
 from optkit.quant import rtn
@@ -83,28 +84,9 @@ def quantize_model(
     fmt = get_format(options.format)
     fmt.check(options.weights, options.act_order, [(t.name, t.in_features, t.out_features) for t in targets])
 
+    with PeakMemory() as peak:
+        results, calibration = _quantize_weights(base, targets, options, device)
     reader = TensorReader(base)
-    calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
-    if options.method == "rtn":
-        results = _quantize_rtn(reader, targets, options.weights)
-    else:
-        data = calibration_data(load_tokenizer(base), options.calibration)
-        calibration = {
-            "name": options.calibration.calib,
-            "sha256": data.source.sha256,
-            "num_samples": options.calibration.num_samples,
-            "seq_len": options.calibration.seq_len,
-        }
-        results = calibrate_layerwise(
-            base,
-            data.tokens,
-            {t.name for t in targets},
-            _gptq_callback(options),
-            device=resolve_device(device),
-            batch_size=options.calibration.batch_size,
-            label=f"gptq {options.weights.describe()}",
-        )
-
     quantized = {f"{name}.weight" for name in results}
     tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
     layers = []
@@ -129,10 +111,39 @@ def quantize_model(
                 "calibration": calibration,
                 "ignored_layers": ignored,
                 "layers": layers,
+                "peak_memory": peak.to_json(),
                 "wall_time_s": round(time.perf_counter() - start, 3),
             },
         )
     return manifest
+
+
+def _quantize_weights(
+    base: Path, targets: list[LinearTarget], options: QuantizeOptions, device: str
+) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict]:
+    """name -> (quantized weight, stats) for every target, and the calibration record."""
+    reader = TensorReader(base)
+    calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
+    if options.method == "rtn":
+        results = _quantize_rtn(reader, targets, options.weights)
+    else:
+        data = calibration_data(load_tokenizer(base), options.calibration)
+        calibration = {
+            "name": options.calibration.calib,
+            "sha256": data.source.sha256,
+            "num_samples": options.calibration.num_samples,
+            "seq_len": options.calibration.seq_len,
+        }
+        results = calibrate_layerwise(
+            base,
+            data.tokens,
+            {t.name for t in targets},
+            _gptq_callback(options),
+            device=resolve_device(device),
+            batch_size=options.calibration.batch_size,
+            label=f"gptq {options.weights.describe()}",
+        )
+    return results, calibration
 
 
 def _scale_dtype(weight: torch.Tensor) -> torch.dtype:

@@ -22,7 +22,7 @@ def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
     rope = stream.position_embeddings(tokens.shape[1])
     with torch.inference_mode():
         for index in range(stream.num_layers):
-            hidden = run_layer(stream.load_layer(index), hidden, rope, batch_size=2, device=torch.device("cpu"))
+            run_layer(f"layer {index}", stream.load_layer(index), hidden, rope, batch_size=2, device=torch.device("cpu"))
             stream.release_layer(index)
         logits = model.lm_head(model.model.norm(hidden))
         expected = model(tokens).logits
