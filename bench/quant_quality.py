@@ -5,35 +5,33 @@ peak memory, with RTN measured in the same run as the baseline, then the memory 
 layer-by-layer pipeline: model size + 3 × largest layer (fp32) + activation cache.
 
 Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--json]
-Peak RSS is measured with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_, set by this
-script), so that freed tensors go back to the OS and RSS follows live memory, after one warm-up
-quantization so that one-time costs (imports, kernel caches) are not counted.
+Peak RSS is measured after one warm-up quantization (so one-time costs such as imports and
+kernel caches are not counted) and with glibc's mmap threshold lowered during quantization, so
+that freed tensors go back to the OS at once and RSS follows live memory.
 """
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the process starts
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from optkit.gate.evaluate import evaluate  # noqa: E402
-from optkit.gate.thresholds import Thresholds  # noqa: E402
-from optkit.memory import PeakMemory  # noqa: E402
-from optkit.modeldir import resolve_model_dir, weight_files  # noqa: E402
-from optkit.quant.calibrate import CalibrationOptions  # noqa: E402
-from optkit.quant.gptq import GPTQOptions  # noqa: E402
-from optkit.quant.quantize import QuantizeOptions, quantize_model  # noqa: E402
-from optkit.quant.schemes import WeightScheme  # noqa: E402
+from optkit.gate.evaluate import evaluate
+from optkit.gate.thresholds import Thresholds
+from optkit.memory import PeakMemory
+from optkit.modeldir import resolve_model_dir, weight_files
+from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.gptq import GPTQOptions
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.schemes import WeightScheme
 
 # label -> (method, format, GPTQ options)
 VARIANTS = {
@@ -42,6 +40,25 @@ VARIANTS = {
     "gptq act-order": ("gptq", "gptq", GPTQOptions(act_order=True)),
     "gptq act-order static": ("gptq", "compressed-tensors", GPTQOptions(act_order=True, static_groups=True)),
 }
+
+
+@contextlib.contextmanager
+def rss_follows_live_memory():
+    """glibc only: give freed heap memory back, then serve every allocation over 64 KiB by mmap,
+    so that a free returns it to the OS and the peak RSS above the start is what was live."""
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    mallopt = getattr(libc, "mallopt", None)
+    m_mmap_threshold = -3
+    if mallopt:
+        gc.collect()
+        libc.malloc_trim(0)
+        mallopt(m_mmap_threshold, 64 * 1024)
+    try:
+        yield
+    finally:
+        if mallopt:
+            mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # large again: page faults slow the evaluation
 
 
 def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
@@ -69,7 +86,7 @@ def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, e
         method=method, format=fmt, gptq=gptq, weights=WeightScheme(bits=bits, group_size=group_size)
     )
     start = time.perf_counter()
-    with PeakMemory() as peak:
+    with rss_follows_live_memory(), PeakMemory() as peak:
         quantize_model(model, out, options)
     seconds = time.perf_counter() - start
     m = evaluate(out, model, Thresholds(), eval_set=eval_set).metrics

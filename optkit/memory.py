@@ -1,5 +1,6 @@
 """Peak memory of a block of work: resident set (Linux) and CUDA allocations, as deltas."""
 
+import gc
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ class PeakMemory:
     _cuda_start: int = field(default=0, repr=False)
 
     def __enter__(self) -> "PeakMemory":
+        gc.collect()  # garbage freed later would hide new allocations behind a too-high start
         try:
             _CLEAR_REFS.write_text("5")  # resets VmHWM, the peak RSS, to the current RSS
             self._rss_start = _status_kib("VmRSS")

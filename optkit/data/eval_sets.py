@@ -152,8 +152,7 @@ def load_text_set(name_or_path: str, flag: str = "--eval-set") -> TextSet:
         path = Path(name_or_path)
         if not path.exists():
             raise OptkitError(
-                f"{flag} {name_or_path!r} is neither a bundled set "
-                f"({', '.join(bundled_names())}) nor an existing file"
+                f"{flag} {name_or_path!r} is neither a bundled set ({', '.join(bundled_names())}) nor an existing file"
             )
     texts = _read_texts(path)
     texts = [t for t in texts if t.strip()]

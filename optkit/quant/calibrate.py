@@ -128,7 +128,8 @@ def run_layer(
         out = out[0] if isinstance(out, tuple) else out
         if not torch.isfinite(out).all():
             raise OptkitError(
-                f"{name} produces NaN or inf on the calibration data: check the checkpoint, or quantize in a wider dtype"
+                f"{name} produces NaN or inf on the calibration data: "
+                "check the checkpoint, or quantize in a wider dtype"
             )
         batch.copy_(out)
 

@@ -22,7 +22,9 @@ def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
     rope = stream.position_embeddings(tokens.shape[1])
     with torch.inference_mode():
         for index in range(stream.num_layers):
-            run_layer(f"layer {index}", stream.load_layer(index), hidden, rope, batch_size=2, device=torch.device("cpu"))
+            run_layer(
+                f"layer {index}", stream.load_layer(index), hidden, rope, batch_size=2, device=torch.device("cpu")
+            )
             stream.release_layer(index)
         logits = model.lm_head(model.model.norm(hidden))
         expected = model(tokens).logits
@@ -54,7 +56,12 @@ def test_capture_stops_the_forward_once_the_group_is_seen(draft_dir):
     hidden = torch.randn(4, 16, stream.config.hidden_size)
     with torch.inference_mode():
         hessians = capture_hessians(
-            layer, ["self_attn.q_proj", "self_attn.v_proj"], hidden, stream.position_embeddings(16), 2, torch.device("cpu")
+            layer,
+            ["self_attn.q_proj", "self_attn.v_proj"],
+            hidden,
+            stream.position_embeddings(16),
+            2,
+            torch.device("cpu"),
         )
     assert mlp_calls == []  # attention inputs captured: the MLP never ran
     x = layer.input_layernorm(hidden).reshape(-1, stream.config.hidden_size)

@@ -76,8 +76,11 @@ def test_both_formats_give_the_same_gate_numbers(tmp_path, draft_dir):
 
 def test_act_order_artifact_keeps_g_idx(tmp_path, draft_dir):
     options = QuantizeOptions(
-        method="gptq", format="gptq", weights=WeightScheme(bits=4, group_size=32),
-        gptq=GPTQOptions(act_order=True), calibration=FAST_CALIB,
+        method="gptq",
+        format="gptq",
+        weights=WeightScheme(bits=4, group_size=32),
+        gptq=GPTQOptions(act_order=True),
+        calibration=FAST_CALIB,
     )
     quantize_model(draft_dir, tmp_path / "q", options)
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]

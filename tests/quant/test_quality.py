@@ -1,0 +1,39 @@
+"""Acceptance of the quantizers on the bundled `small` model (slow: minutes on 2 cores)."""
+
+import pytest
+
+from optkit.gate.evaluate import evaluate
+from optkit.gate.thresholds import Thresholds
+from optkit.quant.gptq import GPTQOptions
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.schemes import WeightScheme
+
+GROUP_SIZE = 128  # the group size the README uses
+
+
+def quality(tmp_path, small_dir, name: str, **options) -> dict:
+    quantize_model(small_dir, tmp_path / name, QuantizeOptions(**options))
+    return evaluate(tmp_path / name, small_dir, Thresholds()).metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gptq_recovers_at_least_40_percent_of_rtn_loss(tmp_path, small_dir, bits):
+    scheme = WeightScheme(bits=bits, group_size=GROUP_SIZE)
+    rtn = quality(tmp_path, small_dir, "rtn", weights=scheme)
+    gptq = quality(tmp_path, small_dir, "gptq", method="gptq", weights=scheme)
+    assert rtn["ppl_base"] <= 40  # the reference model is trained well enough for damage to show
+    assert 0 < gptq["ppl_increase_pct"] <= 0.6 * rtn["ppl_increase_pct"]
+    assert gptq["kld_mean"] < rtn["kld_mean"]
+    if bits == 3:
+        act_order = quality(
+            tmp_path,
+            small_dir,
+            "act-order",
+            method="gptq",
+            format="gptq",
+            weights=scheme,
+            gptq=GPTQOptions(act_order=True),
+        )
+        assert act_order["ppl_increase_pct"] <= gptq["ppl_increase_pct"]
+        assert act_order["kld_mean"] <= gptq["kld_mean"]
