@@ -111,6 +111,55 @@ class _GroupCaptured(Exception):
     """Raised from a hook once every module of a group has seen its input: stop the forward."""
 
 
+@dataclass
+class LayerWork:
+    """One decoder layer on the device and everything a method needs to calibrate it."""
+
+    layer: torch.nn.Module
+    prefix: str  # e.g. "model.layers.3"
+    hidden: torch.Tensor  # [N, L, hidden] inputs of this layer, CPU
+    rope: tuple[torch.Tensor, torch.Tensor]
+    batch_size: int
+    device: torch.device
+    targets: set[str]  # local names of the linears to quantize, e.g. "mlp.up_proj"
+    report: Callable[[str, dict], None]  # called once per quantized linear with its stats
+
+    def forward(self, samples: torch.Tensor) -> torch.Tensor:
+        out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=None)
+        return out[0] if isinstance(out, tuple) else out
+
+    def run_until_seen(
+        self, names: list[str], on_input: Callable[[str, torch.Tensor, str], None], num_samples: int | None = None
+    ) -> None:
+        """Run the cached samples through the layer, calling on_input(name, x, owner) with the
+        input of each named module, and stop each forward once all of them have been seen.
+        `owner` is the first module of `names` that got the very same tensor (q for q/k/v)."""
+        seen: list[tuple[torch.Tensor, str]] = []
+
+        def hook_for(name):
+            def hook(module, args):
+                owner = next((n for t, n in seen if t is args[0]), name)
+                seen.append((args[0], name))
+                on_input(name, args[0].detach(), owner)
+                if len(seen) == len(names):
+                    raise _GroupCaptured
+
+            return hook
+
+        handles = [self.layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
+        samples = self.hidden if num_samples is None else self.hidden[:num_samples]
+        try:
+            for start in range(0, samples.shape[0], self.batch_size):
+                seen.clear()
+                try:
+                    self.forward(samples[start : start + self.batch_size])
+                except _GroupCaptured:
+                    pass
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
 def run_layer(
     name: str,
     layer: torch.nn.Module,
@@ -134,52 +183,39 @@ def run_layer(
         batch.copy_(out)
 
 
-def capture_hessians(
-    layer: torch.nn.Module,
-    names: list[str],
-    hidden: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    batch_size: int,
-    device: torch.device,
-) -> dict[str, torch.Tensor]:
-    """H = 2/N Σ x xᵀ of the inputs of each named linear, stopping each forward once all are seen.
+def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
+    """H = 2/N Σ x xᵀ of the inputs of each named linear.
 
     Modules fed the very same input tensor (q/k/v; gate/up) share one Hessian: it is the same
     matrix, so it is accumulated once and the dict holds the same tensor under each name."""
     hessians: dict[str, tuple[torch.Tensor, int]] = {}
-    owner_of: dict[str, str] = {}  # module -> module whose Hessian it shares (itself if none)
-    seen: set[str] = set()
-    inputs_this_batch: list[tuple[torch.Tensor, str]] = []
+    owner_of: dict[str, str] = {}
 
-    def hook_for(name):
-        def hook(module, args):
-            x = args[0].detach()
-            if name not in owner_of:  # first batch: did a module before this one see this tensor?
-                owner_of[name] = next((n for t, n in inputs_this_batch if t is args[0]), name)
-                inputs_this_batch.append((args[0], name))
-                if owner_of[name] == name:
-                    hessians[name] = empty_hessian(x.shape[-1], device)
-            if owner_of[name] == name:
-                hessians[name] = accumulate_hessian(*hessians[name], x)
-            seen.add(name)
-            if seen.issuperset(names):
-                raise _GroupCaptured
+    def on_input(name: str, x: torch.Tensor, owner: str) -> None:
+        owner_of[name] = owner
+        if owner == name:
+            if name not in hessians:
+                hessians[name] = empty_hessian(x.shape[-1], work.device)
+            hessians[name] = accumulate_hessian(*hessians[name], x)
 
-        return hook
-
-    handles = [layer.get_submodule(n).register_forward_pre_hook(hook_for(n)) for n in names]
-    try:
-        for start in range(0, hidden.shape[0], batch_size):
-            seen.clear()
-            inputs_this_batch.clear()
-            try:
-                layer(hidden[start : start + batch_size].to(device), position_embeddings=rope, attention_mask=None)
-            except _GroupCaptured:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
+    work.run_until_seen(names, on_input)
     return {name: hessians[owner_of[name]][0] for name in names}
+
+
+def capture_inputs(work: LayerWork, names: list[str], num_samples: int) -> dict[str, torch.Tensor]:
+    """The inputs of each named module for the first `num_samples` samples: [S, L, in], on the
+    device; modules fed the same tensor share one."""
+    inputs: dict[str, list[torch.Tensor]] = {}
+
+    def on_input(name: str, x: torch.Tensor, owner: str) -> None:
+        if owner != name:
+            inputs.setdefault(name, inputs[owner])
+        else:
+            inputs.setdefault(name, []).append(x.clone())
+
+    work.run_until_seen(names, on_input, num_samples)
+    stacked: dict[int, torch.Tensor] = {}
+    return {name: stacked.setdefault(id(chunks), torch.cat(chunks)) for name, chunks in inputs.items()}
 
 
 def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
@@ -190,7 +226,7 @@ def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
     return [g for g in groups if g] + [[n] for n in linears if n not in known]
 
 
-QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], tuple[QuantizedWeight, dict]]
+LayerProcedure = Callable[[LayerWork], dict[str, tuple[QuantizedWeight, dict]]]
 
 
 @torch.inference_mode()
@@ -198,13 +234,14 @@ def calibrate_layerwise(
     model_path,
     tokens: torch.Tensor,
     targets: set[str],
-    quantize_linear: QuantizeLinear,
+    procedure: LayerProcedure,
     *,
     device: torch.device,
-    batch_size: int = 16,
+    batch_size: int = 1,
     label: str = "calibrate",
 ) -> dict[str, tuple[QuantizedWeight, dict]]:
-    """Quantize every target linear (full module names) layer by layer; returns name -> (weight, stats)."""
+    """Quantize every target linear (full module names) layer by layer with `procedure`, which
+    leaves the layer holding its quantized weights; returns name -> (weight, stats)."""
     stream = LayerStream(model_path, device)
     hidden = stream.embed(tokens)
     rope = stream.position_embeddings(tokens.shape[1])
@@ -212,25 +249,17 @@ def calibrate_layerwise(
     with progress_bar() as bar:
         task = bar.add_task(label, total=len(targets), info="")
         for index in range(stream.num_layers):
-            layer = stream.load_layer(index)
             prefix = stream.layer_name(index)
-            for group in sequential_groups(layer):
-                group = [n for n in group if f"{prefix}.{n}" in targets]
-                if not group:
-                    continue
-                hessians = capture_hessians(layer, group, hidden, rope, batch_size, device)
-                for name in group:
-                    linear = layer.get_submodule(name)
-                    full_name = f"{prefix}.{name}"
-                    qw, stats = quantize_linear(full_name, linear.weight.detach(), hessians.pop(name))
-                    linear.weight.copy_(qw.dequantize().to(device))
-                    results[full_name] = (qw, stats)
-                    bar.update(
-                        task,
-                        advance=1,
-                        info=f"layer {index + 1}/{stream.num_layers} {name}  "
-                        f"loss {stats.get('loss', float('nan')):.3g}",
-                    )
+
+            def report(name: str, stats: dict, index=index) -> None:
+                loss = stats.get("loss", float("nan"))
+                bar.update(task, advance=1, info=f"layer {index + 1}/{stream.num_layers} {name}  loss {loss:.3g}")
+
+            layer = stream.load_layer(index)
+            local_targets = {t.removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")}
+            work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report)
+            for name, result in procedure(work).items():
+                results[f"{prefix}.{name}"] = result
             run_layer(prefix, layer, hidden, rope, batch_size, device)
             stream.release_layer(index)
     return results

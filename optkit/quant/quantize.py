@@ -23,7 +23,8 @@ from optkit.progress import progress_bar
 from optkit.quant import rtn
 from optkit.quant.calibrate import CalibrationOptions, calibrate_layerwise, calibration_data
 from optkit.quant.formats import FORMATS, get_format
-from optkit.quant.gptq import GPTQOptions, gptq_quantize, output_error
+from optkit.quant.gptq import GPTQOptions
+from optkit.quant.procedures import gptq_procedure
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
@@ -138,7 +139,7 @@ def _quantize_weights(
             base,
             data.tokens,
             {t.name for t in targets},
-            _gptq_callback(options),
+            gptq_procedure(options.weights, options.gptq),
             device=resolve_device(device),
             batch_size=options.calibration.batch_size,
             label=f"gptq {options.weights.describe()}",
@@ -168,24 +169,6 @@ def _quantize_rtn(
             results[target.name] = (qw, stats)
             bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
     return results
-
-
-def _gptq_callback(options: QuantizeOptions):
-    def quantize_linear(name: str, weight: torch.Tensor, hessian: torch.Tensor) -> tuple[QuantizedWeight, dict]:
-        scale_dtype = torch.bfloat16  # layers are calibrated in fp32; checkpoints here are bf16/fp16
-        result = gptq_quantize(weight, hessian, options.weights, options.gptq, scale_dtype=scale_dtype, name=name)
-        rtn_loss = output_error(
-            weight, rtn.rtn_quantize(weight, options.weights, scale_dtype).dequantize().to(weight.device), hessian
-        )
-        stats = {
-            "loss": result.loss,
-            "rtn_loss": rtn_loss,
-            "damp": result.damp,
-            **rtn.weight_error(weight.cpu(), result.weight.dequantize()),
-        }
-        return result.weight, stats
-
-    return quantize_linear
 
 
 def _copy_side_files(base: Path, out: Path) -> None:

@@ -6,8 +6,10 @@ from optkit.modeldir import load_model, load_tokenizer
 from optkit.quant.calibrate import (
     CalibrationOptions,
     LayerStream,
+    LayerWork,
     calibration_data,
     capture_hessians,
+    capture_inputs,
     run_layer,
     sequential_groups,
 )
@@ -54,18 +56,18 @@ def test_capture_stops_the_forward_once_the_group_is_seen(draft_dir):
     mlp_calls = []
     layer.mlp.register_forward_pre_hook(lambda *args: mlp_calls.append(1))
     hidden = torch.randn(4, 16, stream.config.hidden_size)
+    work = LayerWork(
+        layer, "model.layers.0", hidden, stream.position_embeddings(16), 2, torch.device("cpu"), set(), lambda *a: None
+    )
     with torch.inference_mode():
-        hessians = capture_hessians(
-            layer,
-            ["self_attn.q_proj", "self_attn.v_proj"],
-            hidden,
-            stream.position_embeddings(16),
-            2,
-            torch.device("cpu"),
-        )
+        hessians = capture_hessians(work, ["self_attn.q_proj", "self_attn.v_proj"])
+        inputs = capture_inputs(work, ["self_attn.q_proj", "self_attn.k_proj"], num_samples=3)
     assert mlp_calls == []  # attention inputs captured: the MLP never ran
     x = layer.input_layernorm(hidden).reshape(-1, stream.config.hidden_size)
     torch.testing.assert_close(hessians["self_attn.q_proj"], 2 * x.T @ x / x.shape[0], atol=1e-4, rtol=1e-4)
+    assert hessians["self_attn.q_proj"] is hessians["self_attn.v_proj"]  # the same input: one Hessian
+    assert inputs["self_attn.q_proj"].shape == (3, 16, stream.config.hidden_size)
+    assert inputs["self_attn.k_proj"] is inputs["self_attn.q_proj"]
 
 
 def test_calibration_sampling_is_seeded(draft_dir):
