@@ -10,7 +10,7 @@ from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json
 def quantize(
     out: OutDir,
     model: Annotated[str, typer.Argument(help="Model directory or reference model name.")] = "small",
-    method: Annotated[str, typer.Option(help="Quantization method: rtn or gptq.")] = "rtn",
+    method: Annotated[str, typer.Option(help="Quantization method: rtn, gptq or awq.")] = "rtn",
     bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = 4,
     group_size: Annotated[int, typer.Option(help="Input columns per scale; -1 = per output channel.")] = 128,
     symmetric: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric or asymmetric integers.")] = True,

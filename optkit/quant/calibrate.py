@@ -9,7 +9,7 @@ reference code). The method-specific math is a callback: `quantize_linear(name, 
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -123,6 +123,8 @@ class LayerWork:
     device: torch.device
     targets: set[str]  # local names of the linears to quantize, e.g. "mlp.up_proj"
     report: Callable[[str, dict], None]  # called once per quantized linear with its stats
+    # modules whose full-precision parameters the method changed (AWQ folds scales into norms)
+    updated: dict[str, torch.nn.Module] = field(default_factory=dict)
 
     def forward(self, samples: torch.Tensor) -> torch.Tensor:
         out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=None)
@@ -239,13 +241,15 @@ def calibrate_layerwise(
     device: torch.device,
     batch_size: int = 1,
     label: str = "calibrate",
-) -> dict[str, tuple[QuantizedWeight, dict]]:
+) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict[str, torch.Tensor]]:
     """Quantize every target linear (full module names) layer by layer with `procedure`, which
-    leaves the layer holding its quantized weights; returns name -> (weight, stats)."""
+    leaves the layer holding its quantized weights. Returns name -> (weight, stats), and the
+    full-precision tensors the method changed (full parameter name -> tensor, CPU)."""
     stream = LayerStream(model_path, device)
     hidden = stream.embed(tokens)
     rope = stream.position_embeddings(tokens.shape[1])
     results: dict[str, tuple[QuantizedWeight, dict]] = {}
+    updated: dict[str, torch.Tensor] = {}
     with progress_bar() as bar:
         task = bar.add_task(label, total=len(targets), info="")
         for index in range(stream.num_layers):
@@ -260,6 +264,9 @@ def calibrate_layerwise(
             work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report)
             for name, result in procedure(work).items():
                 results[f"{prefix}.{name}"] = result
+            for name, module in work.updated.items():
+                for param, value in module.named_parameters():
+                    updated[f"{prefix}.{name}.{param}"] = value.detach().to("cpu", copy=True)
             run_layer(prefix, layer, hidden, rope, batch_size, device)
             stream.release_layer(index)
-    return results
+    return results, updated

@@ -24,12 +24,12 @@ from optkit.quant import rtn
 from optkit.quant.calibrate import CalibrationOptions, calibrate_layerwise, calibration_data
 from optkit.quant.formats import FORMATS, get_format
 from optkit.quant.gptq import GPTQOptions
-from optkit.quant.procedures import gptq_procedure
+from optkit.quant.procedures import AWQOptions, awq_procedure, gptq_procedure
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 
 
 class QuantizeOptions(BaseModel):
@@ -37,11 +37,12 @@ class QuantizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["rtn", "gptq"] = "rtn"
+    method: Literal["rtn", "gptq", "awq"] = "rtn"
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
     format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
     gptq: GPTQOptions = Field(default_factory=GPTQOptions)
+    awq: AWQOptions = Field(default_factory=AWQOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
 
     @model_validator(mode="after")
@@ -86,10 +87,13 @@ def quantize_model(
     fmt.check(options.weights, options.act_order, [(t.name, t.in_features, t.out_features) for t in targets])
 
     with PeakMemory() as peak:
-        results, calibration = _quantize_weights(base, targets, options, device)
+        results, updated, calibration = _quantize_weights(base, targets, options, device)
     reader = TensorReader(base)
     quantized = {f"{name}.weight" for name in results}
     tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
+    for key, value in updated.items():  # e.g. norms that absorbed AWQ scales
+        if key not in quantized:
+            tensors[key] = value.to(tensors[key].dtype)
     layers = []
     for target in targets:
         qw, stats = results[target.name]
@@ -121,12 +125,13 @@ def quantize_model(
 
 def _quantize_weights(
     base: Path, targets: list[LinearTarget], options: QuantizeOptions, device: str
-) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict]:
-    """name -> (quantized weight, stats) for every target, and the calibration record."""
+) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict[str, torch.Tensor], dict]:
+    """name -> (quantized weight, stats) for every target, the full-precision tensors the method
+    changed, and the calibration record."""
     reader = TensorReader(base)
     calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
     if options.method == "rtn":
-        results = _quantize_rtn(reader, targets, options.weights)
+        return _quantize_rtn(reader, targets, options.weights), {}, calibration
     else:
         data = calibration_data(load_tokenizer(base), options.calibration)
         calibration = {
@@ -135,16 +140,21 @@ def _quantize_weights(
             "num_samples": options.calibration.num_samples,
             "seq_len": options.calibration.seq_len,
         }
-        results = calibrate_layerwise(
+        procedure = (
+            gptq_procedure(options.weights, options.gptq)
+            if options.method == "gptq"
+            else awq_procedure(options.weights, options.awq)
+        )
+        results, updated = calibrate_layerwise(
             base,
             data.tokens,
             {t.name for t in targets},
-            gptq_procedure(options.weights, options.gptq),
+            procedure,
             device=resolve_device(device),
             batch_size=options.calibration.batch_size,
-            label=f"gptq {options.weights.describe()}",
+            label=f"{options.method} {options.weights.describe()}",
         )
-    return results, calibration
+    return results, updated, calibration
 
 
 def _scale_dtype(weight: torch.Tensor) -> torch.dtype:

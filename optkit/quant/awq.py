@@ -1,0 +1,92 @@
+"""AWQ (Lin et al., 2023): protect the weights that see large activations by scaling them up
+before quantization and folding the inverse scale into the operation before them.
+
+For a smoothing group (a norm or linear P feeding linears W_1..W_m, with input X = P(·)):
+    Y = W X = (W diag(s)) (diag(s)⁻¹ X)
+so W ← W diag(s) and P's output channels ← P / s leave the full-precision function unchanged,
+while quantizing W diag(s) rounds the columns of salient input channels more finely. The scale is
+s = mean|x|^α (or, "duo scaling", mean|x|^α / mean|ŵ|^(1−α) with ŵ the group-normalised weight
+magnitudes), with α chosen on a grid to minimise the block's output error after quantization.
+Then each linear's per-group clipping range is shrunk where that lowers its output error.
+Pure tensor functions; the search loop that runs modules is in procedures.py.
+"""
+
+import torch
+
+from optkit.quant.rtn import dequantize, grouped, minmax_qparams, quantize
+from optkit.quant.schemes import WeightScheme
+
+
+def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Quantize and dequantize W ([out, in]) with min/max group parameters."""
+    scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
+    return dequantize(quantize(w, scale, zero_point, scheme), scale, zero_point)
+
+
+def activation_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """mean |x| per input channel: [..., in] -> [in]."""
+    return x.reshape(-1, x.shape[-1]).abs().float().mean(dim=0)
+
+
+def weight_magnitude(weights: list[torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
+    """mean over output rows of |w| / max|w in its group|, per input channel: [in]."""
+    w = torch.cat(weights, dim=0).float()
+    g = grouped(w.abs(), scheme.group_size_for(w.shape[1]))
+    normalised = g / g.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return normalised.reshape(w.shape).mean(dim=0)
+
+
+def candidate_scales(x_mag: torch.Tensor, w_mag: torch.Tensor, grid: int = 20, duo: tuple[bool, ...] = (False, True)):
+    """Yield (alpha, duo, s) over α ∈ {0, 1/grid, ..., (grid-1)/grid}; s normalised so that
+    sqrt(max(s)·min(s)) = 1, as in the reference implementation."""
+    for use_duo in duo:
+        for step in range(grid):
+            alpha = step / grid
+            if use_duo:
+                s = x_mag.pow(alpha) / (w_mag.pow(1 - alpha) + 1e-4)
+            else:
+                s = x_mag.pow(alpha)
+            s = s.clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            yield alpha, use_duo, s
+
+
+def search_clip(
+    w: torch.Tensor,
+    x: torch.Tensor,
+    scheme: WeightScheme,
+    *,
+    max_shrink: float = 0.5,
+    steps: int = 20,
+    max_tokens: int = 512,
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Per (output row, group) clipping bound that minimises ‖x wᵀ − x Q(clip(w))ᵀ‖² within the group.
+
+    w: [out, in]; x: [tokens, in]. Tries max|w_group| · (1 − max_shrink · i / steps), i = 0..steps.
+    Returns the bound: [out, G]."""
+    out_features, in_features = w.shape
+    group_size = scheme.group_size_for(in_features)
+    if x.shape[0] > max_tokens:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens).long()]
+    w_g = grouped(w.float(), group_size)  # [out, G, gs]
+    x_g = x.float().reshape(x.shape[0], -1, group_size)  # [T, G, gs]
+    reference = torch.einsum("tgk,ogk->otg", x_g, w_g)  # each group's partial output
+    max_abs = w_g.abs().amax(dim=-1)  # [out, G]
+    best_bound, best_error = max_abs.clone(), torch.full_like(max_abs, float("inf"))
+    for i in range(steps + 1):
+        bound = max_abs * (1 - max_shrink * i / steps)
+        clipped = torch.maximum(torch.minimum(w_g, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
+        q = grouped(fake_quantize(clipped.reshape(out_features, in_features), scheme, scale_dtype), group_size)
+        error = (torch.einsum("tgk,ogk->otg", x_g, q) - reference).pow(2).mean(dim=1)  # [out, G]
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_bound = torch.where(better, bound, best_bound)
+    return best_bound
+
+
+def clip(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Clamp each (row, group) of w to ±bound ([out, G])."""
+    group_size = w.shape[1] // bound.shape[1]
+    b = bound.unsqueeze(-1)
+    return torch.maximum(torch.minimum(grouped(w, group_size), b), -b).reshape(w.shape)
