@@ -33,12 +33,15 @@ from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.schemes import WeightScheme
 
-# label -> (method, format, GPTQ options)
+# label -> (method, format, symmetric, GPTQ options); each row is compared with the RTN row of
+# the same symmetry
 VARIANTS = {
-    "rtn": ("rtn", "compressed-tensors", GPTQOptions()),
-    "gptq": ("gptq", "compressed-tensors", GPTQOptions()),
-    "gptq act-order": ("gptq", "gptq", GPTQOptions(act_order=True)),
-    "gptq act-order static": ("gptq", "compressed-tensors", GPTQOptions(act_order=True, static_groups=True)),
+    "rtn": ("rtn", "compressed-tensors", True, GPTQOptions()),
+    "gptq": ("gptq", "compressed-tensors", True, GPTQOptions()),
+    "gptq act-order": ("gptq", "gptq", True, GPTQOptions(act_order=True)),
+    "gptq act-order static": ("gptq", "compressed-tensors", True, GPTQOptions(act_order=True, static_groups=True)),
+    "rtn asym": ("rtn", "compressed-tensors", False, GPTQOptions()),
+    "awq asym": ("awq", "compressed-tensors", False, GPTQOptions()),
 }
 
 
@@ -81,9 +84,12 @@ def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
 
 
 def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str) -> dict:
-    method, fmt, gptq = VARIANTS[label]
+    method, fmt, symmetric, gptq = VARIANTS[label]
     options = QuantizeOptions(
-        method=method, format=fmt, gptq=gptq, weights=WeightScheme(bits=bits, group_size=group_size)
+        method=method,
+        format=fmt,
+        gptq=gptq,
+        weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
     )
     start = time.perf_counter()
     with rss_follows_live_memory(), PeakMemory() as peak:
@@ -92,6 +98,7 @@ def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, e
     m = evaluate(out, model, Thresholds(), eval_set=eval_set).metrics
     return {
         "variant": label,
+        "symmetric": symmetric,
         "bits": bits,
         "group_size": group_size,
         "ppl": m["ppl_artifact"],
@@ -139,9 +146,9 @@ def print_tables(args, rows: list[dict], bound: dict) -> None:
     columns = ("variant", "bits", "group", "perplexity", "Δppl %", "vs RTN", "mean KLD", "same top-1 %", "s", "peak MB")
     for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
-    rtn = {(r["bits"], r["group_size"]): r for r in rows if r["variant"] == "rtn"}
+    rtn = {(r["bits"], r["group_size"], r["symmetric"]): r for r in rows if r["variant"].startswith("rtn")}
     for r in rows:
-        base = rtn.get((r["bits"], r["group_size"]))
+        base = rtn.get((r["bits"], r["group_size"], r["symmetric"]))
         ratio = f"{r['ppl_increase_pct'] / base['ppl_increase_pct']:.2f}×" if base else ""
         peak = r["peak_cuda_bytes"] if r["peak_cuda_bytes"] is not None else r["peak_rss_bytes"]
         table.add_row(
@@ -158,7 +165,7 @@ def print_tables(args, rows: list[dict], bound: dict) -> None:
         )
     console = Console()
     console.print(table)
-    peaks = [r["peak_rss_bytes"] for r in rows if r["variant"] != "rtn" and r["peak_rss_bytes"] is not None]
+    peaks = [r["peak_rss_bytes"] for r in rows if r["variant"].startswith("gptq") and r["peak_rss_bytes"] is not None]
     console.print(
         f"memory bound of the layer-by-layer pipeline: model {bound['model_bytes'] * mb:.1f} MB + 3 × largest "
         f"layer {bound['largest_layer_fp32_bytes'] * mb:.1f} MB + activation cache "

@@ -17,7 +17,9 @@ def quantize(
     ignore: Annotated[
         list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")
     ] = None,
-    format: Annotated[str, typer.Option(help="Checkpoint format: compressed-tensors or gptq.")] = "compressed-tensors",
+    format: Annotated[
+        str, typer.Option(help="Checkpoint format: compressed-tensors, gptq or awq.")
+    ] = "compressed-tensors",
     calib: Annotated[
         str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")
     ] = "calib",

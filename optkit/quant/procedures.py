@@ -73,6 +73,7 @@ AWQ_GROUPS = (
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
     ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
 )
+BLOCKS = ("self_attn.", "mlp.")  # scale, then quantize, one block after the other
 NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors meet in q·kᵀ: clipping each alone misleads
 
 
@@ -133,13 +134,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         fold_scale(work.layer, previous, linears, best.pop("s"))
         return best
 
-    def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
-        searched: dict[str, dict] = {}
-        for previous, linears, block in _awq_groups(work):
-            stats = search_scale(work, previous, linears, block)
-            searched.update(dict.fromkeys(linears, stats))
-            work.updated[previous] = work.layer.get_submodule(previous)
-        names = [n for group in sequential_groups(work.layer) for n in group if n in work.targets]
+    def quantize_linears(work: LayerWork, names: list[str], searched: dict[str, dict]) -> dict:
         inputs = capture_inputs(work, names, options.search_samples) if options.clip else {}
         results = {}
         for name in names:
@@ -147,22 +142,38 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
             stats = {"loss": float("nan"), **searched.get(name, {})}
             if options.clip and name not in NO_CLIP:
                 x = inputs[name].reshape(-1, weight.shape[1])
-                weight = awq.clip(
+                bound = awq.search_clip(
                     weight,
-                    awq.search_clip(
-                        weight,
-                        x,
-                        scheme,
-                        max_shrink=options.max_shrink,
-                        steps=options.clip_steps,
-                        scale_dtype=SCALE_DTYPE,
-                    ),
+                    x,
+                    scheme,
+                    max_shrink=options.max_shrink,
+                    steps=options.clip_steps,
+                    scale_dtype=SCALE_DTYPE,
                 )
+                weight = awq.clip(weight, bound)
             qw = rtn_quantize(weight, scheme, SCALE_DTYPE)
             stats.update(weight_error(weight.cpu(), qw.dequantize()))
             set_quantized(work, name, qw)
             results[name] = (qw, stats)
             work.report(name, stats)
+        return results
+
+    def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
+        """Attention first, then the MLP: each block's scales are searched and folded, then its
+        linears clipped and quantized, so the MLP's search sees the quantized attention."""
+        groups = list(_awq_groups(work))
+        ordered = [n for group in sequential_groups(work.layer) for n in group if n in work.targets]
+        results: dict[str, tuple[QuantizedWeight, dict]] = {}
+        for block in BLOCKS:
+            searched: dict[str, dict] = {}
+            for previous, linears, inspect in groups:
+                if linears[0].startswith(block):
+                    searched.update(dict.fromkeys(linears, search_scale(work, previous, linears, inspect)))
+                    work.updated[previous] = work.layer.get_submodule(previous)
+            names = [n for n in ordered if n.startswith(block) and n not in results]
+            results.update(quantize_linears(work, names, searched))
+        rest = [n for n in ordered if n not in results]
+        results.update(quantize_linears(work, rest, {}))
         return results
 
     return procedure

@@ -40,7 +40,7 @@ class QuantizeOptions(BaseModel):
     method: Literal["rtn", "gptq", "awq"] = "rtn"
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
-    format: Literal["compressed-tensors", "gptq"] = "compressed-tensors"
+    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
     gptq: GPTQOptions = Field(default_factory=GPTQOptions)
     awq: AWQOptions = Field(default_factory=AWQOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)

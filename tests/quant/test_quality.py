@@ -37,3 +37,12 @@ def test_gptq_recovers_at_least_40_percent_of_rtn_loss(tmp_path, small_dir, bits
         )
         assert act_order["ppl_increase_pct"] <= gptq["ppl_increase_pct"]
         assert act_order["kld_mean"] <= gptq["kld_mean"]
+
+
+@pytest.mark.slow
+def test_awq_beats_rtn_at_4_bits(tmp_path, small_dir):
+    scheme = WeightScheme(bits=4, group_size=GROUP_SIZE, symmetric=False)  # AWQ's usual asymmetric scheme
+    rtn = quality(tmp_path, small_dir, "rtn", weights=scheme)
+    awq = quality(tmp_path, small_dir, "awq", method="awq", weights=scheme)
+    assert 0 < awq["ppl_increase_pct"] <= 0.6 * rtn["ppl_increase_pct"]
+    assert awq["kld_mean"] < rtn["kld_mean"]

@@ -4,11 +4,11 @@
 from types import ModuleType
 
 from optkit.errors import OptkitError
-from optkit.quant.formats import compressed_tensors, gptq
+from optkit.quant.formats import awq, compressed_tensors, gptq
 
-FORMATS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, gptq.NAME: gptq}
+FORMATS: dict[str, ModuleType] = {compressed_tensors.NAME: compressed_tensors, gptq.NAME: gptq, awq.NAME: awq}
 # config.json `quantization_config.quant_method` -> the module that reads it
-READERS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "gptq": gptq}
+READERS: dict[str, ModuleType] = {"compressed-tensors": compressed_tensors, "gptq": gptq, "awq": awq}
 
 
 def get_format(name: str) -> ModuleType:
