@@ -64,6 +64,38 @@ def rss_follows_live_memory():
             mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # large again: page faults slow the evaluation
 
 
+def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
+    """W8A8 methods on the model and on a copy with activation outliers (same function)."""
+    from optkit.quant.smoothquant import W8_PER_CHANNEL
+    from optkit.quant.smoothquant_layer import SmoothQuantOptions
+    from optkit.zoo.outliers import add_activation_outliers
+
+    rows = []
+    outliers = add_activation_outliers(model, tmp / "outliers")
+    for base, label in ((resolve_model_dir(model), model), (outliers, f"{model}+outliers")):
+        for method, alpha in (("w8a8", 0.5), ("smoothquant", 0.5), ("smoothquant", "auto"), ("smoothquant+gptq", 0.5)):
+            out = tmp / f"{label}-{method}-{alpha}"
+            options = QuantizeOptions(
+                method=method, weights=W8_PER_CHANNEL, smoothquant=SmoothQuantOptions(alpha=alpha)
+            )
+            start = time.perf_counter()
+            quantize_model(base, out, options)
+            seconds = time.perf_counter() - start
+            m = evaluate(out, base, Thresholds(), eval_set=eval_set).metrics
+            rows.append(
+                {
+                    "model": label,
+                    "method": method,
+                    "alpha": alpha,
+                    "ppl_increase_pct": m["ppl_increase_pct"],
+                    "kld_mean": m["kld_mean"],
+                    "top1_pct": m["top1_pct"],
+                    "quantize_s": seconds,
+                }
+            )
+    return rows
+
+
 def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
     from transformers import AutoConfig
 
@@ -119,6 +151,7 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[128, 32])
     parser.add_argument("--eval-set", default="heldout")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 (SmoothQuant) rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -132,14 +165,15 @@ def main() -> None:
                 for label in args.variants:
                     out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}"
                     rows.append(run_variant(args.model, out, label, bits, group_size, args.eval_set))
+        w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set)
     bound = memory_bound(args.model, CalibrationOptions())
     if args.json:
-        print(json.dumps({"rows": rows, "memory": bound}, indent=2))
+        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound}, indent=2))
         return
-    print_tables(args, rows, bound)
+    print_tables(args, rows, w8a8, bound)
 
 
-def print_tables(args, rows: list[dict], bound: dict) -> None:
+def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
     mb = 1 / 2**20
     title = f"quantization quality on {args.model} ({args.eval_set}, base perplexity {rows[0]['ppl_base']:.3f})"
     table = Table(title=title)
@@ -165,6 +199,21 @@ def print_tables(args, rows: list[dict], bound: dict) -> None:
         )
     console = Console()
     console.print(table)
+    if w8a8:
+        table = Table(title="W8A8 (int8 weights per channel, int8 activations per token)")
+        for column in ("model", "method", "α", "Δppl %", "mean KLD", "same top-1 %", "s"):
+            table.add_column(column, justify="left" if column in ("model", "method") else "right")
+        for r in w8a8:
+            table.add_row(
+                r["model"],
+                r["method"],
+                str(r["alpha"]),
+                f"{r['ppl_increase_pct']:+.3f}",
+                f"{r['kld_mean']:.5f}",
+                f"{r['top1_pct']:.2f}",
+                f"{r['quantize_s']:.1f}",
+            )
+        console.print(table)
     peaks = [r["peak_rss_bytes"] for r in rows if r["variant"].startswith("gptq") and r["peak_rss_bytes"] is not None]
     console.print(
         f"memory bound of the layer-by-layer pipeline: model {bound['model_bytes'] * mb:.1f} MB + 3 × largest "

@@ -110,8 +110,9 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A causal LM ready for evaluation: plain HF checkpoints through `from_pretrained`, optkit's
-    compressed-tensors artifacts through their dequantized weights (the reference semantics)."""
+    """A causal LM ready for evaluation: plain HF checkpoints through `from_pretrained`; optkit's
+    weight-only artifacts through their dequantized weights (the reference semantics); W8A8
+    artifacts with int8 linear layers that run int8 matmuls."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.utils import logging as hf_logging
@@ -130,8 +131,21 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     del config.quantization_config
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    state = fmt.dequantized_state_dict(read_tensors(path), quant_config, dtype)
+    tensors = read_tensors(path)
+    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
+    int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
+    for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
+        model.set_submodule(name, module)
+
+    def in_int8_module(key: str) -> bool:
+        return key.rsplit(".", 1)[0] in int8_modules
+
+    if int8_modules:
+        state = {k: v for k, v in tensors.items() if not in_int8_module(k)}
+    else:
+        state = fmt.dequantized_state_dict(tensors, quant_config, dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not in_int8_module(k)]
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise OptkitError(

@@ -21,15 +21,19 @@ from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
 from optkit.quant import rtn
-from optkit.quant.calibrate import CalibrationOptions, calibrate_layerwise, calibration_data
+from optkit.quant.awq_layer import AWQOptions, awq_procedure
+from optkit.quant.calibrate import CalibrationOptions, LayerProcedure, calibrate_layerwise, calibration_data
 from optkit.quant.formats import FORMATS, get_format
 from optkit.quant.gptq import GPTQOptions
-from optkit.quant.procedures import AWQOptions, awq_procedure, gptq_procedure
+from optkit.quant.procedures import gptq_procedure
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
+from optkit.quant.smoothquant import W8_PER_CHANNEL
+from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_procedure
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
 
-METHODS = ("rtn", "gptq", "awq")
+METHODS = ("rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq")
+W8A8_METHODS = ("w8a8", "smoothquant", "smoothquant+gptq")
 
 
 class QuantizeOptions(BaseModel):
@@ -37,24 +41,35 @@ class QuantizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["rtn", "gptq", "awq"] = "rtn"
+    method: Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"] = "rtn"
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
     format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
     gptq: GPTQOptions = Field(default_factory=GPTQOptions)
     awq: AWQOptions = Field(default_factory=AWQOptions)
+    smoothquant: SmoothQuantOptions = Field(default_factory=SmoothQuantOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.method != "gptq" and (self.gptq.act_order or self.gptq.static_groups):
+        if self.method in W8A8_METHODS and self.weights != W8_PER_CHANNEL:
+            raise ValueError(
+                f"{self.method} quantizes weights to int8 per output channel (bits 8, group_size -1, "
+                "symmetric): leave the weight scheme at that"
+            )
+        if not self.method.endswith("gptq") and (self.gptq.act_order or self.gptq.static_groups):
             raise ValueError("act_order and static_groups are GPTQ options: use them with method gptq")
         return self
 
     @property
+    def activations(self) -> str | None:
+        """None for weight-only methods; "dynamic" or "static" int8 activations for W8A8."""
+        return self.smoothquant.activations if self.method in W8A8_METHODS else None
+
+    @property
     def act_order(self) -> bool | str:
         """How the format must describe the column order: False, "group" (g_idx) or "weight"."""
-        if self.method != "gptq" or not self.gptq.act_order:
+        if not self.method.endswith("gptq") or not self.gptq.act_order:
             return False
         return "weight" if self.gptq.static_groups else "group"
 
@@ -84,7 +99,12 @@ def quantize_model(
     for target in targets:
         options.weights.check_layer(target.name, target.in_features)
     fmt = get_format(options.format)
-    fmt.check(options.weights, options.act_order, [(t.name, t.in_features, t.out_features) for t in targets])
+    fmt.check(
+        options.weights,
+        options.act_order,
+        [(t.name, t.in_features, t.out_features) for t in targets],
+        options.activations,
+    )
 
     with PeakMemory() as peak:
         results, updated, calibration = _quantize_weights(base, targets, options, device)
@@ -97,10 +117,10 @@ def quantize_model(
     layers = []
     for target in targets:
         qw, stats = results[target.name]
-        tensors.update(fmt.compress(target.name, qw))
+        tensors.update(fmt.compress(target.name, qw, options.activations))
         layers.append({"name": target.name, "shape": [target.out_features, target.in_features], **stats})
     config_dict["quantization_config"] = fmt.quantization_config(
-        options.weights, options.act_order, ignored + ["lm_head"]
+        options.weights, options.act_order, ignored + ["lm_head"], options.activations
     )
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -140,11 +160,7 @@ def _quantize_weights(
             "num_samples": options.calibration.num_samples,
             "seq_len": options.calibration.seq_len,
         }
-        procedure = (
-            gptq_procedure(options.weights, options.gptq)
-            if options.method == "gptq"
-            else awq_procedure(options.weights, options.awq)
-        )
+        procedure = _procedure(options)
         results, updated = calibrate_layerwise(
             base,
             data.tokens,
@@ -155,6 +171,18 @@ def _quantize_weights(
             label=f"{options.method} {options.weights.describe()}",
         )
     return results, updated, calibration
+
+
+def _procedure(options: QuantizeOptions) -> LayerProcedure:
+    if options.method == "gptq":
+        return gptq_procedure(options.weights, options.gptq)
+    if options.method == "awq":
+        return awq_procedure(options.weights, options.awq)
+    smoothquant = options.smoothquant
+    if options.method == "w8a8":
+        smoothquant = smoothquant.model_copy(update={"smooth": False})
+    weights = "gptq" if options.method == "smoothquant+gptq" else "rtn"
+    return smoothquant_procedure(smoothquant, weights, options.gptq)
 
 
 def _scale_dtype(weight: torch.Tensor) -> torch.dtype:

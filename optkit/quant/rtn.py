@@ -19,6 +19,7 @@ class QuantizedWeight:
     zero_point: torch.Tensor  # int8 [out, G]; zeros when symmetric
     scheme: WeightScheme
     g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column; None = i // group_size
+    input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.q, self.scale, self.zero_point, self.g_idx).to(dtype)

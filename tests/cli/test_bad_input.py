@@ -219,3 +219,23 @@ def test_gptq_options_without_gptq(run_cli, tmp_path, draft_dir):
 def test_gptq_layout_with_asymmetric_weights(run_cli, tmp_path, draft_dir):
     result = run_cli("quantize", draft_dir, "--format", "gptq", "--asym", "--out", tmp_path / "q")
     assert_user_error(result, "--format gptq stores symmetric weights only", "--sym")
+
+
+def test_w8a8_with_a_weight_only_format(run_cli, tmp_path, draft_dir):
+    result = run_cli("quantize", draft_dir, "--method", "smoothquant", "--format", "gptq", "--out", tmp_path / "q")
+    assert_user_error(result, "--format gptq stores weight-only", "compressed-tensors")
+    assert leftovers(tmp_path, "q") == []
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (("--alpha", "1.5"), "--alpha 1.5 is invalid"),
+        (("--bits", "4"), "int8 per output channel"),
+        (("--act-quant", "sometimes"), "--act-quant 'sometimes'"),
+    ],
+)
+def test_bad_smoothquant_options(run_cli, tmp_path, draft_dir, args, fragment):
+    assert_user_error(
+        run_cli("quantize", draft_dir, "--method", "smoothquant", *args, "--out", tmp_path / "q"), fragment
+    )

@@ -6,9 +6,10 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.thresholds import Thresholds
 from optkit.modeldir import load_model, read_tensors
 from optkit.quant import awq
+from optkit.quant.awq_layer import AWQ_GROUPS
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.formats import awq as awq_format
-from optkit.quant.procedures import AWQ_GROUPS, fold_scale
+from optkit.quant.procedures import fold_scale
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.rtn import rtn_quantize
 from optkit.quant.schemes import WeightScheme

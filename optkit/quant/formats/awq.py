@@ -21,7 +21,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column held by nibble i of each int3
 OFFSET = 8  # signed 4-bit q in [-8, 7] <-> unsigned [0, 15]
 
 
-def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]]) -> None:
+def check(
+    scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
+) -> None:
+    if activations is not None:
+        raise OptkitError(f"--format {NAME} stores weight-only quantization: W8A8 needs --format compressed-tensors")
     if scheme.bits != 4:
         raise OptkitError(f"--format awq stores 4-bit weights, not {scheme.bits}: use --format compressed-tensors")
     if scheme.group_size == -1:
@@ -35,7 +39,9 @@ def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, i
             )
 
 
-def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: list[str]) -> dict:
+def quantization_config(
+    scheme: WeightScheme, act_order: bool | str, ignore: list[str], activations: str | None = None
+) -> dict:
     return {
         "quant_method": NAME,
         "version": "gemm",
@@ -64,7 +70,7 @@ def _unpack_columns(packed: torch.Tensor) -> torch.Tensor:
     return columns.reshape(packed.shape[0], -1)
 
 
-def compress(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     assert qw.g_idx is None, "AWQ cannot store g_idx (checked in `check`)"
     scales = qw.scale.to(torch.float16)
     if not torch.equal(scales.to(qw.scale.dtype), qw.scale):

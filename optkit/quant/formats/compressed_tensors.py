@@ -7,6 +7,10 @@ Per quantized linear `P` (e.g. `model.layers.0.mlp.down_proj`), the safetensors 
   P.weight_shape       int64 [2]                          (out, in)
   P.weight_g_idx       int32 [in]                         read if present (older act-order checkpoints)
 and config.json carries `quantization_config` (quant_method "compressed-tensors").
+W8A8 ("int-quantized", int8 weights and int8 activations) stores instead:
+  P.weight             int8 [out, in]
+  P.weight_scale       [out, 1]                           per output channel, symmetric
+  P.input_scale        [1]                                static activations only (else per token at run time)
 Packing uses the compressed-tensors library itself, so the bits are exactly what it reads.
 """
 
@@ -21,10 +25,13 @@ from optkit.quant.schemes import WeightScheme
 
 NAME = "compressed-tensors"
 FORMAT = "pack-quantized"
+W8A8_FORMAT = "int-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
-def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]]) -> None:
+def check(
+    scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
+) -> None:
     """Any bits from 1 to 8 and any group size fit; act-order only with static groups."""
     if act_order == "group":
         raise OptkitError(
@@ -33,11 +40,14 @@ def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, i
         )
 
 
-def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: list[str]) -> dict:
+def quantization_config(
+    scheme: WeightScheme, act_order: bool | str, ignore: list[str], activations: str | None = None
+) -> dict:
     """The `quantization_config` entry of config.json, built with the library's own models.
 
     act_order: False or "weight" (GPTQ act-order with static groups: the processing order
     changed but groups stay contiguous, so the checkpoint needs no g_idx).
+    activations: None (weight-only), "dynamic" (int8 per token) or "static" (int8 per tensor).
     """
     args = QuantizationArgs(
         num_bits=scheme.bits,
@@ -47,9 +57,18 @@ def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: lis
         group_size=None if scheme.group_size == -1 else scheme.group_size,
         actorder=act_order or None,
     )
+    input_args = None
+    if activations is not None:
+        input_args = QuantizationArgs(
+            num_bits=8,
+            type="int",
+            symmetric=True,
+            dynamic=activations == "dynamic",
+            strategy="token" if activations == "dynamic" else "tensor",
+        )
     config = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
-        format=FORMAT,
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=input_args)},
+        format=FORMAT if activations is None else W8A8_FORMAT,
         quantization_status="compressed",
         ignore=ignore,
     )
@@ -61,8 +80,13 @@ def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: lis
     }
 
 
-def compress(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors that stand for one quantized linear layer in the checkpoint."""
+    if activations is not None:  # W8A8: plain int8, scales per output channel
+        tensors = {f"{prefix}.weight": qw.q.contiguous(), f"{prefix}.weight_scale": qw.scale.contiguous()}
+        if qw.input_scale is not None:
+            tensors[f"{prefix}.input_scale"] = qw.input_scale.to(qw.scale.dtype).reshape(1)
+        return tensors
     bits = qw.scheme.bits
     tensors = {
         f"{prefix}.weight_packed": pack_to_int32(qw.q, bits),
@@ -91,11 +115,33 @@ def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightSche
     )
 
 
+def is_w8a8(quant_config: dict) -> bool:
+    return quant_config.get("format") == W8A8_FORMAT
+
+
+def w8a8_modules(tensors: dict[str, torch.Tensor], quant_config: dict) -> dict[str, torch.nn.Module]:
+    """module path -> W8A8Linear for every int8 layer of a W8A8 checkpoint."""
+    from optkit.kernels.w8a8 import W8A8Linear
+
+    prefixes = [
+        k.removesuffix(".weight") for k, v in tensors.items() if k.endswith(".weight") and v.dtype == torch.int8
+    ]
+    return {
+        p: W8A8Linear(
+            tensors[f"{p}.weight"],
+            tensors[f"{p}.weight_scale"],
+            tensors.get(f"{p}.bias"),
+            tensors.get(f"{p}.input_scale"),
+        )
+        for p in prefixes
+    }
+
+
 def scheme_from_config(quant_config: dict) -> WeightScheme:
     """Our scheme from a compressed-tensors `quantization_config` with one weight-only group."""
     groups = list(quant_config["config_groups"].values())
     if len(groups) != 1 or quant_config.get("format") != FORMAT:
-        raise ValueError("only single-group pack-quantized compressed-tensors configs are read")
+        raise OptkitError("optkit reads single-group pack-quantized or int-quantized compressed-tensors checkpoints")
     weights = groups[0]["weights"]
     return WeightScheme(
         bits=weights["num_bits"],

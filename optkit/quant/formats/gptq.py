@@ -21,8 +21,12 @@ NAME = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
-def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]]) -> None:
+def check(
+    scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
+) -> None:
     """User errors for what this layout cannot store. layers: (name, in_features, out_features)."""
+    if activations is not None:
+        raise OptkitError(f"--format {NAME} stores weight-only quantization: W8A8 needs --format compressed-tensors")
     if not scheme.symmetric:
         raise OptkitError(
             "--format gptq stores symmetric weights only (its v1 zero points cannot hold 0): "
@@ -36,7 +40,9 @@ def check(scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, i
             )
 
 
-def quantization_config(scheme: WeightScheme, act_order: bool | str, ignore: list[str]) -> dict:
+def quantization_config(
+    scheme: WeightScheme, act_order: bool | str, ignore: list[str], activations: str | None = None
+) -> dict:
     return {
         "quant_method": NAME,
         "checkpoint_format": "gptq",
@@ -82,7 +88,7 @@ def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(-1, packed.shape[1])
 
 
-def compress(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     bits = qw.scheme.bits
     offset = 1 << (bits - 1)
     in_features = qw.q.shape[1]

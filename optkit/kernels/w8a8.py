@@ -1,0 +1,80 @@
+"""W8A8 linear layers: int8 activations × int8 weights → int32, rescaled to float.
+
+y[m, n] = sx[m] · sw[n] · Σ_k qx[m, k] · qw[k, n] + b[n]
+with qw = round(W / sw) per output channel (symmetric), and qx = round(x / sx) per token
+(dynamic: sx[m] = max_k |x[m, k]| / 127) or per tensor (static: one calibrated sx).
+`int8_linear` runs the integer matmul (`torch._int_mm`); `int8_linear_reference` computes the
+same quantities in float, for tests and for devices without an int8 matmul.
+"""
+
+import torch
+
+INT8_MAX = 127
+
+
+def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], scale [M, 1] fp32); per token unless a static scale is given."""
+    x = x.float()
+    if input_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+    else:
+        scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    return torch.round(x / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32."""
+    shape = x.shape
+    qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
+    acc = torch._int_mm(qx, weight_t)  # int32 [M, N]
+    y = acc.float() * sx * weight_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
+
+
+def int8_linear_reference(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    shape = x.shape
+    qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
+    y = (qx.double() @ weight_t.double()).float() * sx * weight_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
+
+
+class W8A8Linear(torch.nn.Module):
+    """A linear layer that stays int8 in memory and multiplies in int8."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        input_scale: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        # weight: int8 [out, in]; kept transposed, [in, out], the layout the int8 matmul wants
+        self.register_buffer("weight_t", weight.t().contiguous())
+        self.register_buffer("weight_scale", weight_scale.reshape(-1).float())
+        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.weight_t, self.weight_scale, self.bias, self.input_scale)
+
+    def extra_repr(self) -> str:
+        act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, {act} int8 inputs"

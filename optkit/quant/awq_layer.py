@@ -1,0 +1,117 @@
+"""AWQ on one decoder layer: search each smoothing group's scales on the block's output, fold
+them, then clip and quantize (the math is in awq.py)."""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from optkit.quant import awq
+from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
+from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, set_quantized
+from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
+from optkit.quant.schemes import WeightScheme
+
+
+class AWQOptions(BaseModel):
+    """AWQ settings; the field names are the recipe keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grid: int = 20  # α ∈ {0, 1/grid, ..., (grid-1)/grid}
+    duo_scaling: Literal["both", "on", "off"] = "both"  # search s = |x|^α, s = |x|^α / |w|^(1-α), or both
+    clip: bool = True
+    max_shrink: float = 0.5  # clipping search: shrink each group's range by up to this fraction
+    clip_steps: int = 20
+    search_samples: int = 32  # calibration sequences used by the scale and clip searches
+
+
+# (operation whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
+AWQ_GROUPS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+BLOCKS = ("self_attn.", "mlp.")  # scale, then quantize, one block after the other
+NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors meet in q·kᵀ: clipping each alone misleads
+
+
+def _awq_groups(work: LayerWork):
+    """The smoothing groups that apply to this layer: present, all linears targeted, shapes fold."""
+    for previous, linears, block in AWQ_GROUPS:
+        try:
+            prev = work.layer.get_submodule(previous)
+            modules = [work.layer.get_submodule(n) for n in linears]
+        except AttributeError:
+            continue
+        width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
+        if all(n in work.targets for n in linears) and all(m.in_features == width for m in modules):
+            yield previous, linears, block
+
+
+def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
+    duo = {"both": (False, True), "on": (True,), "off": (False,)}[options.duo_scaling]
+
+    def search_scale(work: LayerWork, previous: str, linears: tuple[str, ...], block: str) -> dict:
+        x = capture_inputs(work, [linears[0]], options.search_samples)[linears[0]]
+        modules = [work.layer.get_submodule(n) for n in linears]
+        originals = [m.weight.detach().clone() for m in modules]
+        reference = block_output(work, block, x)
+        x_mag = awq.activation_magnitude(x)
+        w_mag = awq.weight_magnitude(originals, scheme)
+        best = {"loss": float("inf")}
+        for alpha, use_duo, s in awq.candidate_scales(x_mag, w_mag, options.grid, duo):
+            for module, w in zip(modules, originals, strict=True):
+                module.weight.copy_(awq.fake_quantize(w * s, scheme, SCALE_DTYPE) / s)
+            loss = (block_output(work, block, x) - reference).pow(2).mean().item()
+            if loss < best["loss"]:
+                best = {"loss": loss, "alpha": alpha, "duo_scaling": use_duo, "s": s}
+        for module, w in zip(modules, originals, strict=True):
+            module.weight.copy_(w)
+        fold_scale(work.layer, previous, linears, best.pop("s"))
+        return best
+
+    def quantize_linears(work: LayerWork, names: list[str], searched: dict[str, dict]) -> dict:
+        inputs = capture_inputs(work, names, options.search_samples) if options.clip else {}
+        results = {}
+        for name in names:
+            weight = work.layer.get_submodule(name).weight.detach().clone()
+            stats = {"loss": float("nan"), **searched.get(name, {})}
+            if options.clip and name not in NO_CLIP:
+                x = inputs[name].reshape(-1, weight.shape[1])
+                bound = awq.search_clip(
+                    weight,
+                    x,
+                    scheme,
+                    max_shrink=options.max_shrink,
+                    steps=options.clip_steps,
+                    scale_dtype=SCALE_DTYPE,
+                )
+                weight = awq.clip(weight, bound)
+            qw = rtn_quantize(weight, scheme, SCALE_DTYPE)
+            stats.update(weight_error(weight.cpu(), qw.dequantize()))
+            set_quantized(work, name, qw)
+            results[name] = (qw, stats)
+            work.report(name, stats)
+        return results
+
+    def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
+        """Attention first, then the MLP: each block's scales are searched and folded, then its
+        linears clipped and quantized, so the MLP's search sees the quantized attention."""
+        groups = list(_awq_groups(work))
+        ordered = [n for group in sequential_groups(work.layer) for n in group if n in work.targets]
+        results: dict[str, tuple[QuantizedWeight, dict]] = {}
+        for block in BLOCKS:
+            searched: dict[str, dict] = {}
+            for previous, linears, inspect in groups:
+                if linears[0].startswith(block):
+                    searched.update(dict.fromkeys(linears, search_scale(work, previous, linears, inspect)))
+                    work.updated[previous] = work.layer.get_submodule(previous)
+            names = [n for n in ordered if n.startswith(block) and n not in results]
+            results.update(quantize_linears(work, names, searched))
+        rest = [n for n in ordered if n not in results]
+        results.update(quantize_linears(work, rest, {}))
+        return results
+
+    return procedure

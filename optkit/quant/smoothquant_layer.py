@@ -1,0 +1,123 @@
+"""SmoothQuant W8A8 on one decoder layer: smooth the norm-fed groups (α fixed or searched on the
+block's output), then quantize every linear to int8 per output channel (RTN or GPTQ), with a
+calibrated per-tensor input scale when activations are static (the math is in smoothquant.py)."""
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from optkit.kernels.w8a8 import INT8_MAX
+from optkit.quant import smoothquant as sq
+from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
+from optkit.quant.gptq import GPTQOptions, gptq_quantize
+from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, set_quantized
+from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
+
+
+class SmoothQuantOptions(BaseModel):
+    """SmoothQuant settings; the field names are the recipe keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    smooth: bool = True  # False: plain W8A8, the baseline SmoothQuant improves on
+    alpha: float | Literal["auto"] = 0.5
+    alpha_grid: int = 20  # "auto" tries α = 0, 1/grid, ..., 1 per smoothing group
+    activations: Literal["dynamic", "static"] = "dynamic"  # per-token at run time, or one calibrated scale
+    search_samples: int = 32
+
+
+# (norm whose output channels absorb 1/s, linears it feeds, block whose output "auto" compares)
+SMOOTHING_GROUPS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+)
+
+
+def _input_absmax(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
+    """max |x_j| per input channel of each named linear over all calibration samples: [in]."""
+    absmax: dict[str, torch.Tensor] = {}
+
+    def on_input(name: str, x: torch.Tensor, owner: str) -> None:
+        channel_max = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        absmax[name] = torch.maximum(absmax[name], channel_max) if name in absmax else channel_max
+
+    work.run_until_seen(names, on_input)
+    return absmax
+
+
+def smoothquant_procedure(
+    options: SmoothQuantOptions, weights: Literal["rtn", "gptq"] = "rtn", gptq_options: GPTQOptions = GPTQOptions()
+) -> LayerProcedure:
+    def search_alpha(work: LayerWork, linears: tuple[str, ...], block: str, act_absmax: torch.Tensor) -> float:
+        """The α whose smoothing + W8A8 (emulated, unfolded) gives the block output closest to float."""
+        x = capture_inputs(work, [linears[0]], options.search_samples)[linears[0]]
+        modules = [work.layer.get_submodule(n) for n in linears]
+        originals = [m.weight.detach().clone() for m in modules]
+        reference = block_output(work, block, x)
+        best_alpha, best_loss = 0.5, float("inf")
+        for step in range(options.alpha_grid + 1):
+            alpha = step / options.alpha_grid
+            s = sq.smoothing_scales(act_absmax, originals, alpha)
+            for module, w in zip(modules, originals, strict=True):
+                module.weight.copy_(sq.fake_quantize_weight(w * s) / s)
+            handles = [
+                m.register_forward_pre_hook(lambda _, a, s=s: (sq.fake_quantize_activations(a[0] / s) * s,))
+                for m in modules
+            ]
+            loss = (block_output(work, block, x) - reference).pow(2).mean().item()
+            for handle in handles:
+                handle.remove()
+            if loss < best_loss:
+                best_alpha, best_loss = alpha, loss
+        for module, w in zip(modules, originals, strict=True):
+            module.weight.copy_(w)
+        return best_alpha
+
+    def smooth(work: LayerWork) -> dict[str, dict]:
+        searched: dict[str, dict] = {}
+        for previous, linears, block in SMOOTHING_GROUPS:
+            if not all(n in work.targets for n in linears):
+                continue
+            act_absmax = _input_absmax(work, [linears[0]])[linears[0]]
+            alpha = search_alpha(work, linears, block, act_absmax) if options.alpha == "auto" else options.alpha
+            originals = [work.layer.get_submodule(n).weight.detach() for n in linears]
+            fold_scale(work.layer, previous, linears, sq.smoothing_scales(act_absmax, originals, alpha))
+            work.updated[previous] = work.layer.get_submodule(previous)
+            searched.update(dict.fromkeys(linears, {"alpha": alpha}))
+        return searched
+
+    def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
+        searched = smooth(work) if options.smooth else {}
+        results = {}
+        for group in sequential_groups(work.layer):
+            group = [n for n in group if n in work.targets]
+            if not group:
+                continue
+            hessians = capture_hessians(work, group) if weights == "gptq" else {}
+            absmax = _input_absmax(work, group) if options.activations == "static" else {}
+            for name in group:
+                weight = work.layer.get_submodule(name).weight.detach()
+                full_name = f"{work.prefix}.{name}"
+                stats = {"loss": float("nan"), **searched.get(name, {})}
+                if weights == "gptq":
+                    result = gptq_quantize(
+                        weight,
+                        hessians.pop(name),
+                        sq.W8_PER_CHANNEL,
+                        gptq_options,
+                        scale_dtype=SCALE_DTYPE,
+                        name=full_name,
+                    )
+                    qw, stats["loss"] = result.weight, result.loss
+                else:
+                    qw = rtn_quantize(weight, sq.W8_PER_CHANNEL, SCALE_DTYPE)
+                if name in absmax:
+                    qw.input_scale = (absmax[name].max() / INT8_MAX).clamp(min=1e-12).reshape(1).cpu()
+                stats.update(weight_error(weight.cpu(), qw.dequantize()))
+                set_quantized(work, name, qw)
+                results[name] = (qw, stats)
+                work.report(name, stats)
+        return results
+
+    return procedure

@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from optkit.gate.evaluate import evaluate
+from optkit.gate.thresholds import Thresholds
+from optkit.kernels.w8a8 import W8A8Linear
+from optkit.modeldir import load_model
+from optkit.quant import smoothquant as sq
+from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.procedures import fold_scale
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.smoothquant_layer import SMOOTHING_GROUPS, SmoothQuantOptions
+from optkit.zoo.outliers import add_activation_outliers
+
+FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
+
+
+def test_smoothing_scales_follow_the_formula():
+    act = torch.tensor([1.0, 4.0, 16.0])
+    w = [torch.tensor([[1.0, 1.0, 4.0]]), torch.tensor([[-2.0, 0.5, 1.0]])]
+    s = sq.smoothing_scales(act, w, alpha=0.5)
+    torch.testing.assert_close(s, torch.tensor([1 / 2**0.5, 2.0, 2.0]))
+    assert torch.allclose(sq.smoothing_scales(act, w, alpha=1.0), act)
+
+
+def test_smoothing_leaves_the_full_precision_model_unchanged(draft_dir):
+    """Acceptance: scales folded into the norms, logits unchanged within 1e-4 before quantization."""
+    model = load_model(draft_dir)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 40))
+    with torch.inference_mode():
+        expected = model(tokens).logits
+        for layer in model.model.layers:
+            for previous, linears, _ in SMOOTHING_GROUPS:
+                weights = [layer.get_submodule(n).weight for n in linears]
+                act = torch.rand(weights[0].shape[1]) * 50 + 0.1
+                fold_scale(layer, previous, linears, sq.smoothing_scales(act, weights, 0.5))
+        torch.testing.assert_close(model(tokens).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_outlier_model_has_the_same_function_and_real_outliers(tmp_path, draft_dir):
+    out = add_activation_outliers(draft_dir, tmp_path / "outliers")
+    base, outliers = load_model(draft_dir), load_model(out)
+    tokens = torch.randint(0, base.config.vocab_size, (2, 40))
+    with torch.inference_mode():
+        torch.testing.assert_close(outliers(tokens).logits, base(tokens).logits, atol=1e-4, rtol=1e-4)
+    norm = outliers.model.layers[0].input_layernorm.weight
+    assert norm.abs().max() / norm.abs().median() > 20
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_w8a8_artifact_is_int8_on_disk_and_in_memory(tmp_path, draft_dir, activations):
+    options = QuantizeOptions(
+        method="smoothquant",
+        weights=sq.W8_PER_CHANNEL,
+        calibration=FAST_CALIB,
+        smoothquant=SmoothQuantOptions(activations=activations),
+    )
+    manifest = quantize_model(draft_dir, tmp_path / "q", options)
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    group = config["config_groups"]["group_0"]
+    assert config["format"] == "int-quantized"
+    assert group["input_activations"]["dynamic"] is (activations == "dynamic")
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 8
+    with safe_open(tmp_path / "q" / "model.safetensors", "pt") as f:
+        weight = f.get_tensor("model.layers.0.mlp.down_proj.weight")
+        assert weight.dtype == torch.int8
+        assert ("model.layers.0.mlp.down_proj.input_scale" in f.keys()) is (activations == "static")
+    assert all(0 <= layer["alpha"] <= 1 for layer in manifest["layers"] if "alpha" in layer)
+    model = load_model(tmp_path / "q")
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, W8A8Linear) and torch.equal(down.weight_t.T, weight)
+    assert evaluate(tmp_path / "q", draft_dir, Thresholds(), max_windows=8).metrics["kld_mean"] < 0.01
+
+
+def test_transformers_loads_the_w8a8_artifact(tmp_path, draft_dir):
+    from transformers import AutoModelForCausalLM
+
+    options = QuantizeOptions(method="smoothquant", weights=sq.W8_PER_CHANNEL, calibration=FAST_CALIB)
+    quantize_model(draft_dir, tmp_path / "q", options)
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    tokens = torch.randint(0, hf_model.config.vocab_size, (2, 64))
+    with torch.inference_mode():
+        ours, theirs = load_model(tmp_path / "q")(tokens).logits, hf_model(tokens).logits
+    # transformers emulates int8 activations with its own rounding convention (absmax / 127.5)
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.slow
+def test_smoothquant_acceptance_on_small(tmp_path, small_dir):
+    """W8A8 on `small` costs ≤ 1% perplexity; on the outlier copy, plain W8A8 loses ≥ 3× SmoothQuant's."""
+    outliers = add_activation_outliers(small_dir, tmp_path / "outliers")
+
+    def ppl_increase(model, method: str) -> float:
+        out = tmp_path / f"{method}-{model.name}"
+        quantize_model(model, out, QuantizeOptions(method=method, weights=sq.W8_PER_CHANNEL))
+        return evaluate(out, model, Thresholds()).metrics["ppl_increase_pct"]
+
+    assert ppl_increase(small_dir, "smoothquant") <= 1.0
+    smooth, plain = ppl_increase(outliers, "smoothquant"), ppl_increase(outliers, "w8a8")
+    assert plain >= 3 * max(smooth, 1e-3)
