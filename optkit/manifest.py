@@ -6,7 +6,7 @@ import platform
 from pathlib import Path
 
 from optkit import __version__
-from optkit.artifacts import file_hashes
+from optkit.artifacts import file_hashes, file_sha256
 
 MANIFEST = "optkit.json"
 
@@ -41,3 +41,21 @@ def write_manifest(directory: Path, fields: dict) -> dict:
 def read_manifest(directory: Path) -> dict | None:
     path = Path(directory) / MANIFEST
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def verify_files(directory: Path, manifest: dict) -> list[str]:
+    """One line per file that is missing, changed, or present but not in the manifest."""
+    problems = []
+    for name, digest in manifest.get("files", {}).items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+        elif file_sha256(path) != digest:
+            problems.append(f"{name}: sha256 differs from optkit.json")
+    listed = set(manifest.get("files", {})) | {MANIFEST}
+    problems += [
+        f"{p.relative_to(directory).as_posix()}: not listed in optkit.json"
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.relative_to(directory).as_posix() not in listed
+    ]
+    return problems

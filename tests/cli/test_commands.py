@@ -6,7 +6,7 @@ import pytest
 
 
 def test_every_command_has_help_with_an_example(run_cli):
-    for command in (["quantize"], ["eval"], ["inspect"], ["zoo", "build"], ["zoo", "list"]):
+    for command in (["quantize"], ["eval"], ["inspect"], ["verify"], ["zoo", "build"], ["zoo", "list"]):
         code, out, _ = run_cli(*command, "--help")
         assert code == 0 and "Example: optkit" in out, command
 
@@ -71,3 +71,20 @@ def test_gate_separates_8_bit_from_2_bit_on_small(run_cli, tmp_path, small_dir):
     assert code == 0, out
     code, out, _ = run_cli("eval", tmp_path / "w2", "--baseline", small_dir, "--max-ppl-increase", "5", "--json")
     assert code == 1 and json.loads(out)["metrics"]["ppl_increase_pct"] > 5
+
+
+def test_verify_accepts_an_artifact_and_names_a_changed_file(run_cli, tmp_path, draft_dir):
+    artifact = tmp_path / "q"
+    assert run_cli("quantize", draft_dir, "--out", artifact)[0] == 0
+    code, out, _ = run_cli("verify", artifact)
+    assert code == 0 and "match optkit.json" in out
+    weights = artifact / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one byte of tensor data
+    weights.write_bytes(bytes(data))
+    code, out, _ = run_cli("verify", artifact, "--json")
+    assert code == 1
+    assert json.loads(out)["problems"] == ["model.safetensors: sha256 differs from optkit.json"]
+    (artifact / "extra.bin").write_bytes(b"x")
+    code, out, _ = run_cli("verify", artifact)
+    assert code == 1 and "extra.bin: not listed" in out
