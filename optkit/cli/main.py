@@ -8,6 +8,7 @@ import typer
 from optkit.cli import eval as eval_cmd
 from optkit.cli import inspect as inspect_cmd
 from optkit.cli import quantize as quantize_cmd
+from optkit.cli import run as run_cmd
 from optkit.cli import verify as verify_cmd
 from optkit.cli import zoo as zoo_cmd
 
@@ -23,6 +24,7 @@ app.command("quantize", no_args_is_help=False)(quantize_cmd.quantize)
 app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
+app.command("run")(run_cmd.run)
 app.add_typer(zoo_cmd.app, name="zoo")
 
 

@@ -1,0 +1,47 @@
+"""`optkit run`: the release pipeline CI calls."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from optkit.cli.options import JsonFlag, console, print_json
+
+
+def run(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (see recipes/).")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Release directory (default: the recipe's output).")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a recipe key: key.path=value (repeatable).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda.")] = "auto",
+    json_output: JsonFlag = False,
+) -> None:
+    """Quantize, gate and package a release; exit 1 (release marked rejected) if the gate fails.
+
+    Example: optkit run recipes/small-gptq-w4.yaml --set gate.max_kld=0.005
+    """
+    from rich.table import Table
+
+    from optkit.pipeline.recipe import load_recipe
+    from optkit.pipeline.run import run_recipe
+
+    parsed, raw = load_recipe(recipe, set_ or [])
+    result = run_recipe(parsed, raw, recipe_path=recipe, out=out, device=device)
+    if json_output:
+        print_json(
+            {"release": str(result.release), "verdict": result.verdict, "stages": result.stages, "gate": result.gate}
+        )
+    else:
+        table = Table(title=f"optkit run {recipe}")
+        for column in ("stage", "status", "seconds"):
+            table.add_column(column)
+        for stage in result.stages:
+            table.add_row(stage["stage"], stage["status"], f"{stage['seconds']:.1f}")
+        out_console = console()
+        out_console.print(table)
+        color = "green" if result.passed else "red"
+        out_console.print(f"[bold {color}]{result.verdict.upper()}[/] {result.release}")
+    raise typer.Exit(0 if result.passed else 1)

@@ -1,0 +1,53 @@
+"""The release's README.md: what was done, the gate's numbers, and how to load it."""
+
+from optkit.gate.report import ROWS
+
+
+def model_card(recipe, manifest: dict, gate: dict, verdict: str) -> str:
+    q = recipe.quantize
+    scheme = q.weights
+    metrics = gate["metrics"]
+    checks = {c["metric"]: c for c in gate["checks"]}
+    rows = []
+    for metric, label, fmt in ROWS:
+        check = checks.get(metric)
+        rule = f"{check['rule']} ({'ok' if check['passed'] else 'CROSSED'})" if check else ""
+        rows.append(f"| {label} | {fmt.format(metrics[metric])} | {rule} |")
+    status = (
+        "RELEASED: every gate threshold holds"
+        if verdict == "released"
+        else ("REJECTED: a gate threshold is crossed; do not ship this artifact")
+    )
+    groups = "per channel" if scheme.group_size == -1 else f"group size {scheme.group_size}"
+    symmetry = "symmetric" if scheme.symmetric else "asymmetric"
+    weights = (
+        "int8 weights and activations (W8A8)" if q.activations else f"{scheme.bits}-bit weights, {groups}, {symmetry}"
+    )
+    return f"""# {recipe.output.rstrip("/").split("/")[-1]}
+
+**{status}.**
+
+Quantized from `{manifest["base_model"]["path"]}` (sha256 `{manifest["base_model"]["sha256"][:16]}…`) with
+optkit {manifest.get("optkit_version", "")}: method `{q.method}`, {weights}, format `{q.format}`.
+Calibration: {manifest["calibration"]["name"] or "none"}.
+
+## Quality gate ({gate["eval_set"]["name"]}, {metrics["num_tokens"]:,} tokens)
+
+| metric | value | threshold |
+|---|---|---|
+{chr(10).join(rows)}
+
+## Loading
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer  # needs `pip install compressed-tensors`
+model = AutoModelForCausalLM.from_pretrained("PATH")
+tokenizer = AutoTokenizer.from_pretrained("PATH")
+```
+
+```bash
+vllm serve PATH
+```
+
+`optkit verify PATH` rechecks every file against `optkit.json`.
+"""

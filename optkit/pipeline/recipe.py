@@ -1,0 +1,90 @@
+"""Recipes: one YAML file that says how to make a release. Validated by typed models whose field
+names are the YAML keys; an unknown key is an error that names it and the nearest valid one."""
+
+import difflib
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from optkit.errors import OptkitError
+from optkit.gate.thresholds import Thresholds
+from optkit.quant.quantize import QuantizeOptions
+
+
+class GateOptions(Thresholds):
+    """Thresholds plus what the gate evaluates on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    eval_set: str = "heldout"
+    seq_len: int = 256
+    max_windows: int | None = None
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str  # base model: directory or reference-model name
+    quantize: QuantizeOptions = Field(default_factory=QuantizeOptions)
+    gate: GateOptions = Field(default_factory=GateOptions)
+    output: str  # the release directory
+
+
+def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
+    """Valid keys of the nested model at `path` (a pydantic error location without its last key)."""
+    for key in path:
+        field = model.model_fields.get(str(key))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _describe(error: dict) -> str:
+    where = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        valid = _fields_at(Recipe, error["loc"][:-1])
+        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"valid keys here: {', '.join(valid)}"
+        return f"recipe key {where!r} is unknown: {hint}"
+    if error["type"] == "missing":
+        return f"recipe key {where!r} is required"
+    if error["type"] == "value_error":
+        return f"recipe key {where!r}: {error['msg'].removeprefix('Value error, ')}"
+    return f"recipe key {where!r}: {error['msg']} (got {error.get('input')!r})"
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`key.path=value` strings (values parsed as YAML) applied onto the recipe's data."""
+    for override in overrides:
+        if "=" not in override:
+            raise OptkitError(f"--set {override!r} is not key.path=value")
+        path, value = override.split("=", 1)
+        node = data
+        keys = path.split(".")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise OptkitError(f"--set {path}: {key!r} is not a section of the recipe")
+        node[keys[-1]] = yaml.safe_load(value)
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[Recipe, dict]:
+    """The validated recipe and its raw data (after overrides), as recorded in the manifest."""
+    path = Path(path)
+    if not path.is_file():
+        raise OptkitError(f"recipe {path} does not exist: give a YAML file (see recipes/)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise OptkitError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(data, dict):
+        raise OptkitError(f"recipe {path} must be a mapping of keys (model, quantize, gate, output)")
+    data = apply_overrides(data, list(overrides))
+    try:
+        return Recipe.model_validate(data), data
+    except ValidationError as e:
+        raise OptkitError(f"{path}: {_describe(e.errors()[0])}") from e

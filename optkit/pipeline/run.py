@@ -1,0 +1,129 @@
+"""`optkit run RECIPE`: quantize -> gate -> package, each stage skipped when its inputs are unchanged.
+
+Stage outputs live in a work directory beside the release (`.NAME.work/`); each finished stage
+leaves a record of the hash of its inputs. A rerun whose inputs match skips the stage; an
+interrupted run leaves no record for the stage it was in, so the rerun redoes exactly that stage.
+"""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optkit import __version__
+from optkit.artifacts import atomic_output_dir, content_sha256
+from optkit.gate.evaluate import GateResult, evaluate
+from optkit.gate.thresholds import Thresholds
+from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
+from optkit.modeldir import resolve_model_dir
+from optkit.pipeline.model_card import model_card
+from optkit.pipeline.recipe import Recipe
+from optkit.quant.quantize import quantize_model
+
+
+@dataclass
+class RunResult:
+    release: Path
+    verdict: str  # "released" | "rejected"
+    stages: list[dict] = field(default_factory=list)
+    gate: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "released"
+
+
+def _digest(data: dict) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _record(work: Path, stage: str) -> dict | None:
+    path = work / f"{stage}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _write_record(work: Path, stage: str, record: dict) -> None:
+    tmp = work / f".{stage}.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.replace(work / f"{stage}.json")
+
+
+def _git_commit(directory: Path) -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def run_recipe(
+    recipe: Recipe, raw: dict, *, recipe_path: Path, out: Path | None = None, device: str = "auto"
+) -> RunResult:
+    release = Path(out or recipe.output)
+    work = release.parent / f".{release.name}.work"
+    work.mkdir(parents=True, exist_ok=True)
+    base = resolve_model_dir(recipe.model)
+    result = RunResult(release, "rejected")
+
+    # 1. quantize
+    start = time.perf_counter()
+    quantize_inputs = _digest(
+        {"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()}
+    )
+    artifact = work / "quantized"
+    done = _record(work, "quantize")
+    manifest = read_manifest(artifact) if artifact.exists() else None
+    if done and done["inputs"] == quantize_inputs and manifest and not verify_files(artifact, manifest):
+        result.stages.append({"stage": "quantize", "status": "skipped", "seconds": 0.0})
+    else:
+        manifest = quantize_model(base, artifact, recipe.quantize, overwrite=True, device=device)
+        _write_record(work, "quantize", {"inputs": quantize_inputs})
+        result.stages.append({"stage": "quantize", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+
+    # 2. gate
+    start = time.perf_counter()
+    gate = recipe.gate
+    gate_inputs = _digest(
+        {"artifact": manifest["files"], "base": manifest["base_model"]["sha256"], "gate": gate.model_dump()}
+    )
+    done = _record(work, "gate")
+    if done and done["inputs"] == gate_inputs:
+        result.gate = done["result"]
+        result.stages.append({"stage": "gate", "status": "skipped", "seconds": 0.0})
+    else:
+        thresholds = Thresholds(max_ppl_increase=gate.max_ppl_increase, max_kld=gate.max_kld, min_top1=gate.min_top1)
+        outcome: GateResult = evaluate(
+            artifact, base, thresholds, eval_set=gate.eval_set, seq_len=gate.seq_len, max_windows=gate.max_windows
+        )
+        result.gate = outcome.to_json()
+        _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
+        result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+    result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
+
+    # 3. package: always rewritten (cheap), so the release reflects this recipe and verdict
+    start = time.perf_counter()
+    with atomic_output_dir(release, overwrite=True) as tmp:
+        for path in artifact.iterdir():
+            if path.is_file() and path.name != MANIFEST:
+                shutil.copy2(path, tmp / path.name)
+        (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
+        (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
+        fields = {k: v for k, v in manifest.items() if k not in ("files", "optkit_version", "created", "versions")}
+        write_manifest(
+            tmp,
+            {
+                **fields,
+                "recipe": raw,
+                "recipe_path": str(recipe_path),
+                "recipe_git_commit": _git_commit(recipe_path.resolve().parent),
+                "gate": result.gate,
+                "verdict": result.verdict,
+            },
+        )
+    result.stages.append({"stage": "package", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+    return result

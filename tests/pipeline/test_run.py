@@ -1,0 +1,86 @@
+import json
+
+import pytest
+import yaml
+
+from tests.cli.test_bad_input import assert_user_error
+
+
+def write_recipe(tmp_path, draft_dir, **changes) -> str:
+    recipe = {
+        "model": str(draft_dir),
+        "quantize": {
+            "method": "gptq",
+            "weights": {"bits": 4, "group_size": 64, "symmetric": True},
+            "calibration": {"num_samples": 8, "seq_len": 64},
+        },
+        "gate": {"max_windows": 8, "max_kld": 0.05},
+        "output": str(tmp_path / "release"),
+    }
+    for key, value in changes.items():
+        section, _, field = key.partition("__")
+        if field:
+            recipe[section][field] = value
+        else:
+            recipe[section] = value
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return str(path)
+
+
+def stage_status(result) -> dict[str, str]:
+    return {s["stage"]: s["status"] for s in json.loads(result[1])["stages"]}
+
+
+def test_run_releases_verifies_loads_and_skips_unchanged_stages(run_cli, tmp_path, draft_dir):
+    from transformers import AutoModelForCausalLM
+
+    recipe = write_recipe(tmp_path, draft_dir)
+    first = run_cli("run", recipe, "--json")
+    assert first[0] == 0, first[2]
+    assert stage_status(first) == {"quantize": "ran", "gate": "ran", "package": "ran"}
+    release = tmp_path / "release"
+    manifest = json.loads((release / "optkit.json").read_text())
+    assert manifest["verdict"] == "released" and manifest["recipe"]["quantize"]["method"] == "gptq"
+    assert manifest["gate"]["verdict"] == "pass" and "README.md" in manifest["files"]
+    assert "RELEASED" in (release / "README.md").read_text()
+    assert run_cli("verify", release)[0] == 0
+    AutoModelForCausalLM.from_pretrained(release)
+
+    second = run_cli("run", recipe, "--json")
+    assert second[0] == 0 and stage_status(second) == {"quantize": "skipped", "gate": "skipped", "package": "ran"}
+    assert json.loads((release / "optkit.json").read_text())["files"] == manifest["files"]
+
+    third = run_cli("run", recipe, "--set", "gate.max_kld=0.04", "--json")  # only the gate changed
+    assert stage_status(third) == {"quantize": "skipped", "gate": "ran", "package": "ran"}
+
+
+def test_thresholds_the_artifact_cannot_meet_reject_the_release(run_cli, tmp_path, draft_dir):
+    recipe = write_recipe(tmp_path, draft_dir, gate__min_top1=100.0)
+    code, out, _ = run_cli("run", recipe, "--json")
+    assert code == 1 and json.loads(out)["verdict"] == "rejected"
+    release = tmp_path / "release"
+    manifest = json.loads((release / "optkit.json").read_text())
+    assert manifest["verdict"] == "rejected"
+    assert json.loads((release / "gate.json").read_text())["verdict"] == "fail"
+    assert "REJECTED" in (release / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "changes,fragments",
+    [
+        ({"quantize__gptq": {"act_ordr": True}}, ("quantize.gptq.act_ordr", "did you mean 'act_order'")),
+        ({"gate__max_kdl": 0.1}, ("gate.max_kdl", "did you mean 'max_kld'")),
+        ({"quantize__weights": {"bits": "four"}}, ("quantize.weights.bits", "valid integer")),
+        ({"quantize__method": "smoothquant"}, ("int8 per output channel",)),
+    ],
+)
+def test_bad_recipes_name_the_key(run_cli, tmp_path, draft_dir, changes, fragments):
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, **changes)), *fragments)
+    assert not (tmp_path / "release").exists()
+
+
+def test_missing_model_and_missing_recipe(run_cli, tmp_path, draft_dir):
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, model=str(tmp_path / "nope"))), "does not exist")
+    assert_user_error(run_cli("run", tmp_path / "none.yaml"), "recipe", "does not exist")
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir), "--set", "gate"), "key.path=value")
