@@ -22,17 +22,25 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None = Non
     return torch.round(x / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale
 
 
+def _exact_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] @ int8 [K, N] -> int32 through float64, which holds every such sum exactly."""
+    return (a.double() @ b.double()).to(torch.int32)
+
+
 def int8_linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
+    *,
+    int_mm=None,
 ) -> torch.Tensor:
-    """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32."""
+    """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32.
+    `int_mm` is the int8 matmul (default `torch._int_mm`)."""
     shape = x.shape
     qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
-    acc = torch._int_mm(qx, weight_t)  # int32 [M, N]
+    acc = (int_mm or torch._int_mm)(qx, weight_t)  # int32 [M, N]
     y = acc.float() * sx * weight_scale.float()
     if bias is not None:
         y = y + bias.float()
@@ -46,12 +54,8 @@ def int8_linear_reference(
     bias: torch.Tensor | None = None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    shape = x.shape
-    qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
-    y = (qx.double() @ weight_t.double()).float() * sx * weight_scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
+    """The same computation with the integer matmul done in float64."""
+    return int8_linear(x, weight_t, weight_scale, bias, input_scale, int_mm=_exact_int_mm)
 
 
 class W8A8Linear(torch.nn.Module):

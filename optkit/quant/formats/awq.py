@@ -12,6 +12,7 @@ No g_idx: GPTQ act-order cannot be stored (static groups can).
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 
@@ -97,8 +98,4 @@ def dequantized_state_dict(
     tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     scheme = scheme_from_config(quant_config)
-    prefixes = [k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")]
-    state = {k: v for k, v in tensors.items() if not k.endswith(SUFFIXES)}
-    for prefix in prefixes:
-        state[f"{prefix}.weight"] = decompress(prefix, tensors, scheme).dequantize(dtype)
-    return state
+    return dequantize_layers(tensors, "qweight", SUFFIXES, lambda prefix: decompress(prefix, tensors, scheme), dtype)

@@ -20,6 +20,7 @@ from compressed_tensors.compressors import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 from optkit.errors import OptkitError
+from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 
@@ -155,9 +156,6 @@ def dequantized_state_dict(
 ) -> dict[str, torch.Tensor]:
     """A plain state dict: every packed layer replaced by its dequantized `weight`."""
     scheme = scheme_from_config(quant_config)
-    prefixes = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
-    state = {k: v for k, v in tensors.items() if not k.endswith(SUFFIXES)}
-    for prefix in prefixes:
-        qw = decompress(prefix, tensors, scheme)
-        state[f"{prefix}.weight"] = qw.dequantize(dtype)
-    return state
+    return dequantize_layers(
+        tensors, "weight_packed", SUFFIXES, lambda prefix: decompress(prefix, tensors, scheme), dtype
+    )

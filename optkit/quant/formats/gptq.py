@@ -14,6 +14,7 @@ The v1 zero-point offset cannot store an unsigned zero of 0, so this writer is s
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 
@@ -135,9 +136,4 @@ def dequantized_state_dict(
     tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
     scheme = scheme_from_config(quant_config)
-    prefixes = [k.removesuffix(".qweight") for k in tensors if k.endswith(".qweight")]
-    state = {k: v for k, v in tensors.items() if not k.endswith(SUFFIXES)}
-    for prefix in prefixes:
-        qw = decompress(prefix, tensors, scheme)
-        state[f"{prefix}.weight"] = qw.dequantize(dtype)
-    return state
+    return dequantize_layers(tensors, "qweight", SUFFIXES, lambda prefix: decompress(prefix, tensors, scheme), dtype)
