@@ -67,6 +67,8 @@ def run_recipe(
     release = Path(out or recipe.output)
     work = release.parent / f".{release.name}.work"
     work.mkdir(parents=True, exist_ok=True)
+    for stale in [*work.glob(".quantized.tmp-*"), *release.parent.glob(f".{release.name}.tmp-*")]:
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed (one writer per release)
     base = resolve_model_dir(recipe.model)
     result = RunResult(release, "rejected")
 

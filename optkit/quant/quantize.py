@@ -106,23 +106,24 @@ def quantize_model(
         options.activations,
     )
 
-    with PeakMemory() as peak:
-        results, updated, calibration = _quantize_weights(base, targets, options, device)
-    reader = TensorReader(base)
-    quantized = {f"{name}.weight" for name in results}
-    tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
-    for key, value in updated.items():  # e.g. norms that absorbed AWQ scales
-        if key not in quantized:
-            tensors[key] = value.to(tensors[key].dtype)
-    layers = []
-    for target in targets:
-        qw, stats = results[target.name]
-        tensors.update(fmt.compress(target.name, qw, options.activations))
-        layers.append({"name": target.name, "shape": [target.out_features, target.in_features], **stats})
-    config_dict["quantization_config"] = fmt.quantization_config(
-        options.weights, options.act_order, ignored + ["lm_head"], options.activations
-    )
+    # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        with PeakMemory() as peak:
+            results, updated, calibration = _quantize_weights(base, targets, options, device)
+        reader = TensorReader(base)
+        quantized = {f"{name}.weight" for name in results}
+        tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
+        for key, value in updated.items():  # e.g. norms that absorbed AWQ scales
+            if key not in quantized:
+                tensors[key] = value.to(tensors[key].dtype)
+        layers = []
+        for target in targets:
+            qw, stats = results[target.name]
+            tensors.update(fmt.compress(target.name, qw, options.activations))
+            layers.append({"name": target.name, "shape": [target.out_features, target.in_features], **stats})
+        config_dict["quantization_config"] = fmt.quantization_config(
+            options.weights, options.act_order, ignored + ["lm_head"], options.activations
+        )
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)

@@ -84,3 +84,39 @@ def test_missing_model_and_missing_recipe(run_cli, tmp_path, draft_dir):
     assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, model=str(tmp_path / "nope"))), "does not exist")
     assert_user_error(run_cli("run", tmp_path / "none.yaml"), "recipe", "does not exist")
     assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir), "--set", "gate"), "key.path=value")
+
+
+def test_a_killed_run_resumes_to_the_same_artifact(tmp_path, draft_dir):
+    """kill -9 during quantization, rerun: the same files, hash for hash, as an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    recipe = write_recipe(tmp_path, draft_dir, quantize__calibration={"num_samples": 64, "seq_len": 128})
+    command = [sys.executable, "-m", "optkit.cli.main", "run", recipe, "--json"]
+    work = tmp_path / ".release.work"
+
+    def quantized_files() -> dict:
+        return json.loads((work / "quantized" / "optkit.json").read_text())["files"]
+
+    assert subprocess.run(command, capture_output=True).returncode == 0
+    expected = quantized_files()
+    for path in (work, tmp_path / "release"):
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (work.exists() and any(work.glob(".quantized.tmp-*"))) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # calibrating now
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (work / "quantized").exists()  # killed inside the quantize stage
+
+    rerun = subprocess.run(command, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert {s["stage"]: s["status"] for s in json.loads(rerun.stdout)["stages"]}["quantize"] == "ran"
+    assert quantized_files() == expected
+    assert not list(work.glob(".quantized.tmp-*"))
