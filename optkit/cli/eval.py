@@ -23,6 +23,10 @@ def eval_(
     ] = None,
     seq_len: SeqLen = 256,
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
+    reference_cache: Annotated[
+        bool, typer.Option(help="Cache the base's top-k log-probs; later gates do not run the base model.")
+    ] = False,
+    top_k: Annotated[int, typer.Option(help="With --reference-cache: log-probs kept per token.")] = 256,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     json_output: JsonFlag = False,
 ) -> None:
@@ -37,7 +41,16 @@ def eval_(
     from optkit.gate.thresholds import Thresholds
 
     thresholds = Thresholds(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
-    result = evaluate(artifact, baseline, thresholds, eval_set=eval_set, seq_len=seq_len, max_windows=max_windows)
+    result = evaluate(
+        artifact,
+        baseline,
+        thresholds,
+        eval_set=eval_set,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        reference_cache=reference_cache,
+        top_k=top_k,
+    )
     if report is not None:
         write_report(result, report)
     if json_output:

@@ -9,9 +9,10 @@ import torch
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
-from optkit.gate.metrics import TokenStats, summarize
+from optkit.gate.metrics import Reference, TokenStats, reference_from_logits, summarize
+from optkit.gate.reference_cache import load_reference, reference_key, save_reference
 from optkit.gate.thresholds import Check, Thresholds, check
-from optkit.modeldir import load_model, load_tokenizer, resolve_model_dir
+from optkit.modeldir import load_model, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
 
 
@@ -49,7 +50,12 @@ def evaluate(
     seq_len: int = 256,
     max_windows: int | None = None,
     batch_size: int = 8,
+    reference_cache: bool = False,
+    top_k: int = 256,
 ) -> GateResult:
+    """Score `artifact` against `baseline` on the token windows of `eval_set`: exactly over the
+    whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
+    base model is then loaded only the first time)."""
     start = time.perf_counter()
     artifact_dir, baseline_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
     texts = load_text_set(eval_set)
@@ -63,27 +69,49 @@ def evaluate(
             "give more text or a smaller --seq-len"
         )
 
-    base_model, artifact_model = load_model(baseline_dir), load_model(artifact_dir)
-    base_vocab = base_model.get_output_embeddings().out_features
-    artifact_vocab = artifact_model.get_output_embeddings().out_features
+    base_vocab, artifact_vocab = read_config(baseline_dir)["vocab_size"], read_config(artifact_dir)["vocab_size"]
     if base_vocab != artifact_vocab:
         raise OptkitError(
             f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
             "compare an artifact with the model it was made from"
         )
-
+    reference = load_reference(reference_key(baseline_dir, windows, top_k)) if reference_cache else None
+    artifact_model = load_model(artifact_dir)
+    base_model = load_model(baseline_dir) if reference is None else None
     stats = TokenStats()
+    parts = []
     with torch.inference_mode(), progress_bar() as bar:
         task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
-        for batch in windows.split(batch_size):
-            stats.add(base_model(batch).logits, artifact_model(batch).logits, batch)
+        for first in range(0, len(windows), batch_size):
+            batch = windows[first : first + batch_size]
+            artifact_logits = artifact_model(batch).logits
+            if reference is not None:  # the base never runs: its top-k comes from the cache
+                stats.add_reference(reference[first : first + batch_size], artifact_logits, batch)
+            elif reference_cache:  # first run with the cache: build it, score the way reruns will
+                parts.append(reference_from_logits(base_model(batch).logits, batch, top_k))
+                stats.add_reference(parts[-1], artifact_logits, batch)
+            else:
+                stats.add(base_model(batch).logits, artifact_logits, batch)
             bar.update(task, advance=len(batch))
+    if parts:
+        fields = Reference.__dataclass_fields__
+        save_reference(
+            reference_key(baseline_dir, windows, top_k),
+            Reference(*(torch.cat([getattr(p, f) for p in parts]) for f in fields)),
+        )
 
     metrics = summarize(stats)
     return GateResult(
         artifact=str(artifact_dir),
         baseline=str(baseline_dir),
-        eval_set={"name": eval_set, "sha256": texts.sha256, "seq_len": seq_len, "windows": len(windows)},
+        eval_set={
+            "name": eval_set,
+            "sha256": texts.sha256,
+            "seq_len": seq_len,
+            "windows": len(windows),
+            "kld": f"top-{top_k} + tail" if reference_cache else "full vocabulary",
+            "base_model_loaded": base_model is not None,
+        },
         metrics=metrics,
         checks=check(metrics, thresholds),
         wall_time_s=round(time.perf_counter() - start, 3),

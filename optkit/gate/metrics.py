@@ -4,11 +4,47 @@ For every predicted position t (the last position of a window predicts nothing):
   NLL_m(t) = -log p_m(x_{t+1} | x_≤t)                     perplexity = exp(mean NLL)
   KLD(t)   = Σ_v p_base(v) (log p_base(v) - log p_art(v))   KL(P_base ‖ P_art), in nats
   top1(t)  = [argmax p_art = argmax p_base]
+With the reference cache, the gate keeps only the base's top-k log-probabilities per token (a
+`Reference`), so its KLD is taken over the k most likely tokens plus one "tail" bucket for the rest:
+  KLD_k(t) = Σ_{v ∈ top-k} p(v) log(p(v)/q(v)) + p_tail log(p_tail/q_tail),  p_tail = 1 − Σ_top-k p
+It never exceeds the full KLD (merging outcomes cannot increase a divergence); on the reference
+models it is ~7% below it at k = 256 and ~1.5% at k = 1024 (measured in the tests).
 """
 
 from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class Reference:
+    """What the gate needs of the base model, per predicted token ([W, T-1, ...] for W windows)."""
+
+    topk_ids: torch.Tensor  # int32 [W, T-1, k], most likely first
+    topk_logp: torch.Tensor  # fp32 [W, T-1, k]
+    target_nll: torch.Tensor  # fp32 [W, T-1]
+
+    def __getitem__(self, index) -> "Reference":
+        return Reference(self.topk_ids[index], self.topk_logp[index], self.target_nll[index])
+
+
+def reference_from_logits(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Reference:
+    """logits [B, T, V], tokens [B, T] -> the base's top-k log-probs and target NLL."""
+    log_p = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    topk = log_p.topk(min(k, log_p.shape[-1]), dim=-1)
+    nll = -log_p.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return Reference(topk.indices.to(torch.int32), topk.values, nll)
+
+
+def topk_kld(reference: Reference, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(P ‖ Q) over the base's top-k plus a tail bucket: [..., V] log_q -> [...]."""
+    log_p = reference.topk_logp
+    p = log_p.exp()
+    log_q_topk = log_q.gather(-1, reference.topk_ids.long())
+    p_tail = (1 - p.sum(-1)).clamp(min=0)
+    q_tail = (1 - log_q_topk.exp().sum(-1)).clamp(min=1e-12)
+    tail = torch.where(p_tail > 1e-12, p_tail * (torch.log(p_tail.clamp(min=1e-12)) - torch.log(q_tail)), 0.0)
+    return ((p * (log_p - log_q_topk)).sum(-1) + tail).clamp(min=0)
 
 
 @dataclass
@@ -21,14 +57,34 @@ class TokenStats:
     top1_match: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, base_logits: torch.Tensor, artifact_logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """base_logits, artifact_logits: [B, T, V]; tokens: [B, T]."""
-        log_p = torch.log_softmax(base_logits[:, :-1].float(), dim=-1)
+        """Exact, full-vocabulary comparison. base_logits, artifact_logits [B, T, V]; tokens [B, T]."""
+        self._add(
+            reference_from_logits(base_logits, tokens, 1),
+            artifact_logits,
+            tokens,
+            full_kld(base_logits[:, :-1], artifact_logits[:, :-1]),
+        )
+
+    def add_reference(self, reference: Reference, artifact_logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Comparison with the base's cached top-k (KLD over top-k plus tail)."""
         log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
-        targets = tokens[:, 1:].unsqueeze(-1)
-        self.nll_base.append(-log_p.gather(-1, targets).flatten())
-        self.nll_artifact.append(-log_q.gather(-1, targets).flatten())
-        self.kld.append((log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0).flatten())
-        self.top1_match.append((log_p.argmax(-1) == log_q.argmax(-1)).flatten())
+        self._add(reference, artifact_logits, tokens, topk_kld(reference, log_q))
+
+    def _add(
+        self, reference: Reference, artifact_logits: torch.Tensor, tokens: torch.Tensor, kld: torch.Tensor
+    ) -> None:
+        log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
+        self.nll_base.append(reference.target_nll.flatten())
+        self.nll_artifact.append(-log_q.gather(-1, tokens[:, 1:].unsqueeze(-1)).flatten())
+        self.kld.append(kld.flatten())
+        self.top1_match.append((reference.topk_ids[..., 0].long() == log_q.argmax(-1)).flatten())
+
+
+def full_kld(base_logits: torch.Tensor, artifact_logits: torch.Tensor) -> torch.Tensor:
+    """The exact KL(P_base ‖ P_art) over the whole vocabulary, per position: [B, T, V] -> [B, T]."""
+    log_p = torch.log_softmax(base_logits.float(), dim=-1)
+    log_q = torch.log_softmax(artifact_logits.float(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0)
 
 
 def summarize(stats: TokenStats) -> dict[str, float]:

@@ -20,6 +20,8 @@ class GateOptions(Thresholds):
     eval_set: str = "heldout"
     seq_len: int = 256
     max_windows: int | None = None
+    reference_cache: bool = False  # cache the base's top-k log-probs: reruns never load the base
+    top_k: int = 256
 
 
 class Recipe(BaseModel):

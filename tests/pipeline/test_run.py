@@ -120,3 +120,17 @@ def test_a_killed_run_resumes_to_the_same_artifact(tmp_path, draft_dir):
     assert {s["stage"]: s["status"] for s in json.loads(rerun.stdout)["stages"]}["quantize"] == "ran"
     assert quantized_files() == expected
     assert not list(work.glob(".quantized.tmp-*"))
+
+
+def test_gate_only_rerun_with_the_reference_cache_does_not_load_the_base(run_cli, tmp_path, draft_dir, monkeypatch):
+    from optkit.gate import evaluate as evaluate_module
+
+    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path, draft_dir, gate={"max_windows": 8, "max_kld": 0.05, "reference_cache": True})
+    assert run_cli("run", recipe)[0] == 0
+    loaded = []
+    real_load = evaluate_module.load_model
+    monkeypatch.setattr(evaluate_module, "load_model", lambda path, *a, **k: loaded.append(path) or real_load(path))
+    result = run_cli("run", recipe, "--set", "gate.max_kld=0.04", "--json")
+    assert stage_status(result) == {"quantize": "skipped", "gate": "ran", "package": "ran"}
+    assert [p.name for p in loaded] == ["quantized"]  # the artifact only, never the base
