@@ -100,7 +100,14 @@ def run_recipe(
     else:
         thresholds = Thresholds(max_ppl_increase=gate.max_ppl_increase, max_kld=gate.max_kld, min_top1=gate.min_top1)
         outcome: GateResult = evaluate(
-            artifact, base, thresholds, eval_set=gate.eval_set, seq_len=gate.seq_len, max_windows=gate.max_windows
+            artifact,
+            base,
+            thresholds,
+            eval_set=gate.eval_set,
+            seq_len=gate.seq_len,
+            max_windows=gate.max_windows,
+            reference_cache=gate.reference_cache,
+            top_k=gate.top_k,
         )
         result.gate = outcome.to_json()
         _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
