@@ -21,6 +21,10 @@ def eval_(
     min_top1: Annotated[
         float | None, typer.Option(help="Fail if fewer than this percent of tokens keep the base's top token.")
     ] = None,
+    task: Annotated[str | None, typer.Option(help="Multiple-choice task (next_line or a .jsonl) for accuracy.")] = None,
+    min_recovery: Annotated[
+        float | None, typer.Option(help="Fail if task accuracy falls below this fraction of the base's (e.g. 0.95).")
+    ] = None,
     seq_len: SeqLen = 256,
     max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
     reference_cache: Annotated[
@@ -36,11 +40,16 @@ def eval_(
 
     Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
     """
+    from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate
     from optkit.gate.report import gate_table, write_report
     from optkit.gate.thresholds import Thresholds
 
-    thresholds = Thresholds(max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1)
+    if min_recovery is not None and task is None:
+        raise OptkitError("--min-recovery needs a task: add --task next_line (or a .jsonl task)")
+    thresholds = Thresholds(
+        max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, min_recovery=min_recovery
+    )
     result = evaluate(
         artifact,
         baseline,
@@ -50,6 +59,7 @@ def eval_(
         max_windows=max_windows,
         reference_cache=reference_cache,
         top_k=top_k,
+        task=task,
     )
     if report is not None:
         write_report(result, report)

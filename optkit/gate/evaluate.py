@@ -11,6 +11,7 @@ from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
 from optkit.gate.metrics import Reference, TokenStats, reference_from_logits, summarize
 from optkit.gate.reference_cache import load_reference, reference_key, save_reference
+from optkit.gate.tasks import accuracy, encode_task, load_task
 from optkit.gate.thresholds import Check, Thresholds, check
 from optkit.modeldir import load_model, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
@@ -52,6 +53,7 @@ def evaluate(
     batch_size: int = 8,
     reference_cache: bool = False,
     top_k: int = 256,
+    task: str | None = None,
 ) -> GateResult:
     """Score `artifact` against `baseline` on the token windows of `eval_set`: exactly over the
     whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
@@ -81,7 +83,7 @@ def evaluate(
     stats = TokenStats()
     parts = []
     with torch.inference_mode(), progress_bar() as bar:
-        task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
+        progress_task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
         for first in range(0, len(windows), batch_size):
             batch = windows[first : first + batch_size]
             artifact_logits = artifact_model(batch).logits
@@ -92,7 +94,7 @@ def evaluate(
                 stats.add_reference(parts[-1], artifact_logits, batch)
             else:
                 stats.add(base_model(batch).logits, artifact_logits, batch)
-            bar.update(task, advance=len(batch))
+            bar.update(progress_task, advance=len(batch))
     if parts:
         fields = Reference.__dataclass_fields__
         save_reference(
@@ -101,6 +103,13 @@ def evaluate(
         )
 
     metrics = summarize(stats)
+    if task is not None:
+        encoded = encode_task(tokenizer, load_task(task))
+        pad_id = tokenizer.eos_token_id or 0
+        base_model = base_model if base_model is not None else load_model(baseline_dir)
+        metrics["task_acc_base"] = accuracy(base_model, encoded, pad_id)
+        metrics["task_acc_artifact"] = accuracy(artifact_model, encoded, pad_id)
+        metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
     return GateResult(
         artifact=str(artifact_dir),
         baseline=str(baseline_dir),

@@ -17,6 +17,9 @@ ROWS = [  # (metric, label, format)
     ("kld_p99", "KL divergence, p99", "{:.5f}"),
     ("kld_max", "KL divergence, max", "{:.5f}"),
     ("top1_pct", "same top token %", "{:.2f}"),
+    ("task_acc_base", "task accuracy (base)", "{:.3f}"),
+    ("task_acc_artifact", "task accuracy (artifact)", "{:.3f}"),
+    ("task_recovery", "task recovery", "{:.3f}"),
 ]
 
 
@@ -31,6 +34,8 @@ def gate_table(result: GateResult) -> Table:
     table.add_column("threshold", justify="right")
     table.add_column("", justify="center")
     for metric, label, fmt in ROWS:
+        if metric not in result.metrics:
+            continue
         value = fmt.format(result.metrics[metric])
         c = checks.get(metric)
         if c is None:

@@ -12,6 +12,7 @@ class Thresholds(BaseModel):
     max_ppl_increase: float | None = None  # percent
     max_kld: float | None = None  # mean KL divergence, nats
     min_top1: float | None = None  # percent of tokens with the base's top token
+    min_recovery: float | None = None  # task accuracy of the artifact / of the base (needs a task)
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Check:
 
     @property
     def rule(self) -> str:
-        op = "≥" if self.name == "min_top1" else "≤"
+        op = "≥" if self.name.startswith("min_") else "≤"
         return f"{op} {self.limit:g}"
 
 
@@ -33,6 +34,7 @@ RULES = {
     "max_ppl_increase": ("ppl_increase_pct", True),
     "max_kld": ("kld_mean", True),
     "min_top1": ("top1_pct", False),
+    "min_recovery": ("task_recovery", False),
 }
 
 
@@ -43,7 +45,7 @@ def check(metrics: dict[str, float], thresholds: Thresholds) -> list[Check]:
         limit = getattr(thresholds, name)
         if limit is None:
             continue
-        value = metrics[metric]
+        value = metrics.get(metric, float("nan"))  # a threshold on a metric not measured fails
         passed = not math.isnan(value) and (value <= limit if upper else value >= limit)
         checks.append(Check(name, metric, value, limit, passed))
     return checks

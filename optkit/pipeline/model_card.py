@@ -10,6 +10,8 @@ def model_card(recipe, manifest: dict, gate: dict, verdict: str) -> str:
     checks = {c["metric"]: c for c in gate["checks"]}
     rows = []
     for metric, label, fmt in ROWS:
+        if metric not in metrics:
+            continue
         check = checks.get(metric)
         rule = f"{check['rule']} ({'ok' if check['passed'] else 'CROSSED'})" if check else ""
         rows.append(f"| {label} | {fmt.format(metrics[metric])} | {rule} |")

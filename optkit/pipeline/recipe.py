@@ -20,6 +20,7 @@ class GateOptions(Thresholds):
     eval_set: str = "heldout"
     seq_len: int = 256
     max_windows: int | None = None
+    task: str | None = None  # multiple-choice task for accuracy and min_recovery (e.g. next_line)
     reference_cache: bool = False  # cache the base's top-k log-probs: reruns never load the base
     top_k: int = 256
 

@@ -98,7 +98,12 @@ def run_recipe(
         result.gate = done["result"]
         result.stages.append({"stage": "gate", "status": "skipped", "seconds": 0.0})
     else:
-        thresholds = Thresholds(max_ppl_increase=gate.max_ppl_increase, max_kld=gate.max_kld, min_top1=gate.min_top1)
+        thresholds = Thresholds(
+            max_ppl_increase=gate.max_ppl_increase,
+            max_kld=gate.max_kld,
+            min_top1=gate.min_top1,
+            min_recovery=gate.min_recovery,
+        )
         outcome: GateResult = evaluate(
             artifact,
             base,
@@ -108,6 +113,7 @@ def run_recipe(
             max_windows=gate.max_windows,
             reference_cache=gate.reference_cache,
             top_k=gate.top_k,
+            task=gate.task,
         )
         result.gate = outcome.to_json()
         _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
