@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
+	@# the report test renders report.html in headless Chromium (Debian's package)
+	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
+		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \
+		|| echo "note: install Debian's chromium for tests/pipeline/test_report.py"
 	touch $@
 
 demo: install

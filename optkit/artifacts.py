@@ -34,6 +34,9 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
     try:
         yield tmp
+        for path in tmp.rglob("*"):  # some writers create private files; an artifact is for sharing
+            if path.is_file():
+                os.chmod(path, 0o666 & ~umask)
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, trash / out.name)

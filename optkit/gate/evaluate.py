@@ -9,7 +9,7 @@ import torch
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
-from optkit.gate.metrics import Reference, TokenStats, reference_from_logits, summarize
+from optkit.gate.metrics import Reference, TokenStats, kld_histogram, reference_from_logits, summarize
 from optkit.gate.reference_cache import load_reference, reference_key, save_reference
 from optkit.gate.tasks import accuracy, encode_task, load_task
 from optkit.gate.thresholds import Check, Thresholds, check
@@ -24,6 +24,7 @@ class GateResult:
     eval_set: dict
     metrics: dict[str, float]
     checks: list[Check] = field(default_factory=list)
+    kld_histogram: dict = field(default_factory=dict)
     wall_time_s: float = 0.0
 
     @property
@@ -38,6 +39,7 @@ class GateResult:
             "metrics": self.metrics,
             "checks": [{**c.__dict__, "rule": c.rule} for c in self.checks],
             "verdict": "pass" if self.passed else "fail",
+            "kld_histogram": self.kld_histogram,
             "wall_time_s": self.wall_time_s,
         }
 
@@ -123,5 +125,6 @@ def evaluate(
         },
         metrics=metrics,
         checks=check(metrics, thresholds),
+        kld_histogram=kld_histogram(stats),
         wall_time_s=round(time.perf_counter() - start, 3),
     )

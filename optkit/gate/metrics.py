@@ -87,6 +87,17 @@ def full_kld(base_logits: torch.Tensor, artifact_logits: torch.Tensor) -> torch.
     return (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0)
 
 
+KLD_BIN_EDGES = [0.0] + [10.0**e for e in range(-6, 2)]  # nats: 0, 1e-6, 1e-5, ..., 10
+
+
+def kld_histogram(stats: TokenStats) -> dict:
+    """How many tokens fall in each decade of KL divergence (the report's histogram)."""
+    kld = torch.cat(stats.kld).double()
+    edges = torch.tensor(KLD_BIN_EDGES + [float("inf")], dtype=torch.float64)
+    counts = torch.bucketize(kld, edges[1:-1], right=True).bincount(minlength=len(edges) - 1)
+    return {"edges": KLD_BIN_EDGES, "counts": counts.tolist()}
+
+
 def summarize(stats: TokenStats) -> dict[str, float]:
     nll_base = torch.cat(stats.nll_base).double()
     nll_artifact = torch.cat(stats.nll_artifact).double()

@@ -21,6 +21,7 @@ from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifes
 from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
+from optkit.pipeline.report_html import render_report
 from optkit.quant.quantize import quantize_model
 
 
@@ -128,6 +129,7 @@ def run_recipe(
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
+        (tmp / "report.html").write_text(render_report(release.name, manifest, result.gate, result.verdict))
         fields = {k: v for k, v in manifest.items() if k not in ("files", "optkit_version", "created", "versions")}
         write_manifest(
             tmp,
