@@ -39,32 +39,41 @@ def load_task(name_or_path: str) -> list[dict]:
     return records
 
 
-def encode_task(tokenizer, records: list[dict]) -> list[tuple[list[int], list[list[int]], int]]:
-    """(context ids, [choice ids, ...], gold) per question."""
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Tokenize as lm-eval does: trailing whitespace of the context moves to the continuation,
+    the two are encoded together, and the continuation is what follows the context's tokens."""
+    stripped = context.rstrip()
+    continuation = context[len(stripped) :] + continuation
+    whole = tokenizer(stripped + continuation, add_special_tokens=False)["input_ids"]
+    context_ids = tokenizer(stripped, add_special_tokens=False)["input_ids"]
+    return context_ids, whole[len(context_ids) :]
+
+
+def encode_task(tokenizer, records: list[dict]) -> list[tuple[list[list[int]], list[list[int]], int]]:
+    """([context ids per choice], [choice ids per choice], gold) per question."""
     encoded = []
     for record in records:
-        context = tokenizer(record["context"], add_special_tokens=False)["input_ids"]
-        choices = [tokenizer(choice, add_special_tokens=False)["input_ids"] for choice in record["choices"]]
-        encoded.append((context, choices, int(record["gold"])))
+        pairs = [encode_pair(tokenizer, record["context"], choice) for choice in record["choices"]]
+        encoded.append(([c for c, _ in pairs], [x for _, x in pairs], int(record["gold"])))
     return encoded
 
 
 @torch.inference_mode()
-def choice_logprobs(model, context: list[int], choices: list[list[int]], pad_id: int) -> torch.Tensor:
-    """Σ log p(choice tokens | context) for each choice: [num_choices]."""
-    sequences = [context + choice for choice in choices]
+def choice_logprobs(model, contexts: list[list[int]], choices: list[list[int]], pad_id: int) -> torch.Tensor:
+    """Σ log p(choice tokens | its context) for each choice: [num_choices]."""
+    sequences = [context + choice for context, choice in zip(contexts, choices, strict=True)]
     length = max(len(s) for s in sequences)
     batch = torch.full((len(sequences), length), pad_id, dtype=torch.long)
     for row, sequence in enumerate(sequences):
         batch[row, : len(sequence)] = torch.tensor(sequence)
     log_p = torch.log_softmax(model(batch).logits.float(), dim=-1)
     scores = []
-    for row, choice in enumerate(choices):
+    for row, (context, choice) in enumerate(zip(contexts, choices, strict=True)):
         positions = torch.arange(len(context) - 1, len(context) - 1 + len(choice))
         scores.append(log_p[row, positions, torch.tensor(choice)].sum())
     return torch.stack(scores)
 
 
-def accuracy(model, encoded: list[tuple[list[int], list[list[int]], int]], pad_id: int) -> float:
+def accuracy(model, encoded: list[tuple[list[list[int]], list[list[int]], int]], pad_id: int) -> float:
     correct = sum(int(choice_logprobs(model, c, choices, pad_id).argmax()) == gold for c, choices, gold in encoded)
     return correct / len(encoded)

@@ -18,10 +18,19 @@ def test_bundled_task_loads_and_the_base_beats_chance(small_dir):
 def test_choice_scores_are_the_summed_log_probs_of_the_choice_tokens(draft_dir):
     model = load_model(draft_dir)
     context, choices = [5, 6, 7], [[8], [9, 10]]
-    scores = choice_logprobs(model, context, choices, pad_id=0)
+    scores = choice_logprobs(model, [context, context], choices, pad_id=0)
     with torch.inference_mode():
         log_p = torch.log_softmax(model(torch.tensor([[5, 6, 7, 9, 10]])).logits.float(), -1)[0]
     torch.testing.assert_close(scores[1], log_p[2, 9] + log_p[3, 10])
+
+
+def test_own_runtime_and_lm_eval_agree_on_the_bundled_task(small_dir):
+    """The gate's task accuracy is lm-eval's `acc`, computed by optkit's own runtime."""
+    from optkit.gate.lm_eval_tasks import lm_eval_accuracy
+
+    tokenizer = load_tokenizer(small_dir)
+    ours = accuracy(load_model(small_dir), encode_task(tokenizer, load_task("next_line")), tokenizer.eos_token_id)
+    assert ours == pytest.approx(lm_eval_accuracy(small_dir, "next_line"), abs=1e-9)
 
 
 def test_bad_task_files(tmp_path):
