@@ -24,15 +24,12 @@ def build(
 
     Example: optkit zoo build draft --out /tmp/draft --steps 50
     """
-    import torch
-
     from optkit.modeldir import BUNDLED_DIR
     from optkit.zoo.specs import get_spec
     from optkit.zoo.train import build_reference_model
 
     spec = get_spec(name)
     target = out or BUNDLED_DIR / name
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     result = build_reference_model(spec, target, steps=steps, overwrite=overwrite or out is None)
     data = {
         "name": name,

@@ -1,5 +1,7 @@
 """Run an artifact and its base over an eval set, token for token, and score the difference."""
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +12,13 @@ from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
 from optkit.gate.metrics import Reference, TokenStats, kld_histogram, reference_from_logits, summarize
-from optkit.gate.reference_cache import load_reference, reference_key, save_reference
+from optkit.gate.reference_cache import (
+    load_cached_value,
+    load_reference,
+    reference_key,
+    save_cached_value,
+    save_reference,
+)
 from optkit.gate.tasks import accuracy, encode_task, load_task
 from optkit.gate.thresholds import Check, Thresholds, check
 from optkit.modeldir import load_model, load_tokenizer, read_config, resolve_model_dir
@@ -79,7 +87,8 @@ def evaluate(
             f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
             "compare an artifact with the model it was made from"
         )
-    reference = load_reference(reference_key(baseline_dir, windows, top_k)) if reference_cache else None
+    key = reference_key(baseline_dir, windows, top_k) if reference_cache else None
+    reference = load_reference(key) if key else None
     artifact_model = load_model(artifact_dir)
     base_model = load_model(baseline_dir) if reference is None else None
     stats = TokenStats()
@@ -99,17 +108,21 @@ def evaluate(
             bar.update(progress_task, advance=len(batch))
     if parts:
         fields = Reference.__dataclass_fields__
-        save_reference(
-            reference_key(baseline_dir, windows, top_k),
-            Reference(*(torch.cat([getattr(p, f) for p in parts]) for f in fields)),
-        )
+        save_reference(key, Reference(*(torch.cat([getattr(p, f) for p in parts]) for f in fields)))
 
     metrics = summarize(stats)
     if task is not None:
-        encoded = encode_task(tokenizer, load_task(task))
+        records = load_task(task)
+        encoded = encode_task(tokenizer, records)
         pad_id = tokenizer.eos_token_id or 0
-        base_model = base_model if base_model is not None else load_model(baseline_dir)
-        metrics["task_acc_base"] = accuracy(base_model, encoded, pad_id)
+        task_key = f"{key}-task-{hashlib.sha256(json.dumps(records).encode()).hexdigest()[:16]}" if key else None
+        base_accuracy = load_cached_value(task_key) if task_key else None
+        if base_accuracy is None:
+            base_model = base_model if base_model is not None else load_model(baseline_dir)
+            base_accuracy = accuracy(base_model, encoded, pad_id)
+            if task_key:
+                save_cached_value(task_key, base_accuracy)
+        metrics["task_acc_base"] = base_accuracy
         metrics["task_acc_artifact"] = accuracy(artifact_model, encoded, pad_id)
         metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
     return GateResult(

@@ -5,6 +5,7 @@ set's text, the tokenizer and the window length) and k. Stored as safetensors, n
 """
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -45,4 +46,20 @@ def save_reference(key: str, reference: Reference) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tensors = {"topk_ids": reference.topk_ids, "topk_logp": reference.topk_logp, "target_nll": reference.target_nll}
     save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+    tmp.replace(path)
+
+
+def load_cached_value(key: str) -> float | None:
+    """A number cached beside a reference (the base's task accuracy)."""
+    path = cache_dir("references") / f"{key}.json"
+    try:
+        return float(json.loads(path.read_text())["value"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached_value(key: str, value: float) -> None:
+    path = cache_dir("references") / f"{key}.json"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"value": value}))
     tmp.replace(path)

@@ -126,7 +126,8 @@ def test_gate_only_rerun_with_the_reference_cache_does_not_load_the_base(run_cli
     from optkit.gate import evaluate as evaluate_module
 
     monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
-    recipe = write_recipe(tmp_path, draft_dir, gate={"max_windows": 8, "max_kld": 0.05, "reference_cache": True})
+    gate = {"max_windows": 8, "max_kld": 0.05, "reference_cache": True, "task": "next_line", "min_recovery": 0.5}
+    recipe = write_recipe(tmp_path, draft_dir, gate=gate)
     assert run_cli("run", recipe)[0] == 0
     loaded = []
     real_load = evaluate_module.load_model
