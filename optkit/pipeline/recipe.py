@@ -5,7 +5,7 @@ import difflib
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from optkit.errors import OptkitError
 from optkit.gate.thresholds import Thresholds
@@ -25,13 +25,56 @@ class GateOptions(Thresholds):
     top_k: int = 256
 
 
+STAGE_KINDS = {"smoothquant": "smoothing", "rtn": "weights", "gptq": "weights", "awq": "weights", "w8a8": "weights"}
+
+
+def method_of_stages(stages: list[str]) -> str:
+    """The quantize method that a list of stages composes to, or a user error naming the stage.
+
+    SmoothQuant rewrites the weights (it folds scales into them), so it must come before the one
+    stage that quantizes the weights; two weight quantizers cannot both quantize the same weights."""
+    if not stages:
+        raise ValueError("stages is empty: list at least one of " + ", ".join(STAGE_KINDS))
+    for index, stage in enumerate(stages, 1):
+        if stage not in STAGE_KINDS:
+            raise ValueError(f"stage {index} {stage!r} is unknown: choose from {', '.join(STAGE_KINDS)}")
+    weights = [s for s in stages if STAGE_KINDS[s] == "weights"]
+    if len(weights) > 1:
+        raise ValueError(f"stages {weights} both quantize the weights: keep one")
+    if "smoothquant" in stages and weights and stages.index("smoothquant") > stages.index(weights[0]):
+        raise ValueError(
+            f"stage {stages.index('smoothquant') + 1} 'smoothquant' cannot follow the weight-only stage "
+            f"{weights[0]!r}: smoothing rewrites the weights, so it must come first"
+        )
+    if "smoothquant" in stages:
+        if weights and weights[0] not in ("gptq", "rtn", "w8a8"):
+            raise ValueError(f"stage {weights[0]!r} cannot follow 'smoothquant': use gptq or rtn for the int8 weights")
+        return "smoothquant+gptq" if weights == ["gptq"] else "smoothquant"
+    return weights[0]
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str  # base model: directory or reference-model name
+    stages: list[str] | None = None  # composable alternative to quantize.method, e.g. [smoothquant, gptq]
     quantize: QuantizeOptions = Field(default_factory=QuantizeOptions)
     gate: GateOptions = Field(default_factory=GateOptions)
     output: str  # the release directory
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stages_set_the_method(cls, data):
+        if isinstance(data, dict) and data.get("stages") is not None:
+            quantize = dict(data.get("quantize") or {})
+            method = method_of_stages(list(data["stages"]))
+            if quantize.get("method") not in (None, method):
+                raise ValueError(f"quantize.method {quantize['method']!r} contradicts stages {data['stages']}")
+            quantize["method"] = method
+            if method in ("smoothquant", "smoothquant+gptq", "w8a8"):
+                quantize.setdefault("weights", {"bits": 8, "group_size": -1, "symmetric": True})
+            data = {**data, "quantize": quantize}
+        return data
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
@@ -55,7 +98,8 @@ def _describe(error: dict) -> str:
     if error["type"] == "missing":
         return f"recipe key {where!r} is required"
     if error["type"] == "value_error":
-        return f"recipe key {where!r}: {error['msg'].removeprefix('Value error, ')}"
+        message = error["msg"].removeprefix("Value error, ")
+        return f"recipe key {where!r}: {message}" if where else f"recipe: {message}"
     return f"recipe key {where!r}: {error['msg']} (got {error.get('input')!r})"
 
 

@@ -135,3 +135,24 @@ def test_gate_only_rerun_with_the_reference_cache_does_not_load_the_base(run_cli
     result = run_cli("run", recipe, "--set", "gate.max_kld=0.04", "--json")
     assert stage_status(result) == {"quantize": "skipped", "gate": "ran", "package": "ran"}
     assert [p.name for p in loaded] == ["quantized"]  # the artifact only, never the base
+
+
+@pytest.mark.parametrize(
+    "stages,fragment",
+    [
+        (["gptq", "smoothquant"], "stage 2 'smoothquant' cannot follow the weight-only stage 'gptq'"),
+        (["awq", "gptq"], "both quantize the weights"),
+        (["smoothquant", "awq"], "cannot follow 'smoothquant'"),
+        (["smoothqant"], "stage 1 'smoothqant' is unknown"),
+    ],
+)
+def test_stage_orders_that_cannot_work_name_the_stage(run_cli, tmp_path, draft_dir, stages, fragment):
+    recipe = write_recipe(tmp_path, draft_dir, stages=stages, quantize={"calibration": {"num_samples": 8}})
+    assert_user_error(run_cli("run", recipe), fragment)
+
+
+def test_stages_compose_smoothquant_then_gptq(tmp_path, draft_dir):
+    from optkit.pipeline.recipe import load_recipe
+
+    recipe, _ = load_recipe(write_recipe(tmp_path, draft_dir, stages=["smoothquant", "gptq"], quantize={}))
+    assert recipe.quantize.method == "smoothquant+gptq" and recipe.quantize.weights.bits == 8
