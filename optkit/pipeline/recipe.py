@@ -17,6 +17,14 @@ class GateOptions(Thresholds):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _recovery_defaults_with_a_task(cls, data):
+        """A task without an explicit min_recovery is gated at 0.95, as practitioners do."""
+        if isinstance(data, dict) and data.get("task") and "min_recovery" not in data:
+            data = {**data, "min_recovery": 0.95}
+        return data
+
     eval_set: str = "heldout"
     seq_len: int = 256
     max_windows: int | None = None
