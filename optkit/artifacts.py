@@ -66,12 +66,25 @@ def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str
     }
 
 
+_identity_cache: dict[tuple, str] = {}
+
+
 def content_sha256(path: Path) -> str:
-    """sha256 of a file, or of a directory's files (relative path and bytes, in sorted order)."""
-    path = Path(path)
-    if not path.is_dir():
-        return file_sha256(path)
-    digest = hashlib.sha256()
-    for name, file_digest in file_hashes(path).items():
-        digest.update(f"{name}\0{file_digest}\n".encode())
-    return digest.hexdigest()
+    """sha256 of a file, or of a directory's files (relative path and bytes, in sorted order).
+
+    This is the identity of a base model or data set in cache keys and manifests; one run asks for
+    it several times (pipeline stage key, manifest, reference cache), so within a process it is
+    remembered for as long as no file's size or modification time changes. (Integrity checks, as
+    in `optkit verify`, always read the bytes: they use `file_sha256`.)"""
+    path = Path(path).resolve()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    signature = (str(path), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    if signature not in _identity_cache:
+        if not path.is_dir():
+            _identity_cache[signature] = file_sha256(path)
+        else:
+            digest = hashlib.sha256()
+            for name, file_digest in file_hashes(path).items():
+                digest.update(f"{name}\0{file_digest}\n".encode())
+            _identity_cache[signature] = digest.hexdigest()
+    return _identity_cache[signature]

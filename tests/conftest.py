@@ -21,6 +21,17 @@ def small_dir() -> Path:
     return resolve_model_dir("small")
 
 
+@pytest.fixture(scope="session")
+def draft_w2(tmp_path_factory, draft_dir) -> Path:
+    """A badly degraded artifact (RTN 2-bit per channel of `draft`), for gates that must fail."""
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.quant.schemes import WeightScheme
+
+    out = tmp_path_factory.mktemp("artifacts") / "draft-w2"
+    quantize_model(draft_dir, out, QuantizeOptions(weights=WeightScheme(bits=2, group_size=-1)))
+    return out
+
+
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """Run `optkit ARGS...` in this process; returns (exit code, stdout, stderr)."""

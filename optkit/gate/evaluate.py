@@ -107,8 +107,7 @@ def evaluate(
                 stats.add(base_model(batch).logits, artifact_logits, batch)
             bar.update(progress_task, advance=len(batch))
     if parts:
-        fields = Reference.__dataclass_fields__
-        save_reference(key, Reference(*(torch.cat([getattr(p, f) for p in parts]) for f in fields)))
+        save_reference(key, Reference.cat(parts))
 
     metrics = summarize(stats)
     if task is not None:

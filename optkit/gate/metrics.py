@@ -27,6 +27,10 @@ class Reference:
     def __getitem__(self, index) -> "Reference":
         return Reference(self.topk_ids[index], self.topk_logp[index], self.target_nll[index])
 
+    @staticmethod
+    def cat(parts: list["Reference"]) -> "Reference":
+        return Reference(*(torch.cat([getattr(p, f) for p in parts]) for f in ("topk_ids", "topk_logp", "target_nll")))
+
 
 def reference_from_logits(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Reference:
     """logits [B, T, V], tokens [B, T] -> the base's top-k log-probs and target NLL."""
@@ -58,33 +62,37 @@ class TokenStats:
 
     def add(self, base_logits: torch.Tensor, artifact_logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Exact, full-vocabulary comparison. base_logits, artifact_logits [B, T, V]; tokens [B, T]."""
-        self._add(
-            reference_from_logits(base_logits, tokens, 1),
-            artifact_logits,
-            tokens,
-            full_kld(base_logits[:, :-1], artifact_logits[:, :-1]),
-        )
+        log_p = torch.log_softmax(base_logits[:, :-1].float(), dim=-1)
+        log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
+        nll_base = -log_p.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+        self._append(nll_base, log_q, tokens, _kld(log_p, log_q), log_p.argmax(-1))
 
     def add_reference(self, reference: Reference, artifact_logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Comparison with the base's cached top-k (KLD over top-k plus tail)."""
         log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
-        self._add(reference, artifact_logits, tokens, topk_kld(reference, log_q))
+        self._append(reference.target_nll, log_q, tokens, topk_kld(reference, log_q), reference.topk_ids[..., 0])
 
-    def _add(
-        self, reference: Reference, artifact_logits: torch.Tensor, tokens: torch.Tensor, kld: torch.Tensor
+    def _append(
+        self,
+        nll_base: torch.Tensor,
+        log_q: torch.Tensor,
+        tokens: torch.Tensor,
+        kld: torch.Tensor,
+        base_top1: torch.Tensor,
     ) -> None:
-        log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
-        self.nll_base.append(reference.target_nll.flatten())
+        self.nll_base.append(nll_base.flatten())
         self.nll_artifact.append(-log_q.gather(-1, tokens[:, 1:].unsqueeze(-1)).flatten())
         self.kld.append(kld.flatten())
-        self.top1_match.append((reference.topk_ids[..., 0].long() == log_q.argmax(-1)).flatten())
+        self.top1_match.append((base_top1.long() == log_q.argmax(-1)).flatten())
+
+
+def _kld(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0)
 
 
 def full_kld(base_logits: torch.Tensor, artifact_logits: torch.Tensor) -> torch.Tensor:
     """The exact KL(P_base ‖ P_art) over the whole vocabulary, per position: [B, T, V] -> [B, T]."""
-    log_p = torch.log_softmax(base_logits.float(), dim=-1)
-    log_q = torch.log_softmax(artifact_logits.float(), dim=-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp(min=0)
+    return _kld(torch.log_softmax(base_logits.float(), dim=-1), torch.log_softmax(artifact_logits.float(), dim=-1))
 
 
 KLD_BIN_EDGES = [0.0] + [10.0**e for e in range(-6, 2)]  # nats: 0, 1e-6, 1e-5, ..., 10

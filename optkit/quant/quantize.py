@@ -8,7 +8,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -32,7 +32,8 @@ from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_procedure
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
 
-METHODS = ("rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq")
+Method = Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"]
+METHODS = get_args(Method)
 W8A8_METHODS = ("w8a8", "smoothquant", "smoothquant+gptq")
 
 
@@ -41,7 +42,7 @@ class QuantizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"] = "rtn"
+    method: Method = "rtn"
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
     format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
@@ -149,28 +150,25 @@ def _quantize_weights(
 ) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict[str, torch.Tensor], dict]:
     """name -> (quantized weight, stats) for every target, the full-precision tensors the method
     changed, and the calibration record."""
-    reader = TensorReader(base)
-    calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
     if options.method == "rtn":
-        return _quantize_rtn(reader, targets, options.weights), {}, calibration
-    else:
-        data = calibration_data(load_tokenizer(base), options.calibration)
-        calibration = {
-            "name": options.calibration.calib,
-            "sha256": data.source.sha256,
-            "num_samples": options.calibration.num_samples,
-            "seq_len": options.calibration.seq_len,
-        }
-        procedure = _procedure(options)
-        results, updated = calibrate_layerwise(
-            base,
-            data.tokens,
-            {t.name for t in targets},
-            procedure,
-            device=resolve_device(device),
-            batch_size=options.calibration.batch_size,
-            label=f"{options.method} {options.weights.describe()}",
-        )
+        no_calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
+        return _quantize_rtn(TensorReader(base), targets, options.weights), {}, no_calibration
+    data = calibration_data(load_tokenizer(base), options.calibration)
+    calibration = {
+        "name": options.calibration.calib,
+        "sha256": data.source.sha256,
+        "num_samples": options.calibration.num_samples,
+        "seq_len": options.calibration.seq_len,
+    }
+    results, updated = calibrate_layerwise(
+        base,
+        data.tokens,
+        {t.name for t in targets},
+        _procedure(options),
+        device=resolve_device(device),
+        batch_size=options.calibration.batch_size,
+        label=f"{options.method} {options.weights.describe()}",
+    )
     return results, updated, calibration
 
 

@@ -38,9 +38,8 @@ def test_quantize_inspect_eval_round_trip(run_cli, tmp_path, draft_dir):
     assert json.loads(report.read_text())["verdict"] == "pass"
 
 
-def test_crossed_threshold_exits_1_and_names_it(run_cli, tmp_path, draft_dir):
-    artifact = tmp_path / "draft-w2"
-    assert run_cli("quantize", draft_dir, "--bits", "2", "--group-size", "-1", "--out", artifact)[0] == 0
+def test_crossed_threshold_exits_1_and_names_it(run_cli, draft_dir, draft_w2):
+    artifact = draft_w2
     code, out, _ = run_cli(
         "eval",
         artifact,
