@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,eval]"
+	$(PY) -m pip install -q -e ".[dev,eval,serve]"
 	@# the report test renders report.html in headless Chromium (Debian's package)
 	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \

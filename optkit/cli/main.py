@@ -6,9 +6,11 @@ import sys
 import typer
 
 from optkit.cli import eval as eval_cmd
+from optkit.cli import generate as generate_cmd
 from optkit.cli import inspect as inspect_cmd
 from optkit.cli import quantize as quantize_cmd
 from optkit.cli import run as run_cmd
+from optkit.cli import serve as serve_cmd
 from optkit.cli import verify as verify_cmd
 from optkit.cli import zoo as zoo_cmd
 
@@ -25,6 +27,8 @@ app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)
 app.command("run")(run_cmd.run)
+app.command("generate")(generate_cmd.generate)
+app.command("serve")(serve_cmd.serve)
 app.add_typer(zoo_cmd.app, name="zoo")
 
 

@@ -1,0 +1,182 @@
+"""Attention over a paged KV cache, for a packed batch of prefill chunks and decodes.
+
+Layouts (docs/runtime.md): per layer, k_cache and v_cache are [num_blocks, block_size, Hkv, D];
+token t of a sequence sits in slot block_table[t // block_size] * block_size + t % block_size.
+A step's T new tokens of B sequences are packed without padding; sequence b's are the rows
+query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attends to positions
+0..p of its own sequence, where the last new token is at position context_lens[b] - 1.
+
+`paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, and
+runs one causal SDPA per longer chunk. `paged_attention_reference` loops over every token.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class _DecodeGroup:
+    """The step's decode sequences (query_len 1), attended together."""
+
+    rows: torch.Tensor | slice  # rows of q: long [Bd], or a slice when they are 0..Bd-1
+    block_tables: torch.Tensor  # long [Bd, nb]: only the blocks the longest of them uses
+    key_mask: torch.Tensor  # bool [Bd, 1, 1, nb * block_size]: True where the key is in the context
+
+
+@dataclass
+class _Plan:
+    decode: _DecodeGroup | None
+    chunks: list[tuple[int, int, int]]  # (sequence b, first row, query_len) of each longer chunk
+
+
+@dataclass
+class AttentionMetadata:
+    """What attention needs to know about a step of T tokens from B sequences."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: the cache slot each new token's K and V are written to
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    context_lens: torch.Tensor  # int32 [B]: tokens of b in the cache once this step's are written
+    block_tables: torch.Tensor  # int32 [B, max_blocks], padded with 0
+    query_lens: list[int]
+    context_lens_list: list[int]
+    max_query_len: int
+    max_context_len: int
+    # per block size: the step's split into decodes and chunks, shared by every layer
+    _plans: dict[int, _Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        assert len(query_lens) == len(context_lens) == len(block_tables)
+        assert sum(query_lens) == len(slot_mapping)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), max_blocks),
+            query_lens=list(query_lens),
+            context_lens_list=list(context_lens),
+            max_query_len=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+        )
+
+    def plan(self, block_size: int) -> _Plan:
+        if block_size not in self._plans:
+            self._plans[block_size] = self._make_plan(block_size)
+        return self._plans[block_size]
+
+    def _make_plan(self, block_size: int) -> _Plan:
+        starts = [0]
+        for n in self.query_lens:
+            starts.append(starts[-1] + n)
+        decodes = [b for b, n in enumerate(self.query_lens) if n == 1]
+        chunks = [(b, starts[b], n) for b, n in enumerate(self.query_lens) if n > 1]
+        if not decodes:
+            return _Plan(None, chunks)
+        device = self.block_tables.device
+        rows = [starts[b] for b in decodes]
+        lens = [self.context_lens_list[b] for b in decodes]
+        num_blocks = math.ceil(max(lens) / block_size)
+        index = torch.tensor(decodes, dtype=torch.long, device=device)
+        tables = self.block_tables[index, :num_blocks].long()
+        positions = torch.arange(num_blocks * block_size, device=device)
+        key_mask = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [Bd, L]
+        group = _DecodeGroup(
+            rows=slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=device),
+            block_tables=tables,
+            key_mask=key_mask[:, None, None, :],
+        )
+        return _Plan(group, chunks)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the step's keys and values. k, v: [T, Hkv, D]; caches [N, block_size, Hkv, D]."""
+    heads, dim = k_cache.shape[2:]
+    assert k.shape == v.shape == (slot_mapping.shape[0], heads, dim), (k.shape, k_cache.shape)
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D]; Hq a multiple of the cache's Hkv (grouped-query attention)."""
+    num_tokens, q_heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape and k_cache.shape[3] == dim, (q.shape, k_cache.shape)
+    assert q_heads % kv_heads == 0 and num_tokens == meta.slot_mapping.shape[0], (q.shape, k_cache.shape)
+    plan = meta.plan(block_size)
+    out = torch.empty_like(q)
+    if plan.decode is not None:
+        out[plan.decode.rows] = _decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale)
+    for b, start, query_len in plan.chunks:
+        context_len = meta.context_lens_list[b]
+        table = meta.block_tables[b, : math.ceil(context_len / block_size)].long()
+        k = k_cache[table].flatten(0, 1)[:context_len]  # [S, Hkv, D]
+        v = v_cache[table].flatten(0, 1)[:context_len]
+        out[start : start + query_len] = _chunk_attention(q[start : start + query_len], k, v, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
+) -> torch.Tensor:
+    """q [Bd, Hq, D], one token per sequence -> [Bd, Hq, D]."""
+    batch, q_heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, L, D]
+    v = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+    # The Hq / Hkv query heads that share a KV head become that head's "queries": one token has
+    # no causal structure, so no repeat of K and V is needed.
+    q = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # [Bd, Hkv, G, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.key_mask, scale=scale)
+    return out.reshape(batch, q_heads, dim)
+
+
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The last Lq tokens of a sequence whose S keys are all given. q [Lq, Hq, D]; k, v [S, Hkv, D]."""
+    query_len, context_len = q.shape[0], k.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
+    if query_len == context_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # query i sits at position S - Lq + i and sees keys 0..S - Lq + i
+        mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device)
+        mask = mask.tril(diagonal=context_len - query_len)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The same, one token at a time, slot by slot, with an explicit softmax in float64."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    tables = meta.block_tables.tolist()
+    for b, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
+        for i in range(query_len):
+            position = context_len - query_len + i
+            slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(position + 1)]
+            k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [p + 1, Hq, D]
+            v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,thd->ht", q[starts[b] + i].double(), k) * scale
+            out[starts[b] + i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

@@ -1,0 +1,92 @@
+"""Weight-only quantized linear layers: integer weights stay packed in memory and are dequantized
+on the fly, in the activation dtype, for each matmul (the reference kernel).
+
+Storage of q (signed, in [qmin, qmax]) as u = q - qmin, unsigned:
+  bits 1..2  int32 [out, ceil(in / 16)]  sixteen 2-bit fields per word, column 16w + j at bits 2j
+  bits 3..4  int32 [out, ceil(in / 8)]   eight 4-bit fields per word, column 8w + j at bits 4j
+  bits 5..8  int8  [out, in]             q itself
+Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) · s[o, g(i)], computed in float32 exactly as
+`QuantizedWeight.dequantize` does, so the weights (and outputs) match the evaluation loader bit for bit.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from optkit.quant.rtn import QuantizedWeight, dequantize
+
+
+def field_bits(bits: int) -> int:
+    """The width of the field that holds one value: 2, 4, or 8 (a plain int8)."""
+    assert 1 <= bits <= 8, bits
+    return 2 if bits <= 2 else 4 if bits <= 4 else 8
+
+
+def pack_int32(u: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned ints [R, C] below 2^width -> int32 [R, ceil(C / per_word)], per_word = 32 / width."""
+    per_word = 32 // width
+    rows, cols = u.shape
+    padded = F.pad(u.to(torch.int64), (0, -cols % per_word)).reshape(rows, -1, per_word)
+    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * width
+    words = (padded << shifts).sum(dim=-1)  # fields do not overlap, so the sum is an OR
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int32(packed: torch.Tensor, width: int, cols: int) -> torch.Tensor:
+    """Inverse of `pack_int32`: int32 [R, W] -> int32 [R, cols]."""
+    per_word = 32 // width
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * width
+    # an arithmetic shift of a negative word only fills the top bits, which the mask drops
+    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << width) - 1)  # [R, W, per_word]
+    return fields.reshape(packed.shape[0], -1)[:, :cols]
+
+
+class W4A16Linear(torch.nn.Module):
+    """y = x Ŵᵀ + b with Ŵ dequantized from packed integers at each call (any of 1..8 bits)."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        zero_point: torch.Tensor,
+        bits: int,
+        in_features: int,
+        g_idx: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.bits, self.in_features, self.out_features = bits, in_features, scale.shape[0]
+        self.register_buffer("qweight", qweight)  # packed as in the module docstring
+        self.register_buffer("scale", scale)  # [out, G], the stored dtype (the math runs in float32)
+        self.register_buffer("zero_point", zero_point.to(torch.int8))  # [out, G]
+        self.register_buffer("g_idx", None if g_idx is None else g_idx.to(torch.int32))  # [in]
+        self.register_buffer("bias", bias)  # [out], in the activation dtype
+
+    @classmethod
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "W4A16Linear":
+        bits = qw.scheme.bits
+        width = field_bits(bits)
+        if width == 8:
+            qweight = qw.q.to(torch.int8).contiguous()
+        else:
+            qweight = pack_int32(qw.q.to(torch.int64) - qw.scheme.qmin, width)
+        return cls(qweight, qw.scale, qw.zero_point, bits, qw.q.shape[1], qw.g_idx, bias)
+
+    def int_weight(self) -> torch.Tensor:
+        """The signed integer weight q [out, in] (int32 for packed storage, else int8)."""
+        width = field_bits(self.bits)
+        if width == 8:
+            return self.qweight
+        return unpack_int32(self.qweight, width, self.in_features) - (1 << (self.bits - 1))
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Ŵ [out, in] in `dtype`: the float32 math of `QuantizedWeight.dequantize`, then a cast."""
+        return dequantize(self.int_weight(), self.scale, self.zero_point, self.g_idx).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        groups = self.scale.shape[1]
+        order = ", act-order g_idx" if self.g_idx is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, w{self.bits}, {groups} groups{order}"

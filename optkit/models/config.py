@@ -1,0 +1,218 @@
+"""The runtime's model configuration, read from a Hugging Face config.json dict.
+
+Supported: model_type llama, mistral, qwen2, qwen3 (qwen3 adds an RMSNorm on each query and key
+head). RoPE frequencies follow transformers' `modeling_rope_utils` formula for formula, so
+positions rotate exactly as in the transformers model.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from optkit.errors import OptkitError
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# transformers' defaults, for keys a config.json may leave out
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_RMS_EPS = 1e-6
+_DEFAULT_THETA = 10000.0
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    qkv_bias: bool = False  # q/k/v projections have a bias (qwen2; llama/qwen3 with attention_bias)
+    o_bias: bool = False  # o_proj has a bias (llama/qwen3 with attention_bias)
+    mlp_bias: bool = False  # gate/up/down have a bias (llama with mlp_bias)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3)
+    eos_token_ids: list[int] = field(default_factory=list)
+    # standardized as transformers does: always rope_type and rope_theta, plus the type's own keys
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": _DEFAULT_THETA})
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise OptkitError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_key_value_heads}: fix config.json"
+            )
+
+    @classmethod
+    def from_hf(cls, config: dict, generation_config: dict | None = None) -> "ModelConfig":
+        """From config.json (and, optionally, generation_config.json, which may add EOS tokens)."""
+        model_type = config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise OptkitError(
+                f"model_type {model_type!r} is not supported by the runtime: it runs {', '.join(MODEL_TYPES)}"
+            )
+        missing = [key for key in _REQUIRED if key not in config]
+        if missing:
+            raise OptkitError(f"config.json lacks {', '.join(missing)}: re-save the model with save_pretrained")
+        if config.get("hidden_act", "silu") != "silu":
+            raise OptkitError(f"hidden_act {config['hidden_act']!r} is not supported: the runtime runs silu MLPs")
+        _check_sliding_window(config, model_type)
+        heads = config["num_attention_heads"]
+        default_head_dim = 128 if model_type == "qwen3" else config["hidden_size"] // heads
+        max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or default_head_dim,
+            intermediate_size=config["intermediate_size"],
+            rms_norm_eps=config.get("rms_norm_eps", _DEFAULT_RMS_EPS),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_positions,
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+            o_bias=model_type in ("llama", "qwen3") and attention_bias,
+            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_eos_token_ids(config, generation_config or {}),
+            rope_parameters=standardize_rope(config, max_positions),
+        )
+
+    def rope_frequencies(self) -> tuple[torch.Tensor, float]:
+        """(inv_freq float32 [head_dim / 2] on the CPU, attention scaling of cos and sin)."""
+        return rope_frequencies(self.rope_parameters, self.head_dim, self.max_position_embeddings)
+
+
+def _check_sliding_window(config: dict, model_type: str) -> None:
+    """Sliding-window attention is not implemented; refuse it wherever transformers would use it."""
+    max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
+    if model_type == "mistral":
+        window = config.get("sliding_window", 4096)
+    elif model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, on some layers
+        window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            sliding_layers = "sliding_attention" in layer_types
+        else:
+            sliding_layers = config["num_hidden_layers"] > config.get("max_window_layers", 28)
+        window = window if sliding_layers else None
+    else:
+        window = None
+    if window is not None and window < max_positions:
+        raise OptkitError(
+            f"{model_type} with sliding_window {window} (< max_position_embeddings {max_positions}): "
+            "the runtime has no sliding-window attention; use a model with full attention"
+        )
+
+
+def _eos_token_ids(config: dict, generation_config: dict) -> list[int]:
+    ids: list[int] = []
+    for source in (config, generation_config):
+        value = source.get("eos_token_id")
+        for token in [value] if isinstance(value, int) else value or []:
+            if token not in ids:
+                ids.append(token)
+    return ids
+
+
+def standardize_rope(config: dict, max_positions: int) -> dict:
+    """RoPE parameters in transformers 5's `rope_parameters` form, from either that key or the
+    older `rope_theta` + `rope_scaling` pair (as transformers does, `rope_scaling` wins)."""
+    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", config.get("rope_theta", _DEFAULT_THETA))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise OptkitError(f"partial_rotary_factor {partial} is not supported: the runtime rotates whole heads")
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise OptkitError(
+            f"rope_type {rope['rope_type']!r} is not supported: the runtime implements {', '.join(ROPE_TYPES)}"
+        )
+    if rope["rope_type"] in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", rope.get("original_max_position_embeddings", max_positions)
+        )
+    return rope
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    # inv_freq[i] = 1 / theta^(2i / dim), in float32 as transformers computes it
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+
+
+def rope_frequencies(rope: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the attention scaling of cos/sin for standardized `rope`."""
+    rope_type, theta, dim = rope["rope_type"], rope["rope_theta"], head_dim
+    if rope_type == "default":
+        return _base_inv_freq(theta, dim), 1.0
+    if rope_type == "linear":  # positions divided by `factor`, the same as dividing inv_freq
+        return _base_inv_freq(theta, dim) / rope["factor"], 1.0
+    if rope_type == "dynamic":
+        # Dynamic NTK raises theta to theta·(factor·L / max_positions − (factor − 1))^(dim / (dim − 2))
+        # once the length L exceeds max_position_embeddings; up to there the factor is 1, plain RoPE.
+        # Approximated as static at L = max_position_embeddings: exactly transformers' frequencies
+        # within that length, and no rescaling beyond it.
+        return _base_inv_freq(theta, dim), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(rope, theta, dim), 1.0
+    assert rope_type == "yarn", rope_type  # standardize_rope refused the rest
+    return _yarn_frequencies(rope, theta, dim, max_positions)
+
+
+def _llama3_inv_freq(rope: dict, theta: float, dim: int) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp between."""
+    inv_freq = _base_inv_freq(theta, dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(rope: dict, theta: float, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies, extrapolate high ones, ramp between;
+    cos and sin are scaled by 0.1·ln(factor) + 1 (or the given attention_factor)."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # the dimension whose wavelength fits `num_rotations` times into the original context
+        return (dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    extrapolation_factor = 1 - ramp
+    inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+    return inv_freq, attention_factor

@@ -1,0 +1,162 @@
+"""The runtime's decoder (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, grouped-query attention over
+the paged KV cache, SwiGLU MLP. Module names follow transformers (`model.layers.{i}.self_attn.q_proj`
+...), so checkpoints load by key and quantized layers keep their names.
+
+A step runs T packed tokens (docs/runtime.md): input_ids and positions are [T], no batch dim.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from optkit.models.config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+
+
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+    """The shape of one layer's k_cache (and v_cache)."""
+    return (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> list[KVCache]:
+    shape = kv_cache_shape(config, num_blocks, block_size)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, D]: angle p·inv_freq[i] at columns i and i + D/2."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()  # [T, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by its position; the "rotate half" pairing (i, i + D/2) of HF Llama."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        num_tokens = h.shape[0]
+        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
+        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward: packed tokens -> final hidden states; compute_logits: hidden states -> fp32 logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        # tied embeddings: the logits reuse embed_tokens.weight, there is no lm_head
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        inv_freq, self.attention_scaling = config.rope_frequencies()  # on the CPU even under a meta device
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm."""
+        h = self.model.embed_tokens(input_ids)  # h: [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, D]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, meta, kv_cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -1,0 +1,106 @@
+"""Load a model directory (plain checkpoint or optkit artifact) into the runtime's `CausalLM`.
+
+The model is built on the meta device, then given the checkpoint's tensors (no random init, no
+copy). Quantized layers stay quantized: weight-only ones as `W4A16Linear` (packed integers,
+dequantized per matmul), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors only.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from optkit.errors import OptkitError
+from optkit.kernels.w4a16 import W4A16Linear
+from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
+from optkit.models.config import ModelConfig
+from optkit.models.llama import CausalLM
+
+# quant_method -> the tensor suffix that marks a weight-only quantized layer
+_MARKERS = {"compressed-tensors": "weight_packed", "gptq": "qweight", "awq": "qweight"}
+# tensors a checkpoint may carry that the runtime recomputes
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_runtime_model(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """A reference model name (`small`, `draft`) or a model directory, ready to run on `device`."""
+    path = resolve_model_dir(name_or_path)
+    verify_weights(path)
+    config_dict = read_config(path)
+    config = ModelConfig.from_hf(config_dict, _generation_config(path))
+    with torch.device("meta"):
+        model = CausalLM(config)
+    tensors = read_tensors(path)
+    quant_config = config_dict.get("quantization_config")
+    consumed = _install_quantized(model, tensors, quant_config, dtype, path) if quant_config else set()
+    state = {
+        key: value.to(dtype) if value.is_floating_point() else value
+        for key, value in tensors.items()
+        if key not in consumed and not key.endswith(_IGNORED_SUFFIXES)
+    }
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # a copy of the embedding some checkpoints store anyway
+    expected = set(model.state_dict())
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise OptkitError(
+            f"{path}: weights the {config.model_type} model has no place for: {', '.join(unexpected[:3])}: "
+            "check config.json against the checkpoint"
+        )
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise OptkitError(f"{path}: the checkpoint lacks {', '.join(missing[:3])}: re-create or re-download it")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _generation_config(path: Path) -> dict | None:
+    file = path / "generation_config.json"
+    if not file.exists():
+        return None
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or delete it") from e
+
+
+def _install_quantized(
+    model: CausalLM, tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype, path: Path
+) -> set[str]:
+    """Swap each quantized linear of the checkpoint into `model`; returns the tensor keys used."""
+    from optkit.quant.formats import reader_for
+
+    fmt = reader_for(quant_config, str(path))
+    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
+    if is_w8a8 and is_w8a8(quant_config):
+        modules = fmt.w8a8_modules(tensors, quant_config)
+        suffixes = ("weight", "weight_scale", "input_scale", "bias")
+    else:
+        marker = _MARKERS[quant_config["quant_method"]]
+        scheme = fmt.scheme_from_config(quant_config)
+        prefixes = [k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}")]
+        modules = {}
+        for prefix in prefixes:
+            bias = tensors.get(f"{prefix}.bias")
+            qw = fmt.decompress(prefix, tensors, scheme)
+            modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
+        suffixes = (*fmt.SUFFIXES, "bias")
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    strays = sorted(set(modules) - linears)
+    if strays:
+        raise OptkitError(
+            f"{path}: quantized layers the {model.config.model_type} model does not have: {', '.join(strays[:3])}: "
+            "check config.json against the checkpoint"
+        )
+    for name, module in modules.items():
+        expected = model.get_submodule(name)
+        if (module.in_features, module.out_features) != (expected.in_features, expected.out_features):
+            raise OptkitError(
+                f"{path}: {name} is {module.out_features}×{module.in_features} in the checkpoint but "
+                f"{expected.out_features}×{expected.in_features} in config.json: re-create the artifact"
+            )
+        model.set_submodule(name, module)
+    return {f"{name}.{suffix}" for name in modules for suffix in suffixes} & set(tensors)

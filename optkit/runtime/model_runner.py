@@ -1,0 +1,94 @@
+"""Sequences in, logits out: packs a step's scheduled tokens into one flat batch, builds the
+attention metadata over the paged KV cache, and runs the model.
+
+Shapes for a step with B sequences and T new tokens in all (no padding):
+  input_ids, positions, slot_mapping: [T];  logits: [S, vocab] for the S sequences that sample.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from optkit.kernels.paged_attention import AttentionMetadata
+from optkit.models.llama import CausalLM, kv_cache_shape
+from optkit.runtime.scheduler import ScheduledSequence
+from optkit.runtime.sequence import Sequence
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # long [T]
+    positions: torch.Tensor  # long [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # long [S]: the row of each sampling sequence's last new token
+    sampling_seqs: list[Sequence]
+
+
+def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device) -> PackedBatch:
+    """Token t of a sequence is written to slot block_table[t // block_size] * block_size + t % block_size."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    sample_rows: list[int] = []
+    sampling_seqs: list[Sequence] = []
+    for item in scheduled:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        input_ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        table = seq.block_table
+        slots += [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+        query_lens.append(end - start)
+        context_lens.append(end)
+        if end == len(seq):  # the step reaches the end of the sequence: its next token is sampled
+            sample_rows.append(len(input_ids) - 1)
+            sampling_seqs.append(seq)
+    meta = AttentionMetadata.build(
+        query_lens, context_lens, [item.seq.block_table for item in scheduled], slots, device
+    )
+    return PackedBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        meta=meta,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+        sampling_seqs=sampling_seqs,
+    )
+
+
+class ModelRunner:
+    """Owns the model and its KV cache: one (k, v) pair of
+    [num_blocks, block_size, num_kv_heads, head_dim] tensors per layer."""
+
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters(), None)
+        self.device = param.device if param is not None else torch.device("cpu")
+        dtype = _activation_dtype(model)
+        shape = kv_cache_shape(model.config, num_blocks, block_size)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(model.config.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs one step; returns fp32 logits [S, vocab] and the S sequences they belong to."""
+        batch = pack(scheduled, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if not batch.sampling_seqs:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * _activation_dtype(model).itemsize
+
+
+def _activation_dtype(model: CausalLM) -> torch.dtype:
+    """The float dtype activations run in: that of the embedding."""
+    return model.get_input_embeddings().weight.dtype

@@ -1,0 +1,206 @@
+"""Continuous batching with chunked prefill and preemption, after vLLM v1's unified scheduler:
+each step hands out a token budget, first to the running sequences (one token each when
+decoding, a chunk when a prefill is long), then to waiting ones, admitted first come first
+served. Prefills and decodes share a step. When the KV cache runs out, the newest running
+sequence is preempted: its blocks are freed and it is recomputed later (the prefix cache
+may shortcut that). No torch.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from optkit.runtime.block_manager import BlockManager
+from optkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens per step; longer prefills are chunked to it
+    max_model_len: int  # prompt plus output, in tokens
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        checks = [
+            (self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}"),
+            (
+                self.max_num_batched_tokens >= 1,
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}",
+            ),
+            (self.max_model_len >= 2, f"max_model_len must be at least 2, got {self.max_model_len}"),
+            (all(t >= 0 for t in self.eos_token_ids), f"eos_token_ids must be >= 0, got {self.eos_token_ids}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass
+class ScheduledSequence:
+    """Run tokens `[seq.num_computed_tokens, + num_new_tokens)` of `seq` this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool = field(init=False)  # the range reaches the end of the sequence: sample a token
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # running sequences first, then the newly admitted ones
+    preempted: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest admission first
+        self._unfinished: dict[str, Sequence] = {}  # request_id -> sequence
+        self.num_prompt_tokens_computed = 0  # prompt tokens run through the model (again after preemption)
+        self.num_prefix_cache_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; refuse one whose prompt can never fit."""
+        num_blocks = self.block_manager.num_blocks_for(seq.num_prompt_tokens)
+        if seq.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {seq.num_prompt_tokens} tokens but max_model_len is {self.config.max_model_len}: "
+                f"shorten the prompt to at most {self.config.max_model_len - 1} tokens"
+            )
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt has {seq.num_prompt_tokens} tokens, which need {num_blocks} KV-cache blocks of "
+                f"{self.block_manager.block_size} tokens, but the cache has only {self.block_manager.num_blocks}"
+            )
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} is not new"
+        self._unfinished[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled (those are older)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSequence(seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admitting while preempting would only thrash: the preempted go first, next step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_cached = self.block_manager.allocate_cached_prefix(seq)
+            num_new = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.block_manager.allocate_slots(seq, num_new):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.num_prefix_cache_hit_tokens += min(num_cached, seq.num_prompt_tokens)
+            scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a step: advance what is computed, cache full blocks, append the sampled tokens
+        (keyed by seq_id) and finish sequences that stop. Returns those finished this step."""
+        finished = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            start = seq.num_computed_tokens
+            seq.num_computed_tokens += item.num_new_tokens
+            self.num_prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk that does not reach the end: nothing sampled
+            assert seq.seq_id in sampled, f"no token sampled for {seq}"
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a waiting or running sequence and free its blocks; a no-op if already finished."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._unfinished[seq.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._unfinished.get(request_id)
+        if seq is None:
+            return False
+        self.finish(seq, FinishReason.ABORT)
+        return True
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        # The next step needs KV for every token; a sequence the whole cache cannot hold stops here.
+        if self.block_manager.num_blocks_for(len(seq)) > self.block_manager.num_blocks:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
