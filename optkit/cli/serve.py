@@ -39,7 +39,8 @@ def serve(
     from pathlib import Path
 
     from optkit.errors import OptkitError
-    from optkit.runtime.engine import AsyncEngine, EngineConfig
+    from optkit.runtime.async_engine import AsyncEngine
+    from optkit.runtime.engine import EngineConfig
 
     config = EngineConfig(
         max_num_seqs=max_num_seqs,

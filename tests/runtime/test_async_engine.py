@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from optkit.runtime.engine import AsyncEngine, EngineConfig, QueueFull
+from optkit.runtime.async_engine import AsyncEngine
+from optkit.runtime.engine import EngineConfig, QueueFull
 from optkit.runtime.sequence import SamplingParams
 
 
