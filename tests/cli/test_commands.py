@@ -6,7 +6,16 @@ import pytest
 
 
 def test_every_command_has_help_with_an_example(run_cli):
-    for command in (["quantize"], ["eval"], ["inspect"], ["verify"], ["zoo", "build"], ["zoo", "list"]):
+    for command in (
+        ["quantize"],
+        ["eval"],
+        ["inspect"],
+        ["verify"],
+        ["generate"],
+        ["serve"],
+        ["zoo", "build"],
+        ["zoo", "list"],
+    ):
         code, out, _ = run_cli(*command, "--help")
         assert code == 0 and "Example: optkit" in out, command
 
