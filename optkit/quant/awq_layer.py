@@ -23,6 +23,7 @@ class AWQOptions(BaseModel):
     clip: bool = True
     max_shrink: float = 0.5  # clipping search: shrink each group's range by up to this fraction
     clip_steps: int = 20
+    clip_tokens: int = 512  # tokens sampled for the clipping search (AutoAWQ's n_sample_token)
     search_samples: int = 32  # calibration sequences used by the scale and clip searches
 
 
@@ -86,6 +87,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
                     scheme,
                     max_shrink=options.max_shrink,
                     steps=options.clip_steps,
+                    max_tokens=options.clip_tokens,
                     scale_dtype=SCALE_DTYPE,
                 )
                 weight = awq.clip(weight, bound)
