@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 OPTKIT := $(VENV)/bin/optkit
 TORCH ?= torch==2.13.0
+# the GPU image's triton; on CPU the Triton kernel tests run in its interpreter
+TRITON ?= triton==3.6.0
 DEMO := out/demo
 
 .PHONY: install demo test models bench lint clean
@@ -13,7 +15,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
 	$(PY) -m pip install -q -e ".[dev,eval,serve]"
 	@# the report test renders report.html in headless Chromium (Debian's package)
 	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \

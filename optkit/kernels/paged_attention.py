@@ -8,6 +8,9 @@ query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attend
 
 `paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, and
 runs one causal SDPA per longer chunk. `paged_attention_reference` loops over every token.
+On CUDA, `write_kv` and `paged_attention` run the Triton kernels of optkit/kernels/triton when
+triton imports and the layout suits them (optkit.kernels.triton.use_triton); the code below is the
+path everywhere else.
 """
 
 import math
@@ -15,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 
 @dataclass
@@ -109,6 +114,11 @@ def write_kv(
     """Store the step's keys and values. k, v: [T, Hkv, D]; caches [N, block_size, Hkv, D]."""
     heads, dim = k_cache.shape[2:]
     assert k.shape == v.shape == (slot_mapping.shape[0], heads, dim), (k.shape, k_cache.shape)
+    same_device = k.device == v.device == k_cache.device == v_cache.device == slot_mapping.device
+    if triton_kernels.use_triton(k_cache) and same_device and k_cache.is_contiguous() and v_cache.is_contiguous():
+        from optkit.kernels.triton import paged_attention as kernels
+
+        return kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -121,6 +131,11 @@ def paged_attention(
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == dim, (q.shape, k_cache.shape)
     assert q_heads % kv_heads == 0 and num_tokens == meta.slot_mapping.shape[0], (q.shape, k_cache.shape)
+    if triton_kernels.use_triton(q):
+        from optkit.kernels.triton import paged_attention as kernels
+
+        if kernels.unsupported_reason(q, k_cache, v_cache, meta) is None:
+            return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
     plan = meta.plan(block_size)
     out = torch.empty_like(q)
     if plan.decode is not None:

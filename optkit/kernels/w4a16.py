@@ -7,11 +7,15 @@ Storage of q (signed, in [qmin, qmax]) as u = q - qmin, unsigned:
   bits 5..8  int8  [out, in]             q itself
 Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) · s[o, g(i)], computed in float32 exactly as
 `QuantizedWeight.dequantize` does, so the weights (and outputs) match the evaluation loader bit for bit.
+On CUDA, `W4A16Linear.forward` runs the fused Triton kernel (optkit/kernels/triton/w4a16.py) when
+triton imports and the layer's groups are contiguous (or act-order groups of equal size); the
+dequantize-then-matmul below is the path everywhere else.
 """
 
 import torch
 import torch.nn.functional as F
 
+from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.quant.rtn import QuantizedWeight, dequantize
 
 
@@ -84,6 +88,12 @@ class W4A16Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if triton_kernels.use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            from optkit.kernels.triton import w4a16 as kernels
+
+            packed = kernels.packed_for(self)  # None when the layout needs the reference path
+            if packed is not None:
+                return kernels.w4a16_linear(x, packed, bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:

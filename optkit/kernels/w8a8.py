@@ -4,10 +4,14 @@ y[m, n] = sx[m] · sw[n] · Σ_k qx[m, k] · qw[k, n] + b[n]
 with qw = round(W / sw) per output channel (symmetric), and qx = round(x / sx) per token
 (dynamic: sx[m] = max_k |x[m, k]| / 127) or per tensor (static: one calibrated sx).
 `int8_linear` runs the integer matmul (`torch._int_mm`); `int8_linear_reference` computes the
-same quantities in float, for tests and for devices without an int8 matmul.
+same quantities in float, for tests and for devices without an int8 matmul. On CUDA, `int8_linear`
+runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
+with the scales and bias in its epilogue) when triton imports and no `int_mm` is given.
 """
 
 import torch
+
+from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 INT8_MAX = 127
 
@@ -38,6 +42,10 @@ def int8_linear(
 ) -> torch.Tensor:
     """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32.
     `int_mm` is the int8 matmul (default `torch._int_mm`)."""
+    if int_mm is None and triton_kernels.use_triton(x) and weight_t.device == x.device:
+        from optkit.kernels.triton import w8a8 as kernels
+
+        return kernels.int8_linear(x, weight_t, weight_scale, bias, input_scale)
     shape = x.shape
     qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
     acc = (int_mm or torch._int_mm)(qx, weight_t)  # int32 [M, N]

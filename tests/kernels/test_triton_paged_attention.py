@@ -1,0 +1,173 @@
+"""The Triton paged-attention kernels against the PyTorch references: on CPU under the Triton
+interpreter (TRITON_INTERPRET=1, set here before triton is imported when there is no GPU), and on CUDA."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+# The interpreter must be on before triton is first imported (it decides how triton's own helpers are built).
+LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import optkit.kernels.triton as triton_kernels  # noqa: E402
+from optkit.kernels import paged_attention as reference  # noqa: E402
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention_reference  # noqa: E402
+from optkit.kernels.triton import paged_attention as kernels  # noqa: E402
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not LATE
+CPU_SKIP = "triton was imported before TRITON_INTERPRET=1 was set" if LATE else "CPU tensors need TRITON_INTERPRET=1"
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason=CPU_SKIP)),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+]
+
+
+def random_step(query_lens, context_lens, block_size, heads=(8, 2), dim=16, dtype=torch.float32, device="cpu", seed=0):
+    """Caches of random keys with shuffled block tables, and this step's q/k/v written at the slots
+    of positions context_len - query_len .. context_len - 1 (as tests/kernels/test_paged_attention.py)."""
+    gen = torch.Generator().manual_seed(seed)
+    q_heads, kv_heads = heads
+    needed = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(needed) + 2
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+    slots = [
+        table[t // block_size] * block_size + t % block_size
+        for table, q_len, c_len in zip(tables, query_lens, context_lens, strict=True)
+        for t in range(c_len - q_len, c_len)
+    ]
+    meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, device)
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen) for _ in range(2))
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, q_heads, dim, generator=gen)
+    k, v = (torch.randn(num_tokens, kv_heads, dim, generator=gen) for _ in range(2))
+    q, k, v, k_cache, v_cache = (t.to(device=device, dtype=dtype) for t in (q, k, v, k_cache, v_cache))
+    torch_write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return q, k, v, k_cache, v_cache, meta
+
+
+def torch_write_kv(k, v, k_cache, v_cache, slots):
+    """The PyTorch path of write_kv, which on CUDA would itself dispatch to Triton."""
+    for new, cache in ((k, k_cache), (v, v_cache)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
+def check(q, k_cache, v_cache, meta, scale=0.25, atol=2e-5, **overrides):
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, scale, **overrides)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, expected, atol=atol, rtol=atol)
+
+
+MIXED = [
+    # (query_lens, context_lens): decodes, fresh prefills, chunks after cached prefixes, in any order
+    ([1, 9, 5, 1, 1, 2], [13, 9, 20, 1, 33, 7]),
+    ([7, 1, 1, 1], [30, 4, 17, 16]),
+    ([12, 3], [12, 40]),
+    ([1], [1]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("lens", MIXED)
+def test_mixed_prefill_and_decode_batches(lens, block_size, device):
+    q, _, _, k_cache, v_cache, meta = random_step(*lens, block_size, device=device, seed=block_size)
+    check(q, k_cache, v_cache, meta)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)])  # MHA, a group of 3, all heads on one KV head
+@pytest.mark.parametrize("dim", [16, 24])  # 24 is padded to 32
+def test_head_layouts(heads, dim, device):
+    q, _, _, k_cache, v_cache, meta = random_step([1, 6, 1, 3], [9, 6, 30, 21], 4, heads, dim, device=device)
+    check(q, k_cache, v_cache, meta)
+    decode = random_step([1, 1, 1], [9, 1, 40], 4, heads, dim, device=device)
+    check(decode[0], decode[3], decode[4], decode[5])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8])  # 8 splits of 5 tiles: some splits get none
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_split_context_decode(num_splits, block_size, device):
+    q, _, _, k_cache, v_cache, meta = random_step([1, 1, 1, 1], [5, 70, 16, 33], block_size, device=device, seed=3)
+    check(q, k_cache, v_cache, meta, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_prefill_matches_one_prefill(device):
+    """A sequence run as chunks after its cached prefix, then decodes, equals its single prefill."""
+    block_size, length = 4, 30
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(length, h, 16, generator=gen).to(device) for h in (8, 2, 2))
+    table = torch.randperm(8, generator=gen).tolist()
+
+    def run(pieces):
+        k_cache, v_cache = (torch.zeros(8, block_size, 2, 16, device=device) for _ in range(2))
+        outs, done = [], 0
+        for n in pieces:
+            slots = [table[t // block_size] * block_size + t % block_size for t in range(done, done + n)]
+            meta = AttentionMetadata.build([n], [done + n], [table], slots, device)
+            rows = slice(done, done + n)
+            kernels.write_kv(k[rows], v[rows], k_cache, v_cache, meta.slot_mapping)
+            outs.append(kernels.paged_attention(q[rows], k_cache, v_cache, meta, 0.25, block_n=16))
+            done += n
+        return torch.cat(outs)
+
+    torch.testing.assert_close(run([11, 7, 1, 1, 5, 1, 1, 1, 1, 1]), run([length]), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype, device):
+    q, _, _, k_cache, v_cache, meta = random_step([1, 5, 1], [7, 12, 40], 4, dtype=dtype, device=device)
+    out = kernels.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert out.dtype == dtype
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_the_reference_and_skips_negative_slots(dtype, device):
+    _, k, v, k_cache, v_cache, meta = random_step([3, 1, 2], [6, 9, 2], 4, dtype=dtype, device=device)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    k_cache.zero_(), v_cache.zero_()
+    torch_write_kv(k, v, expected_k.zero_(), expected_v.zero_(), meta.slot_mapping)
+    kernels.write_kv(k.float(), v.float(), k_cache, v_cache, meta.slot_mapping)  # cast on the way in
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    padded = torch.cat([meta.slot_mapping, torch.tensor([-1], device=device)])
+    ones = torch.ones(6, 2, 16, device=device)
+    kernels.write_kv(ones, ones, k_cache, v_cache, padded[1:])
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[1:]], torch.ones(5, 2, 16, dtype=dtype, device=device))
+    assert torch.equal(k_cache.flatten(0, 1)[meta.slot_mapping[0]], expected_k.flatten(0, 1)[meta.slot_mapping[0]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_wrappers_dispatch_to_triton(monkeypatch, device):
+    """On CUDA (on CPU: with `use_triton` patched true), optkit.kernels.paged_attention runs these kernels,
+    and layouts they do not take stay on the PyTorch path."""
+    if device == "cpu":
+        monkeypatch.setattr(triton_kernels, "use_triton", lambda t: True)
+    q, k, v, k_cache, v_cache, meta = random_step([1, 4], [9, 4], 4, device=device)
+    expected = paged_attention_reference(q, k_cache, v_cache, meta, 0.25)
+    calls = []
+    for name in ("paged_attention", "write_kv"):
+        real = getattr(kernels, name)
+        spy = lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(kernels, name, spy)
+    reference.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = reference.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    assert calls == ["write_kv", "paged_attention"]
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    calls.clear()
+    strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    out = reference.paged_attention(q, strided, v_cache, meta, 0.25)
+    assert calls == [] and torch.allclose(out, expected, atol=1e-5)
