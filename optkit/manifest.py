@@ -12,17 +12,23 @@ MANIFEST = "optkit.json"
 
 
 def versions() -> dict[str, str]:
-    import compressed_tensors
+    """Versions of what produced an artifact; compressed_tensors only where it is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
     import transformers
 
-    return {
+    found = {
         "optkit": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "compressed_tensors": compressed_tensors.__version__,
     }
+    try:
+        found["compressed_tensors"] = version("compressed-tensors")
+    except PackageNotFoundError:
+        pass
+    return found
 
 
 def write_manifest(directory: Path, fields: dict) -> dict:

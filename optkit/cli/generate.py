@@ -6,9 +6,9 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import EnforceEager, JsonFlag, NumSpeculativeTokens, Speculative, console, print_json
 
-SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop"}
+SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "speculative"}
 
 
 def generate(
@@ -26,12 +26,16 @@ def generate(
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated.")] = False,
     max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together.")] = 64,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    speculative: Speculative = None,
+    num_speculative_tokens: NumSpeculativeTokens = 4,
+    enforce_eager: EnforceEager = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Generate text with the bundled runtime.
 
     Example: optkit generate small "def fibonacci(n):" --max-tokens 48
     Example: optkit generate out/small-w4 --prompts prompts.jsonl --json
+    Example: optkit generate small "def f(x):" --speculative draft:draft --num-speculative-tokens 4
     """
     from optkit.errors import OptkitError
     from optkit.runtime.engine import EngineConfig, LLMEngine
@@ -47,7 +51,14 @@ def generate(
             params.append(SamplingParams(**{**defaults, **{k: v for k, v in request.items() if k != "prompt"}}))
         except (TypeError, ValueError) as e:
             raise OptkitError(f"prompt {i + 1}: {e}") from None
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs, dtype=dtype))
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+        enforce_eager=enforce_eager,
+    )
+    engine = LLMEngine(model, config)
     token_ids = [engine.tokenizer.encode(r["prompt"]) for r in requests]
     for i, ids in enumerate(token_ids):
         if not ids:

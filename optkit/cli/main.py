@@ -5,6 +5,8 @@ import sys
 
 import typer
 
+from optkit.cli import bench as bench_cmd
+from optkit.cli import compile as compile_cmd
 from optkit.cli import eval as eval_cmd
 from optkit.cli import generate as generate_cmd
 from optkit.cli import inspect as inspect_cmd
@@ -29,6 +31,8 @@ app.command("verify")(verify_cmd.verify)
 app.command("run")(run_cmd.run)
 app.command("generate")(generate_cmd.generate)
 app.command("serve")(serve_cmd.serve)
+app.command("bench")(bench_cmd.bench)
+app.command("compile")(compile_cmd.compile_)
 app.add_typer(zoo_cmd.app, name="zoo")
 
 

@@ -12,6 +12,20 @@ EvalSet = Annotated[
     str, typer.Option("--eval-set", help="Bundled set name (heldout, calib) or a .txt/.jsonl/.parquet file.")
 ]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per evaluation window.")]
+Speculative = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative",
+        help="Speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model with the same tokenizer).",
+    ),
+]
+NumSpeculativeTokens = Annotated[
+    int, typer.Option("--num-speculative-tokens", min=1, help="Tokens proposed per sequence and step (--speculative).")
+]
+
+EnforceEager = Annotated[
+    bool, typer.Option("--enforce-eager", help="Run every step eagerly: no CUDA graphs for decode steps (CUDA).")
+]
 
 
 def console():

@@ -4,11 +4,29 @@ from typing import Annotated
 
 import typer
 
+from optkit.cli import serve_options as opt
+from optkit.cli.options import EnforceEager, NumSpeculativeTokens, Speculative
+
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless --host says otherwise
 
 
 def serve(
-    model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
+    model: Annotated[
+        str | None, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")
+    ] = None,
+    models: opt.Models = None,
+    kv_cache_fraction: opt.KvCacheFraction = None,
+    task: opt.Tasks = None,
+    recipe: opt.Recipe = None,
+    route: opt.Route = None,
+    tiers: opt.Tiers = None,
+    max_queue_wait: opt.MaxQueueWait = None,
+    prefix_min_tokens: opt.PrefixMinTokens = None,
+    shadow: opt.Shadow = None,
+    shadow_rate: opt.ShadowRate = None,
+    fallback_threshold: opt.FallbackThreshold = None,
+    fallback_window: opt.FallbackWindow = None,
+    fallback_recovery: opt.FallbackRecovery = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
     api_key: Annotated[
@@ -23,46 +41,78 @@ def serve(
         int | None, typer.Option(min=1, help="Context limit: prompt + max_tokens (default: the model's).")
     ] = None,
     kv_cache_blocks: Annotated[
-        int | None, typer.Option(min=1, help="KV cache blocks (default: max-num-seqs full-length sequences).")
+        list[str] | None,
+        typer.Option(help="KV cache blocks: N, or NAME=N per model (default: max-num-seqs full-length sequences)."),
     ] = None,
     max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Tokens computed per engine step.")] = 512,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
     device: Annotated[str, typer.Option(help="Device to run the model on (cpu, cuda).")] = "cpu",
+    speculative: Speculative = None,
+    num_speculative_tokens: NumSpeculativeTokens = 4,
+    enforce_eager: EnforceEager = False,
 ) -> None:
     """Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, plus
     /health and /metrics (Prometheus). Prints one line once it accepts requests.
 
+    Several models (--model NAME=PATH, repeatable) are routed by --route.
+
+    With --shadow QUANT=FULL, QUANT is measured against FULL online; --fallback-threshold moves its traffic to FULL.
+
+    A recipe's serve: section (--recipe) configures the same; flags win (docs/serving.md).
+
     Example: optkit serve out/small-w4 --port 8000 --served-model-name small-w4
+
+    Example: optkit serve --model w4=out/small-w4 --model small=small --shadow w4=small --fallback-threshold kld=0.05
     """
     import asyncio
     import sys
-    from pathlib import Path
 
-    from optkit.errors import OptkitError
-    from optkit.runtime.async_engine import AsyncEngine
     from optkit.runtime.engine import EngineConfig
+    from optkit.serving.flags import ServeFlags, resolve_options
+    from optkit.serving.startup import describe, log_to_stderr, start_router
 
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        kv_cache_blocks=kv_cache_blocks,
+        kv_cache_blocks=None,  # per model: serving/startup.py
         dtype=dtype,
         device=device,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+        enforce_eager=enforce_eager,
     )
-    sock = bind(host, port)  # before loading the model: a port in use fails at once
-    name = served_model_name or Path(model).resolve().name
-    if not name:
-        raise OptkitError(f"cannot name the model from {model!r}: pass --served-model-name")
+    flags = ServeFlags(
+        models=models or [],
+        kv_cache_fraction=kv_cache_fraction or [],
+        kv_cache_blocks=kv_cache_blocks or [],
+        task=task or [],
+        route=route,
+        tiers=None if tiers is None else str(tiers),
+        max_queue_wait=max_queue_wait,
+        prefix_min_tokens=prefix_min_tokens,
+        shadow=shadow or [],
+        shadow_rate=shadow_rate,
+        fallback_threshold=fallback_threshold,
+        fallback_window=fallback_window,
+        fallback_recovery=fallback_recovery,
+    )
+    options = resolve_options(model, served_model_name, None if recipe is None else str(recipe), flags)
+    sock = bind(host, port)  # before loading the models: a port in use fails at once
     if not is_loopback(host) and not api_key:
         print(f"warning: serving on {host} without --api-key: anyone who can reach the port can use it", flush=True)
-    engine = AsyncEngine.start(model, config, name)
+    log_to_stderr()
     try:
-        asyncio.run(run_server(engine, sock, api_key))
+        router = start_router(options, config)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        asyncio.run(run_server(router, sock, api_key, describe(router)))
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         print("stopped", file=sys.stderr)
     finally:
-        engine.shutdown()
+        router.shutdown()
         sock.close()
 
 
@@ -94,7 +144,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def run_server(engine, sock, api_key: str | None) -> None:
+async def run_server(engine, sock, api_key: str | None, served: str | None = None) -> None:
+    """Serves `engine` (an AsyncEngine or a serving Router) until stopped; `served` names what is
+    served in the line printed once it accepts requests (default: the engine's model name)."""
     import asyncio
 
     import uvicorn
@@ -110,5 +162,5 @@ async def run_server(engine, sock, api_key: str | None) -> None:
     if server.started:
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"serving {engine.model_name} on http://{shown}:{port}", flush=True)
+        print(f"serving {served or engine.model_name} on http://{shown}:{port}", flush=True)
     await task

@@ -6,8 +6,10 @@ A step's T new tokens of B sequences are packed without padding; sequence b's ar
 query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attends to positions
 0..p of its own sequence, where the last new token is at position context_lens[b] - 1.
 
-`paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, and
-runs one causal SDPA per longer chunk. `paged_attention_reference` loops over every token.
+`paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, does the
+same for each group of short chunks of one length (speculative decoding's verification: 1 + k
+tokens per sequence), and runs one causal SDPA per longer chunk. `paged_attention_reference` loops
+over every token.
 On CUDA, `write_kv` and `paged_attention` run the Triton kernels of optkit/kernels/triton when
 triton imports and the layout suits them (optkit.kernels.triton.use_triton); the code below is the
 path everywhere else.
@@ -31,10 +33,30 @@ class _DecodeGroup:
     key_mask: torch.Tensor  # bool [Bd, 1, 1, nb * block_size]: True where the key is in the context
 
 
+_GROUPED_MAX_QUERY = 32  # chunks up to this long are attended in groups of equal length
+
+
+@dataclass
+class _ShortGroup:
+    """Chunks of one length Lq (2 <= Lq <= _GROUPED_MAX_QUERY), attended together."""
+
+    rows: torch.Tensor  # long [Bs, Lq]: the rows of q of each sequence's chunk
+    block_tables: torch.Tensor  # long [Bs, nb]
+    key_mask: torch.Tensor  # bool [Bs, 1, Lq, nb * block_size]: query i of b sees keys < context_b - Lq + 1 + i
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # per query heads per KV head
+
+    def mask_for(self, group: int) -> torch.Tensor:
+        """key_mask with each query row repeated for the G query heads of a KV head: [Bs, 1, Lq * G, L]."""
+        if group not in self._masks:
+            self._masks[group] = self.key_mask.repeat_interleave(group, dim=2)
+        return self._masks[group]
+
+
 @dataclass
 class _Plan:
     decode: _DecodeGroup | None
     chunks: list[tuple[int, int, int]]  # (sequence b, first row, query_len) of each longer chunk
+    short: list[_ShortGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -89,9 +111,10 @@ class AttentionMetadata:
         for n in self.query_lens:
             starts.append(starts[-1] + n)
         decodes = [b for b, n in enumerate(self.query_lens) if n == 1]
-        chunks = [(b, starts[b], n) for b, n in enumerate(self.query_lens) if n > 1]
+        chunks = [(b, starts[b], n) for b, n in enumerate(self.query_lens) if n > _GROUPED_MAX_QUERY]
+        short = self._short_groups(starts, block_size)
         if not decodes:
-            return _Plan(None, chunks)
+            return _Plan(None, chunks, short)
         device = self.block_tables.device
         rows = [starts[b] for b in decodes]
         lens = [self.context_lens_list[b] for b in decodes]
@@ -105,7 +128,26 @@ class AttentionMetadata:
             block_tables=tables,
             key_mask=key_mask[:, None, None, :],
         )
-        return _Plan(group, chunks)
+        return _Plan(group, chunks, short)
+
+    def _short_groups(self, starts: list[int], block_size: int) -> list[_ShortGroup]:
+        by_length: dict[int, list[int]] = {}
+        for b, n in enumerate(self.query_lens):
+            if 1 < n <= _GROUPED_MAX_QUERY:
+                by_length.setdefault(n, []).append(b)
+        device = self.block_tables.device
+        groups = []
+        for query_len, members in by_length.items():
+            lens = torch.tensor([self.context_lens_list[b] for b in members], device=device)
+            num_blocks = math.ceil(max(self.context_lens_list[b] for b in members) / block_size)
+            offsets = torch.arange(query_len, device=device)
+            rows = torch.tensor([starts[b] for b in members], device=device)[:, None] + offsets  # [Bs, Lq]
+            limits = lens[:, None] - query_len + 1 + offsets  # [Bs, Lq]: keys each query sees
+            key_mask = torch.arange(num_blocks * block_size, device=device) < limits[:, :, None]  # [Bs, Lq, L]
+            index = torch.tensor(members, dtype=torch.long, device=device)
+            tables = self.block_tables[index, :num_blocks].long()
+            groups.append(_ShortGroup(rows, tables, key_mask[:, None]))
+        return groups
 
 
 def write_kv(
@@ -140,6 +182,9 @@ def paged_attention(
     out = torch.empty_like(q)
     if plan.decode is not None:
         out[plan.decode.rows] = _decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale)
+    for group in plan.short:
+        rows = group.rows.flatten()
+        out[rows] = _short_attention(q[rows], k_cache, v_cache, group, scale)
     for b, start, query_len in plan.chunks:
         context_len = meta.context_lens_list[b]
         table = meta.block_tables[b, : math.ceil(context_len / block_size)].long()
@@ -162,6 +207,24 @@ def _decode_attention(
     q = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # [Bd, Hkv, G, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.key_mask, scale=scale)
     return out.reshape(batch, q_heads, dim)
+
+
+def _short_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _ShortGroup, scale: float
+) -> torch.Tensor:
+    """q [Bs * Lq, Hq, D], Lq tokens per sequence -> [Bs * Lq, Hq, D]."""
+    batch, query_len = group.rows.shape
+    q_heads, dim = q.shape[1:]
+    kv_heads = k_cache.shape[2]
+    heads_per_kv = q_heads // kv_heads
+    k = k_cache[group.block_tables].flatten(1, 2).transpose(1, 2)  # [Bs, Hkv, L, D]
+    v = v_cache[group.block_tables].flatten(1, 2).transpose(1, 2)
+    # As for decodes, the query heads sharing a KV head become rows of that head: (token i, head g).
+    q = q.view(batch, query_len, kv_heads, heads_per_kv, dim).transpose(1, 2)  # [Bs, Hkv, Lq, G, D]
+    q = q.reshape(batch, kv_heads, query_len * heads_per_kv, dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask_for(heads_per_kv), scale=scale)
+    out = out.view(batch, kv_heads, query_len, heads_per_kv, dim).transpose(1, 2)  # [Bs, Lq, Hkv, G, D]
+    return out.reshape(batch * query_len, q_heads, dim)
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from optkit.errors import OptkitError
 from optkit.gate.thresholds import Thresholds
 from optkit.quant.quantize import QuantizeOptions
+from optkit.serving.config import ServeOptions
 
 
 class GateOptions(Thresholds):
@@ -69,6 +70,7 @@ class Recipe(BaseModel):
     quantize: QuantizeOptions = Field(default_factory=QuantizeOptions)
     gate: GateOptions = Field(default_factory=GateOptions)
     output: str  # the release directory
+    serve: ServeOptions = Field(default_factory=ServeOptions)  # how `optkit serve --recipe` serves it
 
     @model_validator(mode="before")
     @classmethod

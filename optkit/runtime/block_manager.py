@@ -86,10 +86,12 @@ class BlockManager:
         self.num_prefix_hit_tokens += num_cached
         return num_cached
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to cover `num_computed_tokens + num_new_tokens` tokens; False (and
-        no change) when there are not enough free blocks."""
-        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
+        """Grow the block table to cover `num_computed_tokens + num_new_tokens + num_lookahead_tokens`
+        tokens (lookahead: slots for speculative proposals); False (and no change) when there are not
+        enough free blocks."""
+        num_tokens = seq.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        needed = self.num_blocks_for(num_tokens) - len(seq.block_table)
         if needed > len(self._free):
             return False
         for _ in range(needed):
@@ -116,6 +118,19 @@ class BlockManager:
             parent = block.hash = hash_block(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             # Two sequences may compute the same block at once; the first one stays the cached copy.
             self._cached.setdefault(block.hash, block.block_id)
+
+    def free_surplus(self, seq: Sequence) -> None:
+        """Release the blocks past those holding the computed tokens: the lookahead slots of
+        speculative proposals the target rejected. Such blocks were never hashed (a hash needs a
+        block full of computed tokens), so they hold nothing reusable."""
+        keep = self.num_blocks_for(seq.num_computed_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.ref_count == 1 and block.hash is None, f"surplus block {block_id} is shared or cached"
+            block.ref_count = 0
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Tail blocks enter the pool first so they are evicted first

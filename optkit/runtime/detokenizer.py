@@ -34,3 +34,14 @@ class Detokenizer:
             return ""
         new, self.emitted = text[self.emitted : end], end
         return new
+
+    def update_each(self, output_token_ids: list[int], num_seen: int, finished: bool) -> tuple[str, int]:
+        """`update` for several new tokens at once (speculative decoding), one token at a time from
+        the first one not seen yet: the new text, and how many output tokens to keep, so that a stop
+        string ends the output at the token that completes it."""
+        text, total = "", len(output_token_ids)
+        for n in range(num_seen + 1, total + 1):
+            text += self.update(output_token_ids[:n], finished and n == total)
+            if self.stopped:
+                return text, n
+        return text, total

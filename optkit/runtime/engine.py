@@ -1,7 +1,9 @@
 """The engine: scheduler -> model runner -> sampler -> scheduler, one step at a time.
 
 `LLMEngine` is the synchronous core (offline batches, `optkit generate`); `async_engine.AsyncEngine`
-runs it on its own thread for the server (docs/runtime.md, "The engine's front").
+runs it on its own thread for the server (docs/runtime.md, "The engine's front"). With
+`speculative` set, a `speculative.Speculator` adds proposals before the model runs and verifies
+them instead of the plain sampler.
 """
 
 import os
@@ -31,13 +33,28 @@ class EngineConfig:
     device: str = "cpu"
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
+    speculative: str | None = None  # "ngram" or "draft:PATH" (runtime/speculative.py); None: off
+    num_speculative_tokens: int = 4  # proposals per decoding sequence and step
+    # CUDA graphs and compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
+    torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
+    compile_dir: str | None = None  # where `optkit compile` wrote compile/ (default: the model's directory)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting", "num_speculative_tokens"):
             if getattr(self, name) < 1:
                 raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
         if self.dtype not in DTYPES:
             raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.speculative is not None:
+            from optkit.runtime.speculative import parse_speculative
+
+            parse_speculative(self.speculative)
+            if self.num_speculative_tokens >= self.max_num_batched_tokens:
+                raise OptkitError(
+                    f"--num-speculative-tokens {self.num_speculative_tokens} leaves no room in "
+                    f"--max-num-batched-tokens {self.max_num_batched_tokens}: lower the first or raise the second"
+                )
 
 
 @dataclass
@@ -64,6 +81,13 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    # speculative decoding (zero when off); a step is one sequence's decode step with proposals reserved
+    spec_proposer: str | None = None  # "ngram" or "draft"
+    num_spec_steps: int = 0
+    num_spec_draft_tokens: int = 0  # tokens proposed
+    num_spec_accepted_tokens: int = 0  # ... and accepted by the target
+    spec_acceptance_rate: float = 0.0  # accepted / proposed
+    spec_mean_accepted_tokens: float = 0.0  # accepted per step (each step adds one more of the target's)
 
 
 class QueueFull(Exception):
@@ -106,11 +130,27 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 eos_token_ids=tuple(model_config.eos_token_ids),
+                num_speculative_tokens=config.num_speculative_tokens if config.speculative else 0,
             ),
             self.block_manager,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        # CUDA graphs + compile cache hook (runtime/compile_cache.py): captures decode graphs on CUDA
+        from optkit.runtime.compile_cache import prepare_runner
+
+        self.model_path = model
+        self.cuda_graphs_note = prepare_runner(self)
         self.sampler = Sampler()
+        self.speculator = None
+        if config.speculative:
+            from optkit.runtime.proposers import make_proposer
+            from optkit.runtime.speculative import Speculator
+
+            proposer = make_proposer(
+                config.speculative, self.model, self.tokenizer, num_blocks, config.block_size,
+                config.enable_prefix_caching, getattr(torch, config.dtype), config.device,
+            )  # fmt: skip
+            self.speculator = Speculator(proposer)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -142,6 +182,8 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort(request_id)
             self.sampler.forget(request.seq.seq_id)
+            if self.speculator is not None:
+                self.speculator.release(request.seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -149,34 +191,64 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One model step; an output for every request that got tokens or finished."""
         schedule = self.scheduler.schedule()
+        if self.speculator is not None:
+            for seq in schedule.preempted:
+                self.speculator.release(seq)
         if not schedule.scheduled:
             return []
-        logits, seqs = self.runner.run(schedule.scheduled)
-        sampled = self.sampler(logits, seqs)
-        for seq, logprobs in zip(seqs, sampled.logprobs, strict=True):
-            if logprobs is not None:
-                self.requests[seq.request_id].logprobs.append(logprobs)
-        finished = self.scheduler.update(schedule, {s.seq_id: t for s, t in zip(seqs, sampled.token_ids, strict=True)})
-        self.num_generation_tokens += len(seqs)
+        if self.speculator is not None:
+            seqs, finished = self._speculative_step(schedule)
+        else:
+            logits, seqs = self.runner.run(schedule.scheduled)
+            sampled = self.sampler(logits, seqs)
+            for seq, logprobs in zip(seqs, sampled.logprobs, strict=True):
+                if logprobs is not None:
+                    self.requests[seq.request_id].logprobs.append(logprobs)
+            tokens = {s.seq_id: t for s, t in zip(seqs, sampled.token_ids, strict=True)}
+            finished = self.scheduler.update(schedule, tokens)
+            self.num_generation_tokens += len(seqs)
         outputs = [self._output(seq) for seq in seqs if not seq.is_finished]
         outputs += [self._output(seq) for seq in finished]
         return [o for o in outputs if o is not None]
+
+    def _speculative_step(self, schedule) -> tuple[list[Sequence], list[Sequence]]:
+        """Propose, run the target over tokens and proposals, verify, update."""
+        self.speculator.propose(schedule.scheduled)
+        logits, seqs = self.runner.run(schedule.scheduled)
+        tokens, logprobs = self.speculator.sample(logits, seqs, schedule.scheduled, self.sampler)
+        before = [seq.num_output_tokens for seq in seqs]
+        finished = self.scheduler.update(schedule, tokens)
+        for seq, num_before in zip(seqs, before, strict=True):
+            appended = seq.num_output_tokens - num_before  # the tokens past a stop were dropped
+            self.num_generation_tokens += appended
+            if seq.seq_id in logprobs:
+                self.requests[seq.request_id].logprobs += logprobs[seq.seq_id][:appended]
+        return seqs, finished
 
     def _output(self, seq: Sequence) -> RequestOutput | None:
         request = self.requests.get(seq.request_id)
         if request is None:
             return None
-        text = request.detokenizer.update(seq.output_token_ids, seq.is_finished)
+        if request.detokenizer.stop and seq.num_output_tokens - request.num_reported > 1:  # speculation
+            text, keep = request.detokenizer.update_each(seq.output_token_ids, request.num_reported, seq.is_finished)
+            if keep < seq.num_output_tokens:  # a stop string ends before the last tokens: drop them
+                del seq.token_ids[seq.num_prompt_tokens + keep :]
+                if seq.is_finished:  # it ended later (max_tokens, EOS), but the stop string came first
+                    seq.finish_reason = FinishReason.STOP
+        else:
+            text = request.detokenizer.update(seq.output_token_ids, seq.is_finished)
         if request.detokenizer.stopped and not seq.is_finished:
             self.scheduler.finish(seq, FinishReason.STOP)
         new_tokens = seq.output_token_ids[request.num_reported :]
         request.num_reported = seq.num_output_tokens
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs, request.logprobs = request.logprobs, []
+            logprobs, request.logprobs = request.logprobs[: len(new_tokens)], []
         if seq.is_finished:
             del self.requests[seq.request_id]
             self.sampler.forget(seq.seq_id)
+            if self.speculator is not None:
+                self.speculator.release(seq)
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=new_tokens,
@@ -223,6 +295,7 @@ class LLMEngine:
             num_prefix_cache_hit_tokens=scheduler.num_prefix_cache_hit_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=scheduler.num_preemptions,
+            **(self.speculator.stats.engine_fields() if self.speculator is not None else {}),
         )
 
 

@@ -2,7 +2,9 @@
 attention metadata over the paged KV cache, and runs the model.
 
 Shapes for a step with B sequences and T new tokens in all (no padding):
-  input_ids, positions, slot_mapping: [T];  logits: [S, vocab] for the S sequences that sample.
+  input_ids, positions, slot_mapping: [T];  logits: [R, vocab] for the S sequences that sample.
+Each sampling sequence has one row of logits, its last token's, plus one per speculative proposal
+it carries (`spec_token_ids`, run after its tokens): R = S + the number of proposals.
 """
 
 from dataclasses import dataclass
@@ -20,12 +22,13 @@ class PackedBatch:
     input_ids: torch.Tensor  # long [T]
     positions: torch.Tensor  # long [T]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # long [S]: the row of each sampling sequence's last new token
+    sample_rows: torch.Tensor  # long [R]: each sampling sequence's last new token, then its proposals
     sampling_seqs: list[Sequence]
 
 
 def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device) -> PackedBatch:
-    """Token t of a sequence is written to slot block_table[t // block_size] * block_size + t % block_size."""
+    """Token t of a sequence is written to slot block_table[t // block_size] * block_size + t % block_size.
+    Proposals take the positions after the sequence's end (the scheduler reserved their slots)."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -37,13 +40,17 @@ def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.devi
         seq, start = item.seq, item.seq.num_computed_tokens
         end = start + item.num_new_tokens
         input_ids += seq.token_ids[start:end]
+        spec = item.spec_token_ids
+        if spec:
+            input_ids += spec
+            end += len(spec)
         positions += range(start, end)
         table = seq.block_table
         slots += [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
         query_lens.append(end - start)
         context_lens.append(end)
-        if end == len(seq):  # the step reaches the end of the sequence: its next token is sampled
-            sample_rows.append(len(input_ids) - 1)
+        if item.samples:  # the step reaches the end of the sequence: its next token is sampled
+            sample_rows.extend(range(len(input_ids) - 1 - len(spec), len(input_ids)))
             sampling_seqs.append(seq)
     meta = AttentionMetadata.build(
         query_lens, context_lens, [item.seq.block_table for item in scheduled], slots, device
@@ -64,6 +71,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
         self.model = model
         self.block_size = block_size
+        self.graphs = None  # cuda_graphs.DecodeGraphs, set by cuda_graphs.attach_decode_graphs
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         dtype = _activation_dtype(model)
@@ -75,7 +83,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Runs one step; returns fp32 logits [S, vocab] and the S sequences they belong to."""
+        """Runs one step; returns fp32 logits [R, vocab] and the S sequences they belong to (one row
+        each, or 1 + len(spec_token_ids) consecutive rows for a sequence with proposals)."""
+        # CUDA graphs (runtime/cuda_graphs.py): a decode-only step replays a captured graph
+        hidden = self.graphs.run(scheduled) if self.graphs is not None else None
+        if hidden is not None:
+            return self.model.compute_logits(hidden), [item.seq for item in scheduled]
         batch = pack(scheduled, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if not batch.sampling_seqs:

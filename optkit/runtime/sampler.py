@@ -5,6 +5,9 @@ and output, frequency and presence over output); greedy rows take the argmax; th
 divided by their temperature, filtered by min-p, top-k and top-p, and sampled. A request with a
 seed draws from its own torch.Generator, kept across steps, so its tokens do not depend on what
 it is batched with nor on preemption (it draws exactly once per sampled token).
+
+`sampling_probs` is the distribution a row samples from once penalties are applied; speculative
+decoding (runtime/speculative.py) verifies proposals against it.
 """
 
 from dataclasses import dataclass
@@ -29,11 +32,11 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]  # None for rows that did not ask for logprobs
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < _GREEDY_BELOW
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
 
 
@@ -53,45 +56,56 @@ class Sampler:
         params = [s.params for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
 
-        if all(_is_greedy(p) and not _has_penalties(p) for p in params):
+        if all(is_greedy(p) and not has_penalties(p) for p in params):
             token_ids = logits.argmax(dim=-1)
         else:
             logits = apply_penalties(logits, seqs)
             token_ids = self._sample(logits, seqs)
 
         token_list = token_ids.tolist()
-        logprobs = _gather_logprobs(raw_logprobs, token_ids, params) if raw_logprobs is not None else None
+        logprobs = gather_logprobs(raw_logprobs, token_ids, params) if raw_logprobs is not None else None
         return SampleResult(token_list, logprobs or [None] * len(seqs))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        greedy = torch.tensor([_is_greedy(p) for p in params], device=logits.device)
+        greedy = torch.tensor([is_greedy(p) for p in params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
         if bool(greedy.all()):
             return token_ids
 
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-        logits = logits / torch.where(greedy.unsqueeze(1), 1.0, temperature)
-        logits = apply_min_p(logits, [p.min_p for p in params])
-        logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
-
-        # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
+        probs = sampling_probs(logits, params)
         noise = torch.empty_like(probs).exponential_()
         for row, seq in enumerate(seqs):
-            if seq.params.seed is not None and not _is_greedy(seq.params):
-                noise[row].exponential_(generator=self._generator(seq, logits.device))
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would turn 0 / 0 into a NaN maximum
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, token_ids, sampled)
+            if seq.params.seed is not None and not is_greedy(seq.params):
+                noise[row].exponential_(generator=self.generator(seq, logits.device))
+        return torch.where(greedy, token_ids, exponential_race(probs, noise))
 
-    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+    def generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """The seeded sequence's own generator, created on first use."""
         generator = self._generators.get(seq.seq_id)
         if generator is None:
             generator = torch.Generator(device=device)
             generator.manual_seed(seq.params.seed)
             self._generators[seq.seq_id] = generator
         return generator
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[N, V] logits (penalties already applied) -> the [N, V] probabilities each row samples
+    from: divided by the temperature, then filtered by min-p, top-k and top-p. Greedy rows keep
+    temperature 1 (their callers take the argmax instead)."""
+    temperature = torch.tensor([1.0 if is_greedy(p) else p.temperature for p in params], device=logits.device)
+    logits = logits / temperature.unsqueeze(1)
+    logits = apply_min_p(logits, [p.min_p for p in params])
+    logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    return torch.softmax(logits, dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) draws i with probability p_i / sum(p)
+    (p need not be normalised). probs, noise [N, V] -> long [N]; noise is clamped in place."""
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # a zero draw would turn 0 / 0 into a NaN maximum
+    return (probs / noise).argmax(dim=-1)
 
 
 def _token_index(rows: list[list[int]], device: torch.device, pad: int) -> torch.Tensor:
@@ -112,7 +126,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Repetition penalty (CTRL: over prompt and output, positive logits divided, negative
     multiplied), then frequency and presence penalties (OpenAI: over output tokens,
     logit -= frequency * count + presence * [count > 0]). Only rows that ask are touched."""
-    rows = [i for i, s in enumerate(seqs) if _has_penalties(s.params)]
+    rows = [i for i, s in enumerate(seqs) if has_penalties(s.params)]
     if not rows:
         return logits
     logits = logits.clone()
@@ -166,7 +180,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
 ) -> list[TokenLogprobs | None]:
     """The sampled token's logprob and the top-k, for the rows that asked (k = params.logprobs)."""

@@ -4,6 +4,10 @@ decoding, a chunk when a prefill is long), then to waiting ones, admitted first 
 served. Prefills and decodes share a step. When the KV cache runs out, the newest running
 sequence is preempted: its blocks are freed and it is recomputed later (the prefix cache
 may shortcut that). No torch.
+
+With speculative decoding (runtime/speculative.py), a decoding sequence also reserves budget and KV
+slots for up to `num_speculative_tokens` proposals (its lookahead); the step then appends 1 to
+k + 1 tokens, and the slots of rejected proposals are given back.
 """
 
 from collections import deque
@@ -19,6 +23,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step; longer prefills are chunked to it
     max_model_len: int  # prompt plus output, in tokens
     eos_token_ids: tuple[int, ...] = ()
+    num_speculative_tokens: int = 0  # lookahead slots per decoding sequence (0: no speculation)
 
     def __post_init__(self) -> None:
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -30,6 +35,10 @@ class SchedulerConfig:
             ),
             (self.max_model_len >= 2, f"max_model_len must be at least 2, got {self.max_model_len}"),
             (all(t >= 0 for t in self.eos_token_ids), f"eos_token_ids must be >= 0, got {self.eos_token_ids}"),
+            (
+                0 <= self.num_speculative_tokens < self.max_num_batched_tokens,
+                f"num_speculative_tokens must be in [0, max_num_batched_tokens), got {self.num_speculative_tokens}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -38,10 +47,13 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledSequence:
-    """Run tokens `[seq.num_computed_tokens, + num_new_tokens)` of `seq` this step."""
+    """Run tokens `[seq.num_computed_tokens, + num_new_tokens)` of `seq` this step, followed by
+    `spec_token_ids`, the proposals (at most `num_lookahead_tokens`) the engine fills in."""
 
     seq: Sequence
     num_new_tokens: int
+    num_lookahead_tokens: int = 0  # budget and KV slots reserved for proposals
+    spec_token_ids: list[int] = field(default_factory=list)
     samples: bool = field(init=False)  # the range reaches the end of the sequence: sample a token
 
     def __post_init__(self) -> None:
@@ -55,7 +67,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens + s.num_lookahead_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -112,15 +124,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
+            lookahead = self._num_lookahead(seq)
+            if num_new + lookahead > budget:
+                # A sequence's proposals are all or nothing, so that how many it gets never depends on
+                # what it is batched with (seeded sampling stays reproducible); it waits a step.
+                break
+            while not self.block_manager.allocate_slots(seq, num_new, lookahead):
                 victim = self.running.pop()  # the newest; never one already scheduled (those are older)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSequence(seq, num_new))
-                budget -= num_new
+                scheduled.append(ScheduledSequence(seq, num_new, lookahead))
+                budget -= num_new + lookahead
                 i += 1
 
         # Admitting while preempting would only thrash: the preempted go first, next step.
@@ -140,9 +157,11 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a step: advance what is computed, cache full blocks, append the sampled tokens
-        (keyed by seq_id) and finish sequences that stop. Returns those finished this step."""
+    def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """Record a step: advance what is computed, append the sampled tokens (keyed by seq_id; a
+        list when speculation accepted proposals: the accepted ones, then the target's own), cache
+        full blocks and finish sequences that stop, at the exact token that stops them (later
+        tokens are dropped). Returns those finished this step."""
         finished = []
         for item in output.scheduled:
             seq = item.seq
@@ -151,13 +170,21 @@ class Scheduler:
             start = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new_tokens
             self.num_prompt_tokens_computed += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - start)
+            reason = None
+            if seq.num_computed_tokens == len(seq):  # else a prefill chunk short of the end: nothing sampled
+                assert seq.seq_id in sampled, f"no token sampled for {seq}"
+                tokens = sampled[seq.seq_id]
+                tokens = [tokens] if isinstance(tokens, int) else tokens
+                for token in tokens:
+                    seq.append_token(token)
+                    reason = self._stop_reason(seq, token)
+                    if reason is not None:
+                        break
+                # Every appended token but the last was a proposal this step ran: its KV is cached.
+                seq.num_computed_tokens = len(seq) - 1
+            if item.num_lookahead_tokens:
+                self.block_manager.free_surplus(seq)  # the slots of rejected proposals
             self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk that does not reach the end: nothing sampled
-            assert seq.seq_id in sampled, f"no token sampled for {seq}"
-            token = sampled[seq.seq_id]
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
@@ -193,6 +220,18 @@ class Scheduler:
         if self.block_manager.num_blocks_for(len(seq)) > self.block_manager.num_blocks:
             return FinishReason.LENGTH
         return None
+
+    def _num_lookahead(self, seq: Sequence) -> int:
+        """Proposal slots for a decoding sequence: a step appends up to k + 1 tokens, so none are
+        reserved past the request's end, max_model_len, or what the whole cache can hold."""
+        k = self.config.num_speculative_tokens
+        if not k or not seq.params.speculative or seq.num_output_tokens == 0:
+            return 0
+        if len(seq) - seq.num_computed_tokens != 1:  # a prefill, or a recompute after preemption
+            return 0
+        remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq))
+        room = self.block_manager.num_blocks * self.block_manager.block_size - len(seq)
+        return max(0, min(k, remaining - 1, room))
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -36,6 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
+    speculative: bool = True  # False: never speculate for this request, even when the engine does
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,8 +1,13 @@
 """The FastAPI app: OpenAI's API over an `AsyncEngine` (docs/runtime.md, "The engine's front").
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics. With an API key every /v1 route needs `Authorization: Bearer KEY`;
-/health and /metrics stay open (they show load, never prompts or outputs).
+GET /health, GET /metrics, and optkit's own under /v1/optkit (serving/routes.py). With an API key
+every /v1 route needs `Authorization: Bearer KEY`; /health and /metrics stay open (they show load,
+never prompts or outputs).
+
+The app serves a `Router` (serving/router.py): one engine, or several models with a routing
+policy, shadow scoring and fallback. It picks each request's engine; the answer names it in the
+`x-optkit-model` header (and why, in `x-optkit-route`).
 
 The engine's first output is awaited before a response starts, so a full queue (503 with
 Retry-After) and a prompt that cannot fit (400) keep their status codes for streams too.
@@ -31,6 +36,9 @@ from optkit.server.chat import chat_prompt_ids
 from optkit.server.errors import APIError, ClientDisconnected, error_response, install_error_handlers
 from optkit.server.metrics import ServerMetrics
 from optkit.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from optkit.serving import routes as serving_routes
+from optkit.serving.metrics import RouterCollector
+from optkit.serving.router import Prompt, Route, Router
 
 DEFAULT_MAX_TOKENS = 16  # completions; chat defaults to the rest of the context, as OpenAI does
 RETRY_AFTER_S = 1
@@ -41,26 +49,36 @@ router = APIRouter()
 
 @dataclass
 class Served:
-    engine: object  # AsyncEngine, or anything with its interface
+    router: Router
     metrics: ServerMetrics
     created: int
 
+    @property
+    def engine(self):
+        """The default model's engine."""
+        return self.router.engines[self.router.default]
+
 
 def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False) -> FastAPI:
-    """The app serving `engine`; with `shutdown_engine`, the app's shutdown stops the engine."""
+    """The app serving `engine` (an AsyncEngine, or anything with its interface) or a `Router`;
+    with `shutdown_engine`, the app's shutdown stops the engines."""
+    models = engine if isinstance(engine, Router) else Router.single(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         if shutdown_engine:
-            engine.shutdown()
+            models.shutdown()
 
     app = FastAPI(title="optkit", lifespan=lifespan)
-    app.state.served = Served(engine, ServerMetrics(engine), int(time.time()))
+    metrics = ServerMetrics(models)  # the engines' stats, added up
+    metrics.registry.register(RouterCollector(models))
+    app.state.served = Served(models, metrics, int(time.time()))
     install_error_handlers(app)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
     app.include_router(router)
+    app.include_router(serving_routes.router)
     return app
 
 
@@ -91,8 +109,8 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator):
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str], outputs: AsyncIterator, headers: dict[str, str] | None = None):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.outputs = outputs
 
     async def stream_response(self, send) -> None:
@@ -106,7 +124,7 @@ def _served(request: Request) -> Served:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    if not _served(request).engine.is_running:
+    if not _served(request).router.is_running:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -119,43 +137,42 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(_served(request))])
+    served = _served(request)
+    return ModelList(data=[_model_card(served, name) for name in served.router.names])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> ModelCard:
     served = _served(request)
-    _check_model(served, model_id)
-    return _model_card(served)
+    served.router.check_model(model_id)
+    return _model_card(served, model_id)
 
 
-def _model_card(served: Served) -> ModelCard:
-    engine = served.engine
-    return ModelCard(id=engine.model_name, created=served.created, max_model_len=engine.max_model_len)
+def _model_card(served: Served, name: str) -> ModelCard:
+    engine = served.router.engines[name]
+    return ModelCard(id=name, created=served.created, max_model_len=engine.max_model_len)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     served = _served(request)
-    _check_model(served, body.model)
-    tokenizer = served.engine.tokenizer
-    prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    _check_token_ids(prompt_ids, tokenizer)
+    route = served.router.route(body.model, request.headers, _completion_prompt(body.prompt))
+    _check_token_ids(route.prompt_ids, route.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = _sampling_params(body, max_tokens, body.logprobs)
-    reply = _reply(served, "cmpl", body, want_logprobs=body.logprobs is not None)
-    return await _respond(request, served, prompt_ids, params, reply, body.stream, "completion")
+    reply = _reply(route, "cmpl", body, want_logprobs=body.logprobs is not None)
+    return await _respond(request, served, route, params, reply, body.stream, "completion")
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     served = _served(request)
-    _check_model(served, body.model)
-    engine = served.engine
-    try:
-        prompt_ids = chat_prompt_ids(engine.tokenizer, body.messages)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+    prompt = Prompt(
+        encode=lambda tokenizer: _chat_prompt_ids(tokenizer, body.messages),
+        text=lambda tokenizer: "\n".join(m.content or "" for m in body.messages),
+    )
+    route = served.router.route(body.model, request.headers, prompt)
+    engine, prompt_ids = route.engine, route.prompt_ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = engine.max_model_len - len(prompt_ids)
@@ -168,15 +185,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = _sampling_params(body, max_tokens, logprobs)
-    reply = _reply(served, "chatcmpl", body, want_logprobs=body.logprobs)
-    return await _respond(request, served, prompt_ids, params, reply, body.stream, "chat")
+    reply = _reply(route, "chatcmpl", body, want_logprobs=body.logprobs)
+    return await _respond(request, served, route, params, reply, body.stream, "chat")
 
 
-def _check_model(served: Served, model: str | None) -> None:
-    name = served.engine.model_name
-    if model is not None and model != name:
-        message = f"the model {model!r} does not exist: this server serves {name!r}"
-        raise APIError(404, message, param="model", code="model_not_found")
+def _completion_prompt(prompt: str | list[int]) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(encode=lambda tokenizer: tokenizer.encode(prompt), text=lambda tokenizer: prompt)
+    return Prompt(encode=lambda tokenizer: list(prompt), text=lambda tokenizer: _decode(tokenizer, prompt))
+
+
+def _chat_prompt_ids(tokenizer, messages) -> list[int]:
+    try:
+        return chat_prompt_ids(tokenizer, messages)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    vocab_size = len(tokenizer)
+    return tokenizer.decode([t for t in token_ids if 0 <= t < vocab_size])
 
 
 def _check_token_ids(prompt_ids: list[int], tokenizer) -> None:
@@ -193,13 +221,12 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPar
         raise APIError(400, str(e)) from None
 
 
-def _reply(served: Served, prefix: str, body, want_logprobs: bool) -> responses.Reply:
-    engine = served.engine
+def _reply(route: Route, prefix: str, body, want_logprobs: bool) -> responses.Reply:
     return responses.Reply(
         id=f"{prefix}-{uuid.uuid4().hex}",
         created=int(time.time()),
-        model=engine.model_name,
-        tokenizer=engine.tokenizer,
+        model=route.name,
+        tokenizer=route.engine.tokenizer,
         logprobs=want_logprobs,
         include_usage=body.include_usage,
     )
@@ -208,13 +235,14 @@ def _reply(served: Served, prefix: str, body, want_logprobs: bool) -> responses.
 async def _respond(
     request: Request,
     served: Served,
-    prompt_ids: list[int],
+    route: Route,
     params: SamplingParams,
     reply,
     stream: bool | None,
     kind: str,
 ) -> Response:
-    limit = served.engine.max_model_len
+    prompt_ids = route.prompt_ids
+    limit = route.engine.max_model_len
     if len(prompt_ids) + params.max_tokens > limit:
         raise APIError(
             400,
@@ -223,18 +251,20 @@ async def _respond(
             "shorten the prompt or lower max_tokens",
             param="max_tokens",
         )
-    outputs = served.metrics.track(served.engine.generate(prompt_ids, params, reply.id))
+    generated = route.engine.generate(prompt_ids, params, reply.id)
+    outputs = served.metrics.track(served.router.track(route, generated, reply.id))
+    headers = {"x-optkit-model": route.name, "x-optkit-route": route.reason}
     try:
         first = await until_disconnected(request, _first_output(outputs))
         if stream:
             events = responses.completion_events if kind == "completion" else responses.chat_events
-            return SSEResponse(events(reply, first, outputs), outputs)
+            return SSEResponse(events(reply, first, outputs), outputs, headers)
         done = await until_disconnected(request, responses.collect(first, outputs))
     except BaseException:
         await outputs.aclose()  # usually closed already; never left for the garbage collector
         raise
     body = responses.completion_response(reply, done) if kind == "completion" else responses.chat_response(reply, done)
-    return Response(body.model_dump_json(), media_type="application/json")
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
 
 async def _first_output(outputs: AsyncIterator):

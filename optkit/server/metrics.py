@@ -16,6 +16,11 @@ Read from `engine.stats()` at scrape time:
   `optkit:prefix_cache_hit_tokens_total`, `optkit:num_preemptions_total` (counters): the engine's
   cumulative totals since it started (prompt tokens received, tokens sampled, prompt tokens
   served from the prefix cache instead of prefilled, sequences preempted).
+- With speculative decoding on, labelled by `proposer` (ngram or draft):
+  `optkit:spec_decode_num_draft_tokens_total`, `optkit:spec_decode_num_accepted_tokens_total`,
+  `optkit:spec_decode_num_steps_total` (counters: tokens proposed, tokens accepted, sequence
+  decode steps that reserved proposals), `optkit:spec_decode_acceptance_rate` and
+  `optkit:spec_decode_mean_accepted_tokens` (gauges: accepted / proposed, accepted per step).
 """
 
 import asyncio
@@ -65,6 +70,25 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value(field))
         for name, doc, field in counters:
             yield CounterMetricFamily(name, doc, value=value(field))
+        yield from _spec_families(stats)
+
+
+def _spec_families(stats):
+    """Speculative decoding's numbers, labelled by proposer; no samples when it is off."""
+    counter, gauge = CounterMetricFamily, GaugeMetricFamily
+    families = [
+        (counter, "num_draft_tokens", "Tokens proposed.", "num_spec_draft_tokens"),
+        (counter, "num_accepted_tokens", "Proposals accepted.", "num_spec_accepted_tokens"),
+        (counter, "num_steps", "Decode steps with proposals.", "num_spec_steps"),
+        (gauge, "acceptance_rate", "Accepted / proposed.", "spec_acceptance_rate"),
+        (gauge, "mean_accepted_tokens", "Accepted per step.", "spec_mean_accepted_tokens"),
+    ]
+    proposer = getattr(stats, "spec_proposer", None)
+    for kind, name, doc, field in families:
+        family = kind(f"optkit:spec_decode_{name}", doc, labels=["proposer"])
+        if proposer is not None:
+            family.add_metric([proposer], float(getattr(stats, field)))
+        yield family
 
 
 class ServerMetrics:

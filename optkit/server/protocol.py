@@ -4,8 +4,9 @@ Requests are strict, as OpenAI's API is: an unknown parameter, a value of the wr
 ("16" for an integer) or a non-finite number is a 400 that names the parameter. Parameters the
 server does not implement are accepted only at their no-op values (n=1, best_of=1, echo=false,
 no logit_bias, no suffix). vLLM's extensions top_k, min_p, repetition_penalty, ignore_eos and
-stop_token_ids are accepted. Chat messages are lenient (extra keys such as `name` or `refusal`,
-which clients echo back from earlier responses, are ignored); their role is not.
+stop_token_ids are accepted, and optkit's `speculative` (false: no speculative decoding for this
+request, when the server runs with --speculative). Chat messages are lenient (extra keys such as
+`name` or `refusal`, which clients echo back from earlier responses, are ignored); their role is not.
 """
 
 from typing import Any, Literal
@@ -47,6 +48,7 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    speculative: bool = True  # optkit's extension
 
     @field_validator("n")
     @classmethod
@@ -86,6 +88,7 @@ class _Sampling(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            speculative=self.speculative,
         )
 
     @property

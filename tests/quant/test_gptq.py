@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from optkit.errors import OptkitError
-from optkit.quant.gptq import GPTQOptions, accumulate_hessian, empty_hessian, gptq_quantize, output_error
+from optkit.quant.gptq import (
+    GPTQOptions,
+    accumulate_hessian,
+    all_finite,
+    empty_hessian,
+    gptq_quantize,
+    inverse_hessian_factor,
+    output_error,
+)
 from optkit.quant.rtn import rtn_quantize
 from optkit.quant.schemes import WeightScheme
 
@@ -106,3 +114,39 @@ def test_non_finite_inputs_name_the_layer():
     h[0, 0] = float("inf")
     with pytest.raises(OptkitError, match="activations contain NaN or inf"):
         gptq_quantize(torch.randn(2, 8), h, WeightScheme(group_size=-1), name="mlp.up_proj")
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_damped_inverse(act_order):
+    x = correlated_inputs(256, 24)
+    x[:, 5] = 0  # a dead input
+    h = hessian_of(x)
+    dead = torch.diag(h) == 0
+    perm = torch.randperm(24) if act_order else torch.arange(24)
+    before = h.clone()
+    U, damp = inverse_hessian_factor(h, perm, dead, 0.01, GPTQOptions(), "layer")
+    assert torch.equal(h, before)  # only read: callers still need it for the losses
+    H = h.clone()
+    H[dead, dead] = 1
+    H = H[perm][:, perm].double()
+    H.diagonal().add_(damp * H.diagonal().mean())
+    torch.testing.assert_close(U.double().T @ U.double(), torch.linalg.inv(H), rtol=1e-4, atol=1e-6)
+    assert torch.equal(U, U.triu())
+
+
+def test_gptq_leaves_the_hessian_it_is_given_unchanged():
+    h = hessian_of(correlated_inputs(256, 32))
+    before = h.clone()
+    gptq_quantize(torch.randn(8, 32), h, WeightScheme(bits=4, group_size=16), GPTQOptions(act_order=True))
+    assert torch.equal(h, before)
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_all_finite_agrees_with_isfinite(value, layout):
+    x = torch.randn(9, 7)
+    if value is not None:
+        x[4, 2] = value
+    if layout == "column-major":
+        x = x.T.contiguous().T
+    assert all_finite(x) == bool(torch.isfinite(x).all())

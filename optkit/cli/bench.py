@@ -1,0 +1,105 @@
+"""`optkit bench`: the engine's decode throughput and latency against transformers, in one run."""
+
+from typing import Annotated
+
+import typer
+
+from optkit.cli.options import JsonFlag, console, print_json
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    from optkit.errors import OptkitError
+
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise OptkitError(f"--batch-sizes {text!r}: give positive integers separated by commas, e.g. 1,8,32") from None
+    if not sizes or min(sizes) < 1:
+        raise OptkitError(f"--batch-sizes {text!r}: give positive integers separated by commas, e.g. 1,8,32")
+    return sizes
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench(
+    model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
+    baseline: Annotated[
+        list[str] | None,
+        typer.Option(help="hf (transformers generate) or eager (the engine without CUDA graphs); repeatable."),
+    ] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random ids).")] = 128,
+    gen_len: Annotated[int, typer.Option(min=1, help="Tokens generated per request (EOS ignored).")] = 128,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on CUDA).")] = None,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs for optkit's run.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    json_output: JsonFlag = False,
+) -> None:
+    """Output tokens/s, TTFT and TPOT p50/p95/p99 of the engine, the baselines at the same batch
+    sizes, and the ratios; on CUDA also the batch-1 bandwidth ceiling (weight bytes / copy bandwidth).
+
+    Example: optkit bench small --baseline hf --batch-sizes 1,8 --prompt-len 64 --gen-len 32
+    """
+    import sys
+
+    from optkit.errors import OptkitError
+    from optkit.runtime.benchmark import BASELINES, BenchConfig, run_benchmark
+
+    unknown = sorted(set(baseline or []) - set(BASELINES))
+    if unknown:
+        raise OptkitError(f"unknown --baseline {unknown[0]!r}: choose {' or '.join(BASELINES)}")
+    device = device or default_device()
+    config = BenchConfig(
+        batch_sizes=parse_batch_sizes(batch_sizes),
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        device=device,
+        dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+        baselines=tuple(baseline or ()),
+        enforce_eager=enforce_eager,
+        seed=seed,
+    )
+    result = run_benchmark(model, config, log=lambda line: print(line, file=sys.stderr, flush=True))
+    if json_output:
+        print_json(result)
+    else:
+        show(result)
+
+
+def show(result: dict) -> None:
+    from rich.table import Table
+
+    title = (
+        f"{result['model']} on {result['device_name']}, {result['dtype']}: "
+        f"{result['prompt_len']} prompt + {result['gen_len']} new tokens"
+    )
+    table = Table(title=title)
+    ratio_keys = sorted({k for row in result["rows"] for k in row if k.startswith("vs ")})
+    columns = ["batch", "run", "tok/s", *ratio_keys, "TTFT p50/p95/p99 ms", "TPOT p50/p95/p99 ms"]
+    if "ceiling" in result:
+        columns.append("of ceiling")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "run" else "right")
+
+    def ms(p: dict) -> str:
+        return "/".join(f"{p[k] * 1e3:.1f}" for k in ("p50", "p95", "p99"))
+
+    for row in result["rows"]:
+        cells = [str(row["batch_size"]), row["run"], f"{row['tokens_per_s']:.1f}"]
+        cells += [f"{row[k]:.2f}x" if k in row else "" for k in ratio_keys]
+        cells += [ms(row["ttft_s"]), ms(row["tpot_s"])]
+        if "ceiling" in result:
+            cells.append(f"{row['fraction_of_ceiling']:.0%}" if "fraction_of_ceiling" in row else "")
+        table.add_row(*cells)
+    console().print(table)
+    if "ceiling" in result:
+        c = result["ceiling"]
+        console().print(
+            f"batch-1 ceiling: {c['weight_bytes'] / 1e9:.2f} GB of weights at {c['copy_bytes_per_s'] / 1e12:.2f} TB/s "
+            f"= {c['batch1_tokens_per_s']:.0f} tokens/s"
+        )

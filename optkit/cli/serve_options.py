@@ -1,0 +1,48 @@
+"""`optkit serve`'s options for several models, routing, shadow mode and fallback (serving/flags.py
+says how they override a recipe's `serve:` section)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+Models = Annotated[
+    list[str] | None,
+    typer.Option("--model", help="NAME=PATH: serve the model at PATH as NAME (repeatable: several models)."),
+]
+KvCacheFraction = Annotated[
+    list[str] | None,
+    typer.Option(help="NAME=F: NAME's share of the KV memory budget (default: an equal share; repeatable)."),
+]
+Tasks = Annotated[
+    list[str] | None,
+    typer.Option("--task", help="NAME=TASK: models of one task may answer for each other (spill-over, prefix)."),
+]
+Recipe = Annotated[
+    Path | None, typer.Option(help="A recipe (or YAML file) whose serve: section configures all of this; flags win.")
+]
+Route = Annotated[
+    str | None,
+    typer.Option(help="model (the request's model field), tiered (tier rules, --tiers) or prefix (prefix affinity)."),
+]
+Tiers = Annotated[
+    Path | None, typer.Option(help="YAML file of tiered routing: order, default, rules, header (docs/serving.md).")
+]
+MaxQueueWait = Annotated[
+    float | None, typer.Option(help="Seconds: a model waiting longer spills requests to another of its task.")
+]
+PrefixMinTokens = Annotated[
+    int | None, typer.Option(help="With --route prefix: shared prefixes this long stick to one engine (64).")
+]
+Shadow = Annotated[
+    list[str] | None,
+    typer.Option(help="QUANT=FULL: replay a sample of QUANT's requests on FULL and measure the drift (repeatable)."),
+]
+ShadowRate = Annotated[float | None, typer.Option(help="Fraction of QUANT's requests replayed (0.05).")]
+FallbackThreshold = Annotated[
+    str | None, typer.Option(help="kld=X,top1=Y,ppl_increase=Z: send QUANT's requests to FULL past these.")
+]
+FallbackWindow = Annotated[int | None, typer.Option(help="Shadowed requests the threshold is checked over (20).")]
+FallbackRecovery = Annotated[
+    str | None, typer.Option(help="manual (POST /v1/optkit/fallback/reset) or auto (once a window passes).")
+]

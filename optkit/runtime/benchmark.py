@@ -1,0 +1,220 @@
+"""Decode throughput and latency of the engine against baselines measured in the same run (`optkit bench`).
+
+At each batch size B, B random prompts of prompt_len tokens each generate exactly gen_len tokens
+(greedy, EOS ignored), submitted at once. Reported per run: output tokens/s (B * gen_len / wall
+time), TTFT (submission to a request's first token) and TPOT ((last - first) / (gen_len - 1)) as
+p50/p95/p99 over the requests. Baselines: `hf` (transformers `generate` on the same batch, no
+padding since the prompts are equally long) and `eager` (the engine with CUDA graphs off).
+On CUDA, the batch-1 ceiling: weight bytes / device-to-device copy bandwidth, both measured here.
+"""
+
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from optkit.runtime.engine import EngineConfig, LLMEngine
+from optkit.runtime.sequence import SamplingParams
+
+BASELINES = ("hf", "eager")
+
+
+@dataclass
+class BenchConfig:
+    batch_sizes: list[int]
+    prompt_len: int = 128
+    gen_len: int = 128
+    device: str = "cpu"
+    dtype: str = "float32"
+    baselines: tuple[str, ...] = ()
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    """p50/p95/p99 (inclusive method); a single value is every percentile."""
+    if len(values) == 1:
+        return {"p50": values[0], "p95": values[0], "p99": values[0]}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
+
+
+def random_prompts(vocab_size: int, batch_size: int, prompt_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(prompt_len)] for _ in range(batch_size)]
+
+
+def summarize(wall: float, first: list[float], last: list[float], start: float, gen_len: int) -> dict:
+    """One run's row: tokens/s and the TTFT / TPOT percentiles (seconds) from per-request times."""
+    ttft = [f - start for f in first]
+    tpot = [(lt - f) / (gen_len - 1) for f, lt in zip(first, last, strict=True)] if gen_len > 1 else [0.0]
+    return {
+        "seconds": wall,
+        "tokens_per_s": len(first) * gen_len / wall,
+        "ttft_s": percentiles(ttft),
+        "tpot_s": percentiles(tpot),
+    }
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
+    params = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+
+    def on_output(i: int, output) -> None:
+        now = time.perf_counter()
+        first.setdefault(i, now)
+        last[i] = now
+
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params, on_output)
+    wall = time.perf_counter() - start
+    assert [len(o) for o in outputs] == [gen_len] * len(prompts)
+    n = len(prompts)
+    return summarize(wall, [first[i] for i in range(n)], [last[i] for i in range(n)], start, gen_len)
+
+
+def load_hf(path, dtype: torch.dtype, device: str):
+    """transformers' model: `from_pretrained` for a plain checkpoint, dequantized weights for an artifact."""
+    from optkit.modeldir import read_config
+
+    if read_config(path).get("quantization_config"):
+        from optkit.modeldir import load_model
+
+        model = load_model(path, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device).eval()
+    model.generation_config.eos_token_id = None  # every request produces exactly gen_len tokens
+    return model
+
+
+class _Timestamps:
+    """A transformers streamer: the time of each `put` (the prompt first, then each step's tokens)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:  # value is on the CPU: the step has finished
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], gen_len: int) -> dict:
+    device = next(model.parameters()).device
+    input_ids = torch.tensor(prompts, device=device)
+    streamer = _Timestamps()
+    start = time.perf_counter()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=gen_len,
+        min_new_tokens=gen_len,
+        do_sample=False,
+        pad_token_id=0,
+        streamer=streamer,
+    )
+    wall = time.perf_counter() - start
+    assert out.shape[1] == len(prompts[0]) + gen_len
+    tokens = streamer.times[1:]  # the first put is the prompt
+    n = len(prompts)
+    return summarize(wall, [tokens[0]] * n, [tokens[-1]] * n, start, gen_len)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter and persistent buffer, shared ones once."""
+    seen, total = set(), 0
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name in persistent and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def copy_bandwidth(device: str, size_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy, bytes/s, counting the read and the write (as MEASURED.md's 4.25 TB/s)."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size_bytes / statistics.median(times)
+
+
+def _engine(model, config: BenchConfig, enforce_eager: bool) -> LLMEngine:
+    largest = max(config.batch_sizes)
+    engine_config = EngineConfig(
+        max_num_seqs=largest,
+        max_num_batched_tokens=max(2048, config.prompt_len),
+        max_model_len=config.prompt_len + config.gen_len,
+        dtype=config.dtype,
+        device=config.device,
+        enable_prefix_caching=False,  # random prompts share nothing; keep every run a full prefill
+        enforce_eager=enforce_eager,
+    )
+    return LLMEngine(model, engine_config)
+
+
+def run_benchmark(model, config: BenchConfig, log=print) -> dict:
+    """All runs at every batch size; the result `optkit bench --json` prints."""
+    from optkit.modeldir import resolve_model_dir
+
+    path = resolve_model_dir(model)
+    torch.manual_seed(config.seed)
+    engine = _engine(path, config, config.enforce_eager)
+    log(f"engine ready: {engine.cuda_graphs_note}")
+    vocab = engine.model.config.vocab_size
+    runners = {"optkit": lambda prompts: run_engine(engine, prompts, config.gen_len)}
+    if "eager" in config.baselines and not config.enforce_eager:
+        eager = _engine(path, config, True)
+        runners["optkit --enforce-eager"] = lambda prompts: run_engine(eager, prompts, config.gen_len)
+    if "hf" in config.baselines:
+        hf = load_hf(path, getattr(torch, config.dtype), config.device)
+        runners["transformers"] = lambda prompts: run_hf(hf, prompts, config.gen_len)
+    warm = random_prompts(vocab, 2, min(config.prompt_len, 8), config.seed + 1)
+    for run in runners.values():  # first-call costs (kernel compilation, allocator) are not throughput
+        run(warm)
+    rows = []
+    for batch_size in config.batch_sizes:
+        prompts = random_prompts(vocab, batch_size, config.prompt_len, config.seed + batch_size)
+        for name, run in runners.items():
+            log(f"batch {batch_size}: {name}")
+            rows.append({"run": name, "batch_size": batch_size, **run(prompts)})
+    for row in rows:  # ratios against the baselines of the same batch size
+        for base in rows:
+            if base["batch_size"] == row["batch_size"] and base["run"] != "optkit" and row["run"] == "optkit":
+                row[f"vs {base['run']}"] = row["tokens_per_s"] / base["tokens_per_s"]
+    result = {
+        "model": str(model),
+        "device": config.device,
+        "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
+        "dtype": config.dtype,
+        "prompt_len": config.prompt_len,
+        "gen_len": config.gen_len,
+        "torch": torch.__version__,
+        "cuda_graphs": engine.cuda_graphs_note,
+        "rows": rows,
+    }
+    if config.device.startswith("cuda"):
+        nbytes, bandwidth = weight_bytes(engine.model), copy_bandwidth(config.device)
+        ceiling = bandwidth / nbytes
+        result["ceiling"] = {"weight_bytes": nbytes, "copy_bytes_per_s": bandwidth, "batch1_tokens_per_s": ceiling}
+        for row in rows:
+            if row["batch_size"] == 1:
+                row["fraction_of_ceiling"] = row["tokens_per_s"] / ceiling
+    return result

@@ -1,0 +1,39 @@
+"""Teacher forcing through the runtime's model, chunk by chunk, matches a plain forward pass."""
+
+import pytest
+import torch
+
+from optkit.modeldir import load_model
+from optkit.models.loader import load_runtime_model
+from optkit.serving.forcing import score_replay
+from optkit.serving.online import score_sequence
+
+TOKENS = [17, 250, 3, 999, 42, 7, 7, 1200, 5, 88, 640, 12, 31, 2048, 9, 300, 77, 15, 400, 61, 2, 33]
+
+
+@pytest.fixture(scope="module")
+def models(draft_dir, draft_w2):
+    return load_runtime_model(draft_dir), load_runtime_model(draft_w2)
+
+
+@pytest.fixture(scope="module")
+def offline(draft_dir, draft_w2):
+    """As `optkit eval` scores: the HF modules, one forward pass over the whole sequence."""
+    with torch.inference_mode():
+        x = torch.tensor([TOKENS])
+        return score_sequence(load_model(draft_dir)(x).logits[0], load_model(draft_w2)(x).logits[0], TOKENS, 8)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 64])
+def test_replay_matches_the_offline_gate_on_the_same_tokens(models, offline, chunk_tokens):
+    full, quant = models
+    pauses = []
+    online = score_replay(full, quant, TOKENS, 8, chunk_tokens, pause=lambda: pauses.append(1))
+    assert online.num_tokens == offline.num_tokens == len(TOKENS) - 8
+    for key, value in offline.metrics().items():
+        assert online.metrics()[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert len(pauses) == 2 * -(-(len(TOKENS) - 1) // chunk_tokens)  # before each step of each model
+
+
+def test_a_request_without_output_scores_nothing(models):
+    assert score_replay(*models, TOKENS[:5], 5).num_tokens == 0
