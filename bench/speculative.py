@@ -14,8 +14,8 @@ other load on the machine does not decide the ratios. On a machine shared with o
 
 --num-speculative-tokens takes one k for every proposer, or one per --speculative value; by
 default 16 for n-gram (it proposes k tokens only after a full 4-token match, in runs of repeated
-text, where long guesses pay; after shorter matches it proposes fewer) and 3 for a draft model
-(each proposal costs a draft forward pass).
+text, where long guesses pay; after shorter matches, or after its last guess failed, it proposes
+fewer) and 3 for a draft model (each proposal costs a draft forward pass).
 
 Usage: python bench/speculative.py [--target small] [--draft draft] [--speculative ngram draft:draft]
                                    [--num-speculative-tokens 8 3] [--max-tokens 128] [--threads 1] [--json]
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--num-speculative-tokens", type=int, nargs="+", help="k for all, or one per proposer")
     parser.add_argument("--requests", type=int, default=16, help="requests per batch size (a multiple of 16)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each configuration; the fastest counts")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")

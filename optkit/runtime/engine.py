@@ -150,7 +150,7 @@ class LLMEngine:
                 config.speculative, self.model, self.tokenizer, num_blocks, config.block_size,
                 config.enable_prefix_caching, getattr(torch, config.dtype), config.device,
             )  # fmt: skip
-            self.speculator = Speculator(proposer)
+            self.speculator = Speculator(proposer, config.num_speculative_tokens)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

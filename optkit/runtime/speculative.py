@@ -27,6 +27,12 @@ sum_x max(0, p(x) - q(x)) = 1 - sum_x min(p(x), q(x)) = P(reject),
   P(emit x) = q(x) min(1, p(x) / q(x)) + P(reject) r(x) = min(p(x), q(x)) + max(0, p(x) - q(x)) = p(x).
 The n-gram proposer's q is a point mass at d: d is kept with probability p(d), else t ~ p without d.
 Greedy rows are the temperature -> 0 limit: d_i is kept while d_i = argmax p_i; t = argmax p_{a+1}.
+
+How many tokens a sequence may propose adapts to how its last proposals fared: after a rejection
+at d_{a+1} at most a + 1 next step, after full acceptance twice as many (up to k). Every verified
+token costs the target compute (all of it on a CPU) and a draft model a forward pass, so guesses
+that keep failing are cut short while runs the proposer predicts well grow back at once. The
+rule only looks at the sequence's own tokens: it never depends on the batch.
 """
 
 from dataclasses import dataclass
@@ -156,17 +162,20 @@ class _Context:
 class Speculator:
     """Fills the scheduled sequences' proposals, then turns the target's logits into accepted tokens."""
 
-    def __init__(self, proposer):
+    def __init__(self, proposer, num_speculative_tokens: int):
         self.proposer = proposer  # proposers.NgramProposer or proposers.DraftModelProposer
+        self.k = num_speculative_tokens
         self.stats = SpecStats(proposer.name)
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> q [n, V] for this step's proposals
+        self._allowed: dict[int, int] = {}  # seq_id -> proposals it may make next (the adaptive length)
 
     def propose(self, scheduled: list[ScheduledSequence]) -> None:
         items = [s for s in scheduled if s.num_lookahead_tokens]
         self._draft_probs.clear()
         if not items:
             return
-        proposals = self.proposer.propose([(s.seq, s.num_lookahead_tokens) for s in items])
+        wanted = [min(s.num_lookahead_tokens, self._allowed.get(s.seq.seq_id, self.k)) for s in items]
+        proposals = self.proposer.propose([(s.seq, k) for s, k in zip(items, wanted, strict=True)])
         for item, (token_ids, probs) in zip(items, proposals, strict=True):
             assert len(token_ids) <= item.num_lookahead_tokens, (len(token_ids), item)
             item.spec_token_ids = token_ids
@@ -177,6 +186,8 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was preempted: the proposer drops what it holds for it."""
         self.proposer.release(seq)
+        if seq.is_finished:
+            self._allowed.pop(seq.seq_id, None)
 
     @torch.inference_mode()
     def sample(
@@ -210,8 +221,11 @@ class Speculator:
             emitted = self._verify(logits[spec_rows], spec, drafts, sampler)
             for seq, out, draft in zip(spec, emitted, drafts, strict=True):
                 tokens[seq.seq_id] = out
+                accepted = len(out) - 1
                 self.stats.num_draft_tokens += len(draft)
-                self.stats.num_accepted_tokens += len(out) - 1
+                self.stats.num_accepted_tokens += accepted
+                allowed = self._allowed.get(seq.seq_id, self.k)
+                self._allowed[seq.seq_id] = min(self.k, 2 * allowed) if accepted == len(draft) else accepted + 1
             logprobs.update(_spec_logprobs(logits[spec_rows], spec, emitted, drafts))
         return tokens, logprobs
 

@@ -169,15 +169,15 @@ def test_async_streams_with_speculation_and_a_consumer_that_leaves(draft_dir, he
 
     try:
         full, cut, other = asyncio.run(main())
-        expected = engine.engine.generate(prompts, params)
-        assert [full, other] == [expected[0], expected[2]] and cut == expected[1][: len(cut)]
         draft_blocks = engine.engine.speculator.proposer.block_manager
         deadline = time.monotonic() + 10  # the abort reaches the engine thread through its inbox
         while (engine.stats().kv_cache_usage or draft_blocks.usage) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert blocks_in_use(engine.engine) == (0, 0)
     finally:
         engine.shutdown()
+    assert blocks_in_use(engine.engine) == (0, 0)
+    expected = engine.engine.generate(prompts, params)  # the engine thread has stopped
+    assert [full, other] == [expected[0], expected[2]] and cut == expected[1][: len(cut)]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(spec, heldout_ids):
@@ -317,3 +317,46 @@ def test_lookahead_is_capped_by_max_tokens_and_all_or_nothing_in_the_budget():
     assert short.is_finished and short.num_output_tokens == 3
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         SchedulerConfig(max_num_batched_tokens=4, max_model_len=64, num_speculative_tokens=4)
+
+
+class RecordingProposer:
+    """Proposes 1, 2, 3, ... (as many as asked) and records how many it was asked for."""
+
+    name = "stub"
+
+    def __init__(self):
+        self.asked: list[int] = []
+
+    def propose(self, items):
+        self.asked += [k for _, k in items]
+        return [(list(range(1, k + 1)), None) for _, k in items]
+
+    def release(self, seq):
+        pass
+
+
+def test_proposal_length_adapts_to_what_was_accepted():
+    import torch
+
+    from optkit.runtime.sampler import Sampler
+    from optkit.runtime.scheduler import ScheduledSequence
+    from optkit.runtime.speculative import Speculator
+
+    proposer = RecordingProposer()
+    speculator = Speculator(proposer, num_speculative_tokens=8)
+    seq = Sequence([5, 6, 7], SamplingParams(temperature=0))
+
+    def step(target: list[int]) -> list[int]:
+        """One step whose target argmax is `target` at each row."""
+        item = ScheduledSequence(seq, 1, num_lookahead_tokens=8)
+        speculator.propose([item])
+        logits = torch.zeros(len(item.spec_token_ids) + 1, 16)
+        logits[torch.arange(len(target)), torch.tensor(target)] = 1.0
+        return speculator.sample(logits, [seq], [item], Sampler())[0][seq.seq_id]
+
+    assert step([1, 2, 9, 0, 0, 0, 0, 0, 0]) == [1, 2, 9]  # rejected at d_3: next time at most 3
+    assert step([1, 2, 3, 4]) == [1, 2, 3, 4]  # all accepted: next time up to 6
+    assert step([1, 9, 0, 0, 0, 0, 0]) == [1, 9]
+    assert proposer.asked == [8, 3, 6]
+    stats = speculator.stats
+    assert (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 17, 6)
