@@ -55,7 +55,9 @@ def calibration_data(tokenizer, options: CalibrationOptions) -> CalibrationData:
     if options.num_samples < 1 or options.seq_len < 2:
         raise OptkitError("--num-samples must be at least 1 and --seq-len at least 2")
     source = load_text_set(options.calib, flag="--calib")
-    stream = tokenize_stream(tokenizer, source.texts)
+    # One text at a time (the same ids as all at once): the tokenizer's working memory, several
+    # times the ids, is then that of the longest text rather than of the whole set.
+    stream = torch.cat([tokenize_stream(tokenizer, [text]) for text in source.texts])
     if stream.numel() < options.seq_len:
         raise OptkitError(
             f"calibration data {options.calib!r} has {stream.numel()} tokens, fewer than "
@@ -88,9 +90,15 @@ class LayerStream:
         return f"{self.prefix}.layers.{index}"
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[N, L] token ids -> [N, L, hidden] fp32 on the CPU."""
-        weight = self.reader.get(f"{self.prefix}.embed_tokens.weight").float()
-        return torch.nn.functional.embedding(tokens, weight)
+        """[N, L] token ids -> [N, L, hidden] fp32 on the CPU.
+
+        Rows are looked up in the stored dtype and widened sample by sample into the cache,
+        so no fp32 copy of the embedding matrix is made (widening is exact)."""
+        weight = self.reader.get(f"{self.prefix}.embed_tokens.weight")  # [vocab, hidden]
+        hidden = torch.empty(*tokens.shape, weight.shape[1], dtype=torch.float32)
+        for sample, ids in zip(hidden, tokens, strict=True):
+            sample.copy_(torch.nn.functional.embedding(ids, weight))
+        return hidden
 
     def position_embeddings(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         rotary = type(self.decoder.rotary_emb)(self.config).to(self.device)

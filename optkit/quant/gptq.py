@@ -40,6 +40,16 @@ class GPTQResult:
     damp: float  # the dampening fraction finally used
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """torch.isfinite(x).all() without its temporaries (|x| and two masks, 1.5× the size of x):
+    min and max propagate NaN, so both are finite exactly when every element is."""
+    if x.numel() == 0:
+        return True
+    if x.ndim >= 2 and x.mT.is_contiguous():
+        x = x.mT  # the same elements; a reduction over a column-major matrix would copy it first
+    return bool(torch.isfinite(torch.stack(torch.aminmax(x))).all())
+
+
 def empty_hessian(in_features: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
     return torch.zeros(in_features, in_features, dtype=torch.float32, device=device), 0
 
@@ -56,31 +66,50 @@ def accumulate_hessian(hessian: torch.Tensor, num_tokens: int, x: torch.Tensor) 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, hessian: torch.Tensor) -> float:
     """tr(Δ H Δᵀ) / 2 with Δ = W − Ŵ: the mean over tokens of ‖Δx‖²."""
     delta = (w.float() - w_hat.float()).to(hessian.device)
-    return ((delta @ hessian) * delta).sum().item() / 2
+    return (delta @ hessian).mul_(delta).sum().item() / 2
+
+
+def working_hessian(hessian: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    """P H Pᵀ (columns in processing order) with H_ii = 1 for dead inputs, as a new [in, in]
+    matrix laid out column-major: LAPACK factorizes and inverts column-major matrices in place,
+    so the three steps of `inverse_hessian_factor` then all work in this one buffer (a row-major
+    input costs a temporary copy per step)."""
+    H = hessian.mT[perm[:, None], perm].mT  # H[i, j] = hessian[perm[i], perm[j]]
+    H.diagonal()[dead[perm]] = 1
+    return H
 
 
 def inverse_hessian_factor(
-    hessian: torch.Tensor, damp: float, options: GPTQOptions, name: str
+    hessian: torch.Tensor, perm: torch.Tensor, dead: torch.Tensor, damp: float, options: GPTQOptions, name: str
 ) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + λI)⁻¹ with λ = damp · mean(diag H); raise λ on failure.
+    """Upper Cholesky factor of (H' + λI)⁻¹, H' = working_hessian(hessian, perm, dead) and
+    λ = damp · mean(diag H'); raise λ on failure. `hessian` is left as it is.
 
-    `hessian` is consumed: the dampening is added to it in place."""
-    mean_diag = torch.mean(torch.diag(hessian)).item()
-    applied = 0.0
+    The factor overwrites H' in place; a failed attempt rebuilds H' and adds the dampening
+    increments applied so far again, so a retry sees the same numbers as one that had kept H'."""
+    increments: list[float] = []
+    applied, mean_diag = 0.0, None
+    info = torch.zeros((), dtype=torch.int32, device=hessian.device)
     for attempt in range(options.max_damp_retries + 1):
-        hessian.diagonal().add_((damp - applied) * mean_diag)
+        factor = working_hessian(hessian, perm, dead)
+        if mean_diag is None:
+            mean_diag = torch.mean(torch.diag(factor)).item()
+        increments.append((damp - applied) * mean_diag)
         applied = damp
-        factor, info = torch.linalg.cholesky_ex(hessian)
-        if info == 0:  # (H + λI)⁻¹ from its Cholesky factor, written over the factor
+        for increment in increments:
+            factor.diagonal().add_(increment)
+        torch.linalg.cholesky_ex(factor, out=(factor, info))  # H' + λI = L Lᵀ
+        if info == 0:  # (H' + λI)⁻¹ from L, then its upper factor U: (H' + λI)⁻¹ = Uᵀ U
             torch.cholesky_inverse(factor, out=factor)
-            factor, info = torch.linalg.cholesky_ex(factor, upper=True)
-        if info == 0 and torch.isfinite(factor).all():
+            torch.linalg.cholesky_ex(factor, upper=True, out=(factor, info))
+        if info == 0 and all_finite(factor):
             if attempt:
                 warnings.warn(
                     f"{name}: Hessian not positive definite; GPTQ used dampening {damp:g} instead of {options.damp:g}",
                     stacklevel=2,
                 )
             return factor, damp
+        del factor
         tried, damp = damp, damp * 10 if damp > 0 else 1e-3
     raise OptkitError(
         f"{name}: the Hessian stays singular even with dampening {tried:g}: "
@@ -98,19 +127,18 @@ def gptq_quantize(
     name: str = "layer",
 ) -> GPTQResult:
     """Quantize W ([out, in]) with H ([in, in]); returns integers, scales, zero points, g_idx, loss."""
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise OptkitError(f"{name}: the weight contains NaN or inf: repair the checkpoint before quantizing")
-    if not torch.isfinite(hessian).all():
+    if not all_finite(hessian):
         raise OptkitError(f"{name}: the calibration activations contain NaN or inf: check the model and --calib data")
     out_features, in_features = w.shape
     group_size = scheme.group_size_for(in_features)
     num_groups = in_features // group_size
     w_orig = w.float().to(hessian.device)
     W = w_orig.clone()
-    H = hessian.clone()
 
-    dead = torch.diag(H) == 0  # inputs that were always zero: their weights cannot matter
-    H[dead, dead] = 1
+    diag = torch.diag(hessian)
+    dead = diag == 0  # inputs that were always zero: their weights cannot matter
     W[:, dead] = 0
 
     # Group parameters fixed up front from the unpermuted weight (static groups, or per channel).
@@ -120,11 +148,11 @@ def gptq_quantize(
 
     perm = torch.arange(in_features, device=W.device)
     if options.act_order:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        perm = torch.argsort(diag.masked_fill(dead, 1), descending=True)
+        W = W[:, perm]
 
-    Hinv, damp = inverse_hessian_factor(H, options.damp, options, name)
-    del H
+    # Working memory beyond W: this one [in, in] factor (the caller's Hessian is only read).
+    Hinv, damp = inverse_hessian_factor(hessian, perm, dead, options.damp, options, name)
 
     # Group of each *permuted* position: contiguous runs in processing order, unless static.
     if fixed_params is not None:
@@ -159,10 +187,12 @@ def gptq_quantize(
             W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # eq. 3 within the block
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's deferred update of all later columns
+    del W, W1, Err1, Hinv, Hinv1  # free the factor and the working weights before the loss below
 
     inverse = torch.argsort(perm)
     q_int = Q[:, inverse]
+    del Q
     g_idx = group_of_position[inverse].to(torch.int32)
-    contiguous = torch.equal(g_idx, torch.arange(in_features, device=W.device, dtype=torch.int32) // group_size)
+    contiguous = torch.equal(g_idx, torch.arange(in_features, device=g_idx.device, dtype=torch.int32) // group_size)
     result = QuantizedWeight(q_int.cpu(), scale.cpu(), zero_point.cpu(), scheme, None if contiguous else g_idx.cpu())
-    return GPTQResult(result, output_error(w_orig, result.dequantize().to(W.device), hessian), damp)
+    return GPTQResult(result, output_error(w_orig, result.dequantize().to(hessian.device), hessian), damp)
