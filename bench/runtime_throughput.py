@@ -13,7 +13,6 @@ Usage: python bench/runtime_throughput.py [--model small] [--requests 64] [--jso
 import argparse
 import json
 import random
-import statistics
 import time
 
 import torch
@@ -22,6 +21,7 @@ from rich.table import Table
 
 from optkit.data.eval_sets import load_text_set
 from optkit.modeldir import load_tokenizer, resolve_model_dir
+from optkit.runtime.benchmark import percentiles, timed_generate
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.sequence import SamplingParams
 
@@ -42,7 +42,9 @@ def make_requests(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
 
 def hf_model(path):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # every request produces exactly its output length
     return model
@@ -78,26 +80,10 @@ def run_hf_static_batches(model, requests, pad_id: int) -> float:
 
 def run_engine(engine: LLMEngine, requests) -> tuple[float, list[float], list[float]]:
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-
-    def on_output(i: int, output) -> None:
-        now = time.perf_counter()
-        first.setdefault(i, now)
-        last[i] = now
-
-    start = time.perf_counter()
-    outputs = engine.generate([p for p, _ in requests], params, on_output)
-    wall = time.perf_counter() - start
-    assert [len(o) for o in outputs] == [n for _, n in requests]
-    ttft = [first[i] - start for i in range(len(requests))]
-    tpot = [(last[i] - first[i]) / (n - 1) for i, (_, n) in enumerate(requests)]
+    wall, start, first, last = timed_generate(engine, [p for p, _ in requests], params)
+    ttft = [f - start for f in first]
+    tpot = [(lt - f) / (n - 1) for f, lt, (_, n) in zip(first, last, requests, strict=True)]
     return wall, ttft, tpot
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": cuts[49], "p95": cuts[94], "p99": cuts[98]}
 
 
 def main() -> None:

@@ -58,8 +58,11 @@ def summarize(wall: float, first: list[float], last: list[float], start: float, 
     }
 
 
-def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
-    params = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+def timed_generate(
+    engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[float, float, list[float], list[float]]:
+    """Runs every prompt at once; (wall seconds, start time, each request's first and last
+    token times). Each request must produce exactly its max_tokens (set ignore_eos)."""
     first: dict[int, float] = {}
     last: dict[int, float] = {}
 
@@ -71,9 +74,15 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dic
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, on_output)
     wall = time.perf_counter() - start
-    assert [len(o) for o in outputs] == [gen_len] * len(prompts)
+    assert [len(o) for o in outputs] == [p.max_tokens for p in params]
     n = len(prompts)
-    return summarize(wall, [first[i] for i in range(n)], [last[i] for i in range(n)], start, gen_len)
+    return wall, start, [first[i] for i in range(n)], [last[i] for i in range(n)]
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
+    params = [SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)] * len(prompts)
+    wall, start, first, last = timed_generate(engine, prompts, params)
+    return summarize(wall, first, last, start, gen_len)
 
 
 def load_hf(path, dtype: torch.dtype, device: str):
