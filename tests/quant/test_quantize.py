@@ -1,4 +1,5 @@
 import json
+import mmap
 
 import pytest
 import torch
@@ -73,8 +74,10 @@ def test_a_peak_window_inside_another_keeps_the_outer_peak():
     """The benchmark's window around quantize_model must still see the peaks before the
     manifest's own window starts (both use the process's one peak counter)."""
     with PeakMemory() as outer:
-        block = torch.ones(16 * 2**20)  # 64 MiB, written, then freed
-        del block
+        # 64 MiB of fresh pages, written, then unmapped (an allocator could reuse resident memory)
+        block = mmap.mmap(-1, 64 * 2**20)
+        block.write(b"\1" * len(block))
+        block.close()
         with PeakMemory() as inner:
             pass
     if outer.rss_bytes is None:
