@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from optkit.data.eval_sets import load_text_set
+from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
 from optkit.modeldir import load_model, load_tokenizer
 from optkit.quant.calibrate import (
@@ -31,6 +33,20 @@ def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
         logits = model.lm_head(model.model.norm(hidden))
         expected = model(tokens).logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_embedding_in_the_stored_dtype_is_exact(draft_dir):
+    stream = LayerStream(draft_dir, torch.device("cpu"))
+    tokens = torch.randint(0, stream.config.vocab_size, (3, 20))
+    weight = stream.reader.get("model.embed_tokens.weight").float()
+    assert torch.equal(stream.embed(tokens), torch.nn.functional.embedding(tokens, weight))
+
+
+def test_calibration_text_tokenized_text_by_text_gives_the_same_stream(draft_dir):
+    tokenizer = load_tokenizer(draft_dir)
+    texts = load_text_set("calib", flag="--calib").texts[:4]
+    one_by_one = torch.cat([tokenize_stream(tokenizer, [text]) for text in texts])
+    assert torch.equal(one_by_one, tokenize_stream(tokenizer, texts))
 
 
 def test_released_layers_hold_no_memory(draft_dir):
