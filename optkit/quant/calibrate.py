@@ -8,7 +8,7 @@ once more and its outputs become the next layer's inputs (the sequential scheme 
 reference code). The method-specific math is a callback: `quantize_linear(name, W, H)`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -239,7 +239,15 @@ def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
 LayerProcedure = Callable[[LayerWork], dict[str, tuple[QuantizedWeight, dict]]]
 
 
-@torch.inference_mode()
+@dataclass
+class LayerResult:
+    """What calibrating one decoder layer produced."""
+
+    prefix: str  # e.g. "model.layers.3"
+    quantized: dict[str, tuple[QuantizedWeight, dict]]  # full linear name -> (weight, stats)
+    updated: dict[str, torch.Tensor]  # full parameter name -> full-precision tensor the method changed (CPU)
+
+
 def calibrate_layerwise(
     model_path,
     tokens: torch.Tensor,
@@ -249,15 +257,14 @@ def calibrate_layerwise(
     device: torch.device,
     batch_size: int = 1,
     label: str = "calibrate",
-) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict[str, torch.Tensor]]:
+) -> Iterator[LayerResult]:
     """Quantize every target linear (full module names) layer by layer with `procedure`, which
-    leaves the layer holding its quantized weights. Returns name -> (weight, stats), and the
-    full-precision tensors the method changed (full parameter name -> tensor, CPU)."""
+    leaves the layer holding its quantized weights; yields each layer's results as soon as it is
+    done, so that the caller can write them out rather than hold the whole model's."""
     stream = LayerStream(model_path, device)
-    hidden = stream.embed(tokens)
-    rope = stream.position_embeddings(tokens.shape[1])
-    results: dict[str, tuple[QuantizedWeight, dict]] = {}
-    updated: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        hidden = stream.embed(tokens)
+        rope = stream.position_embeddings(tokens.shape[1])
     with progress_bar() as bar:
         task = bar.add_task(label, total=len(targets), info="")
         for index in range(stream.num_layers):
@@ -267,14 +274,15 @@ def calibrate_layerwise(
                 loss = stats.get("loss", float("nan"))
                 bar.update(task, advance=1, info=f"layer {index + 1}/{stream.num_layers} {name}  loss {loss:.3g}")
 
-            layer = stream.load_layer(index)
-            local_targets = {t.removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")}
-            work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report)
-            for name, result in procedure(work).items():
-                results[f"{prefix}.{name}"] = result
-            for name, module in work.updated.items():
-                for param, value in module.named_parameters():
-                    updated[f"{prefix}.{name}.{param}"] = value.detach().to("cpu", copy=True)
-            run_layer(prefix, layer, hidden, rope, batch_size, device)
-            stream.release_layer(index)
-    return results, updated
+            with torch.inference_mode():
+                layer = stream.load_layer(index)
+                local_targets = {t.removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")}
+                work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report)
+                result = LayerResult(prefix, {f"{prefix}.{n}": r for n, r in procedure(work).items()}, {})
+                for name, module in work.updated.items():
+                    for param, value in module.named_parameters():
+                        result.updated[f"{prefix}.{name}.{param}"] = value.detach().to("cpu", copy=True)
+                run_layer(prefix, layer, hidden, rope, batch_size, device)
+                stream.release_layer(index)
+            yield result
+            del result

@@ -7,6 +7,7 @@ layouts in `formats/`. This module chooses, collects per-layer results and write
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -22,15 +23,21 @@ from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_m
 from optkit.progress import progress_bar
 from optkit.quant import rtn
 from optkit.quant.awq_layer import AWQOptions, awq_procedure
-from optkit.quant.calibrate import CalibrationOptions, LayerProcedure, calibrate_layerwise, calibration_data
+from optkit.quant.calibrate import (
+    CalibrationOptions,
+    LayerProcedure,
+    LayerResult,
+    calibrate_layerwise,
+    calibration_data,
+)
 from optkit.quant.formats import FORMATS, get_format
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.procedures import gptq_procedure
-from optkit.quant.rtn import QuantizedWeight
 from optkit.quant.schemes import WeightScheme
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_procedure
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
+from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 
 Method = Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"]
 METHODS = get_args(Method)
@@ -110,22 +117,12 @@ def quantize_model(
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         with PeakMemory() as peak:
-            results, updated, calibration = _quantize_weights(base, targets, options, device)
-        reader = TensorReader(base)
-        quantized = {f"{name}.weight" for name in results}
-        tensors = {key: reader.get(key) for key in reader.keys() if key not in quantized}
-        for key, value in updated.items():  # e.g. norms that absorbed AWQ scales
-            if key not in quantized:
-                tensors[key] = value.to(tensors[key].dtype)
-        layers = []
-        for target in targets:
-            qw, stats = results[target.name]
-            tensors.update(fmt.compress(target.name, qw, options.activations))
-            layers.append({"name": target.name, "shape": [target.out_features, target.in_features], **stats})
+            calibration, layer_results = _quantize_weights(base, targets, options, device)
+            stats = _write_weights(base, tmp, fmt, options, layer_results)
+        layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in targets]
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights, options.act_order, ignored + ["lm_head"], options.activations
         )
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)
         manifest = write_manifest(
@@ -145,14 +142,51 @@ def quantize_model(
     return manifest
 
 
+def _write_weights(
+    base: Path, tmp: Path, fmt, options: QuantizeOptions, layer_results: Iterator[LayerResult]
+) -> dict[str, dict]:
+    """Write `model.safetensors` into `tmp`: the base model's tensors with each quantized linear
+    in the format's layout. Returns the stats of each quantized linear.
+
+    Each layer's compressed tensors go to a spill file in `tmp` as soon as the layer is done, and
+    the checkpoint is then written tensor by tensor from the spill files and the base model's
+    files: neither the quantized model nor the base model is ever held in memory at once."""
+    spill = tmp / ".layers"
+    spill.mkdir()
+    stats: dict[str, dict] = {}
+    compressed: dict[str, LazyTensor] = {}
+    updated: dict[str, torch.Tensor] = {}  # e.g. norms that absorbed AWQ scales
+    for part, layer in enumerate(layer_results):
+        layer_tensors = {}
+        for name, (qw, layer_stats) in layer.quantized.items():
+            layer_tensors.update(fmt.compress(name, qw, options.activations))
+            stats[name] = layer_stats
+        file = spill / f"{part:05d}.safetensors"
+        save_file(layer_tensors, file)
+        compressed.update(lazy_tensors_in(file))
+        updated.update(layer.updated)
+        del layer, layer_tensors
+    replaced = {f"{name}.weight" for name in stats}
+    tensors: dict[str, LazyTensor | torch.Tensor] = {}
+    for file in weight_files(base):
+        for key, tensor in lazy_tensors_in(file).items():
+            if key in replaced:
+                continue
+            tensors[key] = updated[key].to(tensor.dtype) if key in updated else tensor
+    tensors.update(compressed)
+    write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+    shutil.rmtree(spill)
+    return stats
+
+
 def _quantize_weights(
     base: Path, targets: list[LinearTarget], options: QuantizeOptions, device: str
-) -> tuple[dict[str, tuple[QuantizedWeight, dict]], dict[str, torch.Tensor], dict]:
-    """name -> (quantized weight, stats) for every target, the full-precision tensors the method
-    changed, and the calibration record."""
+) -> tuple[dict, Iterator[LayerResult]]:
+    """The calibration record, and the quantized layers as they are done (each with its linears'
+    (quantized weight, stats) and the full-precision tensors the method changed)."""
     if options.method == "rtn":
         no_calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
-        return _quantize_rtn(TensorReader(base), targets, options.weights), {}, no_calibration
+        return no_calibration, _quantize_rtn(TensorReader(base), targets, options.weights)
     data = calibration_data(load_tokenizer(base), options.calibration)
     calibration = {
         "name": options.calibration.calib,
@@ -160,7 +194,7 @@ def _quantize_weights(
         "num_samples": options.calibration.num_samples,
         "seq_len": options.calibration.seq_len,
     }
-    results, updated = calibrate_layerwise(
+    layers = calibrate_layerwise(
         base,
         data.tokens,
         {t.name for t in targets},
@@ -169,7 +203,7 @@ def _quantize_weights(
         batch_size=options.calibration.batch_size,
         label=f"{options.method} {options.weights.describe()}",
     )
-    return results, updated, calibration
+    return calibration, layers
 
 
 def _procedure(options: QuantizeOptions) -> LayerProcedure:
@@ -189,10 +223,8 @@ def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def _quantize_rtn(
-    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme
-) -> dict[str, tuple[QuantizedWeight, dict]]:
-    results = {}
+def _quantize_rtn(reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme) -> Iterator[LayerResult]:
+    """One result per linear: RTN needs no calibration, so each weight is read, rounded and let go."""
     with progress_bar() as bar:
         task = bar.add_task(f"rtn {scheme.describe()}", total=len(targets), info="")
         for target in targets:
@@ -203,9 +235,8 @@ def _quantize_rtn(
                 )
             qw = rtn.rtn_quantize(weight, scheme, scale_dtype=_scale_dtype(weight))
             stats = rtn.weight_error(weight, qw.dequantize())
-            results[target.name] = (qw, stats)
             bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
-    return results
+            yield LayerResult(target.name, {target.name: (qw, stats)}, {})
 
 
 def _copy_side_files(base: Path, out: Path) -> None:

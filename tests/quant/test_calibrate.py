@@ -98,3 +98,30 @@ def test_calibration_sampling_is_seeded(draft_dir):
 def test_calibrating_on_the_gate_set_is_refused(draft_dir):
     with pytest.raises(OptkitError, match="the gate's eval set"):
         calibration_data(load_tokenizer(draft_dir), CalibrationOptions(calib="heldout"))
+
+
+def test_each_layer_is_handed_over_before_the_next_is_loaded(draft_dir, monkeypatch):
+    """Results leave the pipeline layer by layer, so a caller can write them out instead of
+    holding a whole model's worth of quantized weights."""
+    from transformers import AutoConfig
+
+    from optkit.quant.calibrate import calibrate_layerwise
+    from optkit.quant.gptq import GPTQOptions
+    from optkit.quant.procedures import gptq_procedure
+    from optkit.quant.schemes import WeightScheme
+    from optkit.quant.targets import decoder_linears
+
+    loaded = []
+    load_layer = LayerStream.load_layer
+    monkeypatch.setattr(LayerStream, "load_layer", lambda self, i: loaded.append(i) or load_layer(self, i))
+    targets = {t.name for t in decoder_linears(AutoConfig.from_pretrained(draft_dir))}
+    tokens = torch.randint(0, 100, (2, 16))
+    layers = calibrate_layerwise(
+        draft_dir, tokens, targets, gptq_procedure(WeightScheme(bits=4), GPTQOptions()), device=torch.device("cpu")
+    )
+    first = next(layers)
+    assert loaded == [0]
+    assert first.prefix == "model.layers.0" and all(n.startswith("model.layers.0.") for n in first.quantized)
+    rest = list(layers)
+    assert [r.prefix for r in rest] == [f"model.layers.{i}" for i in range(1, len(rest) + 1)]
+    assert set(first.quantized).union(*(r.quantized for r in rest)) == targets
