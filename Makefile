@@ -28,6 +28,8 @@ demo: install
 	$(OPTKIT) inspect $(DEMO)/small-w4
 	$(OPTKIT) eval $(DEMO)/small-w4 --baseline small --max-ppl-increase 2 --max-kld 0.02 --min-top1 85 \
 		--report $(DEMO)/gate.json
+	$(OPTKIT) run recipes/small-gptq-w4.yaml --out $(DEMO)/release
+	$(OPTKIT) generate $(DEMO)/release "def fibonacci(n):" --max-tokens 32
 
 test: install
 	$(VENV)/bin/pytest -q

@@ -3,6 +3,7 @@ names are the YAML keys; an unknown key is an error that names it and the neares
 
 import difflib
 from pathlib import Path
+from typing import get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -62,6 +63,24 @@ def method_of_stages(stages: list[str]) -> str:
     return weights[0]
 
 
+class CompileOptions(BaseModel):
+    """The `compile:` section: warm the released artifact at these decode batch sizes (capturing
+    CUDA graphs on CUDA) and ship what `optkit compile` writes, so `serve` starts warm."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 8, 32, 64], min_length=1)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on CPU
+    torch_compile: bool = False  # also torch.compile each decode bucket (CUDA only)
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if any(size < 1 for size in self.batch_sizes):
+            raise ValueError(f"batch sizes must be at least 1, got {self.batch_sizes}")
+        return self
+
+
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,6 +89,7 @@ class Recipe(BaseModel):
     quantize: QuantizeOptions = Field(default_factory=QuantizeOptions)
     gate: GateOptions = Field(default_factory=GateOptions)
     output: str  # the release directory
+    compile: CompileOptions | None = None  # absent: the release carries no compile cache
     serve: ServeOptions = Field(default_factory=ServeOptions)  # how `optkit serve --recipe` serves it
 
     @model_validator(mode="before")
@@ -92,9 +112,10 @@ def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
     for key in path:
         field = model.model_fields.get(str(key))
         annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        models = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not models:  # a plain value, or no such key
             return []
-        model = annotation
+        model = models[0]  # the section's model, also when the section is optional (Model | None)
     return list(model.model_fields)
 
 

@@ -1,4 +1,5 @@
-"""`optkit run RECIPE`: quantize -> gate -> package, each stage skipped when its inputs are unchanged.
+"""`optkit run RECIPE`: quantize -> gate -> compile -> package, each stage skipped when its inputs
+are unchanged (compile runs only for a recipe with a `compile:` section and an artifact that passed).
 
 Stage outputs live in a work directory beside the release (`.NAME.work/`); each finished stage
 leaves a record of the hash of its inputs. A rerun whose inputs match skips the stage; an
@@ -22,7 +23,10 @@ from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
-from optkit.quant.quantize import quantize_model
+from optkit.quant.quantize import quantize_model, resolve_device
+from optkit.runtime.compile_cache import COMPILE_DIR, cache_key, compile_model
+from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
+from optkit.runtime.engine import EngineConfig
 
 
 @dataclass
@@ -121,12 +125,17 @@ def run_recipe(
         result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
 
-    # 3. package: always rewritten (cheap), so the release reflects this recipe and verdict
+    # 3. compile: only what will be released is worth warming
+    compiled = _compile_stage(recipe, manifest, artifact, work, result) if recipe.compile else None
+
+    # 4. package: always rewritten (cheap), so the release reflects this recipe and verdict
     start = time.perf_counter()
     with atomic_output_dir(release, overwrite=True) as tmp:
         for path in artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
+        if compiled is not None:
+            shutil.copytree(compiled, tmp / COMPILE_DIR)
         (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
         (tmp / "report.html").write_text(render_report(release.name, manifest, result.gate, result.verdict))
@@ -140,7 +149,36 @@ def run_recipe(
                 "recipe_git_commit": _git_commit(recipe_path.resolve().parent),
                 "gate": result.gate,
                 "verdict": result.verdict,
+                "compile": json.loads((compiled / COMPILE_MANIFEST).read_text()) if compiled else None,
             },
         )
     result.stages.append({"stage": "package", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     return result
+
+
+def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, result: RunResult) -> Path | None:
+    """Warm the artifact (`optkit compile`) into the work directory; returns its compile/ folder,
+    or None when the gate rejected the artifact."""
+    start = time.perf_counter()
+    if not result.passed:
+        result.stages.append({"stage": "compile", "status": "skipped (rejected)", "seconds": 0.0})
+        return None
+    options = recipe.compile
+    device = resolve_device(options.device).type
+    compiled = work / "compiled" / COMPILE_DIR
+    inputs = _digest({"artifact": manifest["files"], "compile": options.model_dump(), "key": cache_key(device)})
+    done = _record(work, "compile")
+    if done and done["inputs"] == inputs and (compiled / COMPILE_MANIFEST).is_file():
+        result.stages.append({"stage": "compile", "status": "skipped", "seconds": 0.0})
+        return compiled
+    shutil.rmtree(work / "compiled", ignore_errors=True)
+    config = EngineConfig(
+        max_num_seqs=max(options.batch_sizes),
+        dtype=options.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+        device=device,
+        torch_compile=options.torch_compile,
+    )
+    compile_model(str(artifact), work / "compiled", options.batch_sizes, config, log_line=lambda line: None)
+    _write_record(work, "compile", {"inputs": inputs})
+    result.stages.append({"stage": "compile", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+    return compiled

@@ -66,6 +66,37 @@ def test_thresholds_the_artifact_cannot_meet_reject_the_release(run_cli, tmp_pat
     assert "REJECTED" in (release / "README.md").read_text()
 
 
+def test_a_compile_section_ships_the_warm_up_with_the_release(run_cli, tmp_path, draft_dir):
+    """The compiled release carries compile/compile.json (hashed in the manifest), which `serve`
+    and `generate` pick up; an unchanged rerun skips the warm-up, new batch sizes redo it."""
+    from optkit.runtime.compile_cache import find_cache
+
+    recipe = write_recipe(tmp_path, draft_dir, compile={"batch_sizes": [1, 4], "device": "cpu"})
+    first = run_cli("run", recipe, "--json")
+    assert first[0] == 0, first[2]
+    assert stage_status(first) == {"quantize": "ran", "gate": "ran", "compile": "ran", "package": "ran"}
+    release = tmp_path / "release"
+    manifest = json.loads((release / "optkit.json").read_text())
+    compiled = json.loads((release / "compile" / "compile.json").read_text())
+    assert compiled["batch_sizes"] == [1, 4] and compiled["device"] == "cpu"
+    assert manifest["compile"] == compiled and "compile/compile.json" in manifest["files"]
+    assert find_cache(release, None) == release / "compile"
+    assert run_cli("verify", release)[0] == 0
+
+    second = run_cli("run", recipe, "--json")
+    assert stage_status(second)["compile"] == "skipped"
+    third = run_cli("run", recipe, "--set", "compile.batch_sizes=[2]", "--json")
+    assert stage_status(third) == {"quantize": "skipped", "gate": "skipped", "compile": "ran", "package": "ran"}
+    assert json.loads((release / "compile" / "compile.json").read_text())["batch_sizes"] == [2]
+
+
+def test_a_rejected_artifact_is_not_compiled(run_cli, tmp_path, draft_dir):
+    recipe = write_recipe(tmp_path, draft_dir, gate__min_top1=100.0, compile={"batch_sizes": [1], "device": "cpu"})
+    code, out, _ = run_cli("run", recipe, "--json")
+    assert code == 1 and stage_status((code, out))["compile"] == "skipped (rejected)"
+    assert not (tmp_path / "release" / "compile").exists()
+
+
 @pytest.mark.parametrize(
     "changes,fragments",
     [
@@ -73,6 +104,8 @@ def test_thresholds_the_artifact_cannot_meet_reject_the_release(run_cli, tmp_pat
         ({"gate__max_kdl": 0.1}, ("gate.max_kdl", "did you mean 'max_kld'")),
         ({"quantize__weights": {"bits": "four"}}, ("quantize.weights.bits", "valid integer")),
         ({"quantize__method": "smoothquant"}, ("int8 per output channel",)),
+        ({"compile": {"batch_size": [1]}}, ("compile.batch_size", "did you mean 'batch_sizes'")),
+        ({"compile": {"batch_sizes": [0, 8]}}, ("compile", "at least 1")),
     ],
 )
 def test_bad_recipes_name_the_key(run_cli, tmp_path, draft_dir, changes, fragments):
