@@ -5,7 +5,9 @@ layer for every calibration sample are cached on the CPU. Inside a layer the lin
 are calibrated in true-sequential order (q/k/v, then o, then gate/up, then down), each on the
 inputs produced by the already-quantized sublayers before it; then the quantized layer runs
 once more and its outputs become the next layer's inputs (the sequential scheme of GPTQ's
-reference code). The method-specific math is a callback: `quantize_linear(name, W, H)`.
+reference code). What a method does to one layer is a `LayerProcedure` (procedures.py,
+awq_layer.py, smoothquant_layer.py); each layer's results are handed to the caller as soon as the
+layer is done, so that they can be written out instead of accumulating.
 """
 
 from collections.abc import Callable, Iterator

@@ -1,30 +1,20 @@
 """The Triton paged-attention kernels against the PyTorch references: on CPU under the Triton
-interpreter (TRITON_INTERPRET=1, set here before triton is imported when there is no GPU), and on CUDA."""
+interpreter (TRITON_INTERPRET=1, set by triton_devices when there is no GPU), and on CUDA."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-# The interpreter must be on before triton is first imported (it decides how triton's own helpers are built).
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+# first: it sets TRITON_INTERPRET before triton is imported, and skips this module without triton
+from tests.kernels.triton_devices import DEVICES
 
-import optkit.kernels.triton as triton_kernels  # noqa: E402
-from optkit.kernels import paged_attention as reference  # noqa: E402
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention_reference  # noqa: E402
-from optkit.kernels.triton import paged_attention as kernels  # noqa: E402
+# isort: split
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not LATE
-CPU_SKIP = "triton was imported before TRITON_INTERPRET=1 was set" if LATE else "CPU tensors need TRITON_INTERPRET=1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason=CPU_SKIP)),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
-]
+import optkit.kernels.triton as triton_kernels
+from optkit.kernels import paged_attention as reference
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention_reference
+from optkit.kernels.triton import paged_attention as kernels
 
 
 def random_step(query_lens, context_lens, block_size, heads=(8, 2), dim=16, dtype=torch.float32, device="cpu", seed=0):

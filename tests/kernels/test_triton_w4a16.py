@@ -1,31 +1,20 @@
 """The Triton W4A16 matmul against `W4A16Linear`'s reference path: on CPU under the Triton
-interpreter (TRITON_INTERPRET=1, set here before triton is imported when there is no GPU), and on CUDA."""
-
-import os
-import sys
+interpreter (TRITON_INTERPRET=1, set by triton_devices when there is no GPU), and on CUDA."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-# The interpreter must be on before triton is first imported (it decides how triton's own helpers are built).
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+# first: it sets TRITON_INTERPRET before triton is imported, and skips this module without triton
+from tests.kernels.triton_devices import DEVICES
 
-import optkit.kernels.triton as triton_kernels  # noqa: E402
-from optkit.kernels.triton import w4a16 as kernels  # noqa: E402
-from optkit.kernels.w4a16 import W4A16Linear  # noqa: E402
-from optkit.quant.rtn import QuantizedWeight  # noqa: E402
-from optkit.quant.schemes import WeightScheme  # noqa: E402
+# isort: split
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not LATE
-CPU_SKIP = "triton was imported before TRITON_INTERPRET=1 was set" if LATE else "CPU tensors need TRITON_INTERPRET=1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason=CPU_SKIP)),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
-]
+import optkit.kernels.triton as triton_kernels
+from optkit.kernels.triton import w4a16 as kernels
+from optkit.kernels.w4a16 import W4A16Linear
+from optkit.quant.rtn import QuantizedWeight
+from optkit.quant.schemes import WeightScheme
 
 
 def make_layer(bits, group_size, symmetric=False, act_order=False, out_features=48, in_features=256, bias=False,

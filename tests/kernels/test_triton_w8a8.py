@@ -1,28 +1,17 @@
 """The Triton W8A8 kernels against `optkit.kernels.w8a8`'s reference: on CPU under the Triton
-interpreter (TRITON_INTERPRET=1, set here before triton is imported when there is no GPU), and on CUDA."""
-
-import os
-import sys
+interpreter (TRITON_INTERPRET=1, set by triton_devices when there is no GPU), and on CUDA."""
 
 import pytest
 import torch
 
-# The interpreter must be on before triton is first imported (it decides how triton's own helpers are built).
-LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+# first: it sets TRITON_INTERPRET before triton is imported, and skips this module without triton
+from tests.kernels.triton_devices import DEVICES
 
-import optkit.kernels.triton as triton_kernels  # noqa: E402
-from optkit.kernels import w8a8 as reference  # noqa: E402
-from optkit.kernels.triton import w8a8 as kernels  # noqa: E402
+# isort: split
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and not LATE
-CPU_SKIP = "triton was imported before TRITON_INTERPRET=1 was set" if LATE else "CPU tensors need TRITON_INTERPRET=1"
-DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason=CPU_SKIP)),
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
-]
+import optkit.kernels.triton as triton_kernels
+from optkit.kernels import w8a8 as reference
+from optkit.kernels.triton import w8a8 as kernels
 
 
 def make_weight(n=48, k=160, device="cpu", seed=0):

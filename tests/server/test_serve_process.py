@@ -1,67 +1,25 @@
 """`optkit serve small` as a real process, driven by the official `openai` client."""
 
 import asyncio
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-try:
-    import httpx2 as httpx
-except ImportError:  # older openai releases depend on httpx itself
-    import httpx
+from tests.serve_process import httpx, serving
 
 pytestmark = pytest.mark.slow
 
 KEY = "sk-optkit-test"
-SERVE = [sys.executable, "-m", "optkit.cli.main", "serve"]
-STARTUP_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The server's base URL; one process for the whole module, killed at the end."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    command = [*SERVE, "small", "--port", str(port), "--api-key", KEY, "--max-num-seqs", "64"]
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_ready(process, base, log)
+    """The server's base URL; one process for the whole module, stopped at the end."""
+    args = ["small", "--api-key", KEY, "--max-num-seqs", "64"]
+    with serving(tmp_path_factory.mktemp("serve"), *args) as (base, log):
+        assert f"serving small on {base}" in log.read_text()
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait_until_ready(process: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"optkit serve exited with code {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200 and "serving small on" in log.read_text():
-                assert f"serving small on {base}" in log.read_text()
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"optkit serve did not answer /health within {STARTUP_S} s:\n{log.read_text()}")
 
 
 def client(base: str):

@@ -1,58 +1,15 @@
 """`optkit serve` with several models as a real process, driven by the official `openai` client:
 acceptance 1 (two models by name, tiered escalation) and 3 (fallback under load)."""
 
-import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import yaml
 
-try:
-    import httpx2 as httpx
-except ImportError:  # older openai releases depend on httpx itself
-    import httpx
+from tests.serve_process import httpx, serving
 
 pytestmark = pytest.mark.slow
-
-SERVE = [sys.executable, "-m", "optkit.cli.main", "serve"]
-STARTUP_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving(tmp_path: Path, *args: str):
-    """The base URL of `optkit serve ARGS` once it answers; the process is stopped on exit."""
-    port = free_port()
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([*SERVE, *args, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while "serving " not in log.read_text():
-            if process.poll() is not None:
-                pytest.fail(f"optkit serve exited with code {process.returncode}:\n{log.read_text()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"optkit serve did not start within {STARTUP_S} s:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield base, log
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def client(base: str):
