@@ -24,8 +24,10 @@ def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtyp
 
 
 def activation_magnitude(x: torch.Tensor) -> torch.Tensor:
-    """mean |x| per input channel: [..., in] -> [in]."""
-    return x.reshape(-1, x.shape[-1]).abs().float().mean(dim=0)
+    """mean |x| per input channel: [..., in] -> [in]. An L1 norm per column: one reduction,
+    without the x-sized |x| that abs().mean() would allocate."""
+    x = x.reshape(-1, x.shape[-1])
+    return torch.linalg.vector_norm(x.float(), ord=1, dim=0) / x.shape[0]
 
 
 def weight_magnitude(weights: list[torch.Tensor], scheme: WeightScheme) -> torch.Tensor:
@@ -51,6 +53,13 @@ def candidate_scales(x_mag: torch.Tensor, w_mag: torch.Tensor, grid: int = 20, d
             yield alpha, use_duo, s
 
 
+def clip_rows(num_tokens: int, max_tokens: int) -> torch.Tensor:
+    """The tokens the clipping search uses: `max_tokens` evenly spaced of `num_tokens` (sorted)."""
+    if num_tokens <= max_tokens:
+        return torch.arange(num_tokens)
+    return torch.linspace(0, num_tokens - 1, max_tokens).long()
+
+
 def search_clip(
     w: torch.Tensor,
     x: torch.Tensor,
@@ -68,7 +77,7 @@ def search_clip(
     out_features, in_features = w.shape
     group_size = scheme.group_size_for(in_features)
     if x.shape[0] > max_tokens:
-        x = x[torch.linspace(0, x.shape[0] - 1, max_tokens).long()]
+        x = x[clip_rows(x.shape[0], max_tokens)]
     w_g = grouped(w.float(), group_size)  # [out, G, gs]
     x_g = x.float().reshape(x.shape[0], -1, group_size)  # [T, G, gs]
     reference = torch.einsum("tgk,ogk->otg", x_g, w_g)  # each group's partial output

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
-from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, set_quantized
+from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
 from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
 from optkit.quant.schemes import WeightScheme
 
@@ -65,7 +65,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         for alpha, use_duo, s in awq.candidate_scales(x_mag, w_mag, options.grid, duo):
             for module, w in zip(modules, originals, strict=True):
                 module.weight.copy_(awq.fake_quantize(w * s, scheme, SCALE_DTYPE) / s)
-            loss = (block_output(work, block, x) - reference).pow(2).mean().item()
+            loss = block_error(work, block, x, reference)
             if loss < best["loss"]:
                 best = {"loss": loss, "alpha": alpha, "duo_scaling": use_duo, "s": s}
         for module, w in zip(modules, originals, strict=True):
@@ -74,7 +74,11 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         return best
 
     def quantize_linears(work: LayerWork, names: list[str], searched: dict[str, dict]) -> dict:
-        inputs = capture_inputs(work, names, options.search_samples) if options.clip else {}
+        inputs = {}
+        if options.clip:  # only the tokens the clipping search uses
+            samples = min(options.search_samples, work.hidden.shape[0])
+            rows = awq.clip_rows(samples * work.hidden.shape[1], options.clip_tokens)
+            inputs = capture_inputs(work, names, samples, rows)
         results = {}
         for name in names:
             weight = work.layer.get_submodule(name).weight.detach().clone()

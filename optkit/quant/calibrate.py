@@ -214,20 +214,39 @@ def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tenso
     return {name: hessians[owner_of[name]][0] for name in names}
 
 
-def capture_inputs(work: LayerWork, names: list[str], num_samples: int) -> dict[str, torch.Tensor]:
+def capture_inputs(
+    work: LayerWork, names: list[str], num_samples: int, rows: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """The inputs of each named module for the first `num_samples` samples: [S, L, in], on the
-    device; modules fed the same tensor share one."""
-    inputs: dict[str, list[torch.Tensor]] = {}
+    device; modules fed the same tensor share one. With `rows` (sorted indices into those S·L
+    tokens, flattened), only those tokens: [len(rows), in], the rest never held.
+
+    Each batch is copied into one buffer allocated at the first batch (no list of copies to
+    concatenate at the end, which would hold the inputs twice)."""
+    num_samples = min(num_samples, work.hidden.shape[0])
+    buffers: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}  # tokens (rows given) or samples seen so far, per owner
 
     def on_input(name: str, x: torch.Tensor, owner: str) -> None:
         if owner != name:
-            inputs.setdefault(name, inputs[owner])
+            buffers.setdefault(name, buffers[owner])
+            return
+        if rows is None:
+            shape, part = (num_samples, *x.shape[1:]), x
+            first = filled.get(name, 0)
+            filled[name] = first + x.shape[0]
         else:
-            inputs.setdefault(name, []).append(x.clone())
+            flat = x.reshape(-1, x.shape[-1])
+            start = filled.get(name, 0)
+            filled[name] = start + flat.shape[0]
+            lo, hi = torch.searchsorted(rows, torch.tensor([start, start + flat.shape[0]])).tolist()
+            shape, part, first = (len(rows), x.shape[-1]), flat[rows[lo:hi] - start], lo
+        if name not in buffers:
+            buffers[name] = x.new_empty(shape)
+        buffers[name][first : first + part.shape[0]] = part
 
     work.run_until_seen(names, on_input, num_samples)
-    stacked: dict[int, torch.Tensor] = {}
-    return {name: stacked.setdefault(id(chunks), torch.cat(chunks)) for name, chunks in inputs.items()}
+    return buffers
 
 
 def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:

@@ -65,7 +65,31 @@ def fold_scale(layer: torch.nn.Module, previous: str, linears: tuple[str, ...], 
 
 
 def block_output(work: LayerWork, block: str, x: torch.Tensor) -> torch.Tensor:
+    """The output of `block` (a module of the layer) for inputs x ([S, L, in]), run `batch_size`
+    samples at a time like the rest of the calibration: the block's intermediates (the MLP's
+    [S, L, intermediate]) never exist for all S samples at once, only its output does."""
+    out = None
+    for start, y in _block_outputs(work, block, x):
+        if out is None:
+            out = y.new_empty(x.shape[0], *y.shape[1:])
+        out[start : start + y.shape[0]] = y
+    return out
+
+
+def block_error(work: LayerWork, block: str, x: torch.Tensor, reference: torch.Tensor) -> float:
+    """mean((block(x) − reference)²), batch by batch: no output-sized temporaries."""
+    total = 0.0
+    for start, y in _block_outputs(work, block, x):
+        total += (y - reference[start : start + y.shape[0]]).pow_(2).sum().item()
+    return total / reference.numel()
+
+
+def _block_outputs(work: LayerWork, block: str, x: torch.Tensor):
+    """(first sample, output) for each batch of `work.batch_size` samples of x."""
     module = work.layer.get_submodule(block)
-    if block.endswith("self_attn"):
-        return module(hidden_states=x, position_embeddings=work.rope, attention_mask=None)[0]
-    return module(x)
+    for start in range(0, x.shape[0], work.batch_size):
+        chunk = x[start : start + work.batch_size]
+        if block.endswith("self_attn"):
+            yield start, module(hidden_states=chunk, position_embeddings=work.rope, attention_mask=None)[0]
+        else:
+            yield start, module(chunk)

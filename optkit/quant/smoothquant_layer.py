@@ -11,7 +11,7 @@ from optkit.kernels.w8a8 import INT8_MAX
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
-from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, set_quantized
+from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
 from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
 
 
@@ -65,7 +65,7 @@ def smoothquant_procedure(
                 m.register_forward_pre_hook(lambda _, a, s=s: (sq.fake_quantize_activations(a[0] / s) * s,))
                 for m in modules
             ]
-            loss = (block_output(work, block, x) - reference).pow(2).mean().item()
+            loss = block_error(work, block, x, reference)
             for handle in handles:
                 handle.remove()
             if loss < best_loss:
