@@ -10,6 +10,7 @@ from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.memory import PeakMemory
 from optkit.modeldir import load_model, load_tokenizer
+from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.schemes import WeightScheme
 
@@ -83,3 +84,25 @@ def test_a_peak_window_inside_another_keeps_the_outer_peak():
     if outer.rss_bytes is None:
         pytest.skip("this OS does not report the peak resident set")
     assert outer.rss_bytes >= 60 * 2**20 > inner.rss_bytes
+
+
+def test_a_sharded_base_gives_the_same_artifact(tmp_path, draft_dir):
+    """Models of a few GB and up come in safetensors shards with an index: the artifact is the
+    same as from one file, and the base's index is not copied next to the single output file."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(draft_dir).save_pretrained(sharded, max_shard_size="300KB")
+    for side_file in draft_dir.iterdir():
+        if side_file.name.startswith("tokenizer"):
+            (sharded / side_file.name).write_bytes(side_file.read_bytes())
+    assert len(list(sharded.glob("*.safetensors"))) > 2 and (sharded / "model.safetensors.index.json").exists()
+
+    options = QuantizeOptions(method="gptq", calibration=CalibrationOptions(num_samples=4, seq_len=32))
+    quantize_model(draft_dir, tmp_path / "from-one", options)
+    quantize_model(sharded, tmp_path / "from-shards", options)
+    one, shards = (load_file(tmp_path / d / "model.safetensors") for d in ("from-one", "from-shards"))
+    assert one.keys() == shards.keys()
+    assert all(torch.equal(one[k], shards[k]) for k in one)
+    assert not (tmp_path / "from-shards" / "model.safetensors.index.json").exists()
