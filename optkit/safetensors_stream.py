@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from optkit.errors import OptkitError
+
 # In the reference writer's data order (the reverse of its Dtype enum): sizes never increase.
 DTYPE_NAMES = {
     torch.int64: "I64",
@@ -64,11 +66,16 @@ def lazy_tensors_in(file: Path) -> dict[str, LazyTensor]:
 
         return load
 
+    tensors = {}
     with safe_open(file, framework="pt") as f:
-        return {
-            key: LazyTensor(DTYPES[f.get_slice(key).get_dtype()], tuple(f.get_slice(key).get_shape()), loader(key))
-            for key in f.keys()
-        }
+        for key in f.keys():
+            dtype = f.get_slice(key).get_dtype()
+            if dtype not in DTYPES:
+                raise OptkitError(
+                    f"{file}: tensor {key} is {dtype}, which optkit cannot copy: give a bf16/fp16/fp32 model"
+                )
+            tensors[key] = LazyTensor(DTYPES[dtype], tuple(f.get_slice(key).get_shape()), loader(key))
+    return tensors
 
 
 def write_safetensors(

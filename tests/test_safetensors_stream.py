@@ -7,6 +7,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from optkit.errors import OptkitError
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 
 
@@ -82,3 +83,9 @@ def test_the_same_bytes_as_safetensors_save_file(tmp_path):
     write_safetensors(tmp_path / "streamed.safetensors", tensors, metadata={"format": "pt"})
     save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
     assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+
+
+def test_a_dtype_it_cannot_copy_is_a_clear_error(tmp_path):
+    save_file({"w": torch.zeros(2, 2).to(torch.float8_e4m3fn)}, tmp_path / "fp8.safetensors")
+    with pytest.raises(OptkitError, match="tensor w is F8_E4M3"):
+        lazy_tensors_in(tmp_path / "fp8.safetensors")
