@@ -79,9 +79,13 @@ def lazy_tensors_in(file: Path) -> dict[str, LazyTensor]:
 
 
 def write_safetensors(
-    path: Path, tensors: Mapping[str, LazyTensor | torch.Tensor], metadata: dict[str, str] | None = None
+    path: Path,
+    tensors: Mapping[str, LazyTensor | torch.Tensor],
+    metadata: dict[str, str] | None = None,
+    on_written: Callable[[str, int], None] | None = None,
 ) -> None:
-    """Write `tensors` to `path`; at most one of them is loaded at a time."""
+    """Write `tensors` to `path`; at most one of them is loaded at a time. `on_written(name,
+    nbytes)` is called after each tensor (for a progress bar)."""
     lazy = {name: t if isinstance(t, LazyTensor) else LazyTensor.of(t) for name, t in tensors.items()}
     for name, spec in lazy.items():
         if spec.dtype not in DTYPE_NAMES:
@@ -112,3 +116,5 @@ def write_safetensors(
             if tensor.numel():
                 f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
             del tensor
+            if on_written is not None:
+                on_written(name, spec.nbytes)

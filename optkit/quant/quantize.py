@@ -174,7 +174,15 @@ def _write_weights(
                 continue
             tensors[key] = updated[key].to(tensor.dtype) if key in updated else tensor
     tensors.update(compressed)
-    write_safetensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
+    with progress_bar() as bar:
+        total_mb = sum(t.nbytes for t in tensors.values()) / 2**20
+        task = bar.add_task("write model.safetensors", total=round(total_mb, 1), info="MB")
+        write_safetensors(
+            tmp / "model.safetensors",
+            tensors,
+            metadata={"format": "pt"},
+            on_written=lambda name, nbytes: bar.update(task, advance=nbytes / 2**20),
+        )
     shutil.rmtree(spill)
     return stats
 
