@@ -4,7 +4,10 @@ Prints method × bits × group size -> perplexity, Δppl %, mean KLD, same-top-t
 peak memory, with RTN measured in the same run as the baseline, then the memory bound of the
 layer-by-layer pipeline: model size + 3 × largest layer (fp32) + activation cache.
 
-Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--json]
+Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--seeds 0 1 2] [--json]
+With several --seeds, each calibrated method runs once per calibration seed and a "mean" row gives
+the mean (± standard deviation of Δppl): on a small model one seed's Δppl can move by more than
+the difference between methods.
 Peak RSS is measured after one warm-up GPTQ quantization of the same model (so one-time costs
 such as imports and kernel caches sized by its shapes are not counted), and with glibc's mmap
 threshold lowered for the whole run, so that freed tensors go back to the OS at once and RSS
@@ -16,7 +19,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import itertools
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -133,13 +138,16 @@ def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
     return sizes
 
 
-def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str) -> dict:
+def run_variant(
+    model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str, seed: int | None = None
+) -> dict:
     method, fmt, symmetric, gptq = VARIANTS[label]
     options = QuantizeOptions(
         method=method,
         format=fmt,
         gptq=gptq,
         weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
+        calibration=CalibrationOptions(seed=seed or 0),
     )
     start = time.perf_counter()
     with rss_follows_live_memory(), PeakMemory() as peak:
@@ -148,6 +156,7 @@ def run_variant(model: str, out: Path, label: str, bits: int, group_size: int, e
     m = evaluate(out, model, Thresholds(), eval_set=eval_set).metrics
     return {
         "variant": label,
+        "seed": seed,  # calibration seed; None for RTN
         "symmetric": symmetric,
         "bits": bits,
         "group_size": group_size,
@@ -169,6 +178,7 @@ def main() -> None:
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[128, 32])
     parser.add_argument("--eval-set", default="heldout")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="calibration seeds of calibrated methods")
     parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 (SmoothQuant) rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -185,14 +195,32 @@ def main() -> None:
         for bits in args.bits:
             for group_size in args.group_sizes:
                 for label in args.variants:
-                    out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}"
-                    rows.append(run_variant(args.model, out, label, bits, group_size, args.eval_set))
+                    for seed in [None] if VARIANTS[label][0] == "rtn" else args.seeds:
+                        out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}-s{seed}"
+                        rows.append(run_variant(args.model, out, label, bits, group_size, args.eval_set, seed))
         w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set)
     bound = memory_bound(args.model, CalibrationOptions())
     if args.json:
         print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound}, indent=2))
         return
     print_tables(args, rows, w8a8, bound)
+
+
+def with_means(rows: list[dict]) -> list[dict]:
+    """The rows, each calibrated variant's per-seed rows (consecutive) followed by their mean
+    (variant "… mean"), with the standard deviation of its Δppl."""
+    out: list[dict] = []
+    for _, runs in itertools.groupby(rows, key=lambda r: (r["variant"], r["bits"], r["group_size"])):
+        runs = list(runs)
+        out.extend(runs)
+        if runs[0]["seed"] is None:
+            continue
+        mean = {k: statistics.fmean(r[k] for r in runs) for k in ("ppl", "ppl_increase_pct", "kld_mean", "top1_pct")}
+        mean["ppl_increase_sd"] = statistics.stdev(r["ppl_increase_pct"] for r in runs) if len(runs) > 1 else 0.0
+        mean["quantize_s"] = statistics.fmean(r["quantize_s"] for r in runs)
+        no_peak = {"peak_rss_bytes": None, "peak_cuda_bytes": None}
+        out.append({**runs[0], **mean, **no_peak, "variant": f"{runs[0]['variant']} mean", "seed": None})
+    return out
 
 
 def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
@@ -203,16 +231,21 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
     for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
     rtn = {(r["bits"], r["group_size"], r["symmetric"]): r for r in rows if r["variant"].startswith("rtn")}
-    for r in rows:
+    seeds = len(args.seeds)
+    for r in with_means(rows) if seeds > 1 else rows:
         base = rtn.get((r["bits"], r["group_size"], r["symmetric"]))
         ratio = f"{r['ppl_increase_pct'] / base['ppl_increase_pct']:.2f}×" if base else ""
-        peak = r["peak_cuda_bytes"] if r["peak_cuda_bytes"] is not None else r["peak_rss_bytes"]
+        peak = r.get("peak_cuda_bytes") if r.get("peak_cuda_bytes") is not None else r.get("peak_rss_bytes")
+        label = r["variant"]
+        if seeds > 1 and r["seed"] is not None:
+            label += f" s{r['seed']}"
+        spread = f"±{r['ppl_increase_sd']:.3f}" if "ppl_increase_sd" in r else ""
         table.add_row(
-            r["variant"],
+            label,
             str(r["bits"]),
             str(r["group_size"]),
             f"{r['ppl']:.3f}",
-            f"{r['ppl_increase_pct']:+.3f}",
+            f"{r['ppl_increase_pct']:+.3f}{spread}",
             ratio,
             f"{r['kld_mean']:.5f}",
             f"{r['top1_pct']:.2f}",
