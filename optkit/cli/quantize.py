@@ -99,6 +99,11 @@ def quantize(
     if method == "gptq":
         loss, rtn_loss = sum(x["loss"] for x in layers), sum(x["rtn_loss"] for x in layers)
         summary += f", output error {loss:.4g} (RTN {rtn_loss:.4g})"
+    peak = manifest["peak_memory"]
+    for label, value in (("peak GPU memory", peak["cuda_bytes"]), ("peak RSS", peak["rss_bytes"])):
+        if value is not None:
+            summary += f", {label} {value / 2**20:.0f} MB"
+            break
     console().print(
         f"[bold green]wrote[/] {out}  ({method} {options.weights.describe()}, {len(layers)} layers, "
         f"{summary}, {manifest['wall_time_s']:.1f}s)"
