@@ -12,6 +12,7 @@ from optkit.errors import OptkitError
 from optkit.gate.thresholds import Thresholds
 from optkit.quant.quantize import QuantizeOptions
 from optkit.serving.config import ServeOptions
+from optkit.yaml_files import read_yaml_mapping
 
 
 class GateOptions(Thresholds):
@@ -152,17 +153,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load_recipe(path: str | Path, overrides: list[str] = ()) -> tuple[Recipe, dict]:
     """The validated recipe and its raw data (after overrides), as recorded in the manifest."""
-    path = Path(path)
-    if not path.is_file():
-        raise OptkitError(f"recipe {path} does not exist: give a YAML file (see recipes/)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OptkitError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from e
-    if not isinstance(data, dict):
-        raise OptkitError(f"recipe {path} must be a mapping of keys (model, quantize, gate, output)")
+    data = read_yaml_mapping(
+        path, "recipe", missing_hint=" (see recipes/)", keys_hint=" (model, quantize, gate, output)"
+    )
     data = apply_overrides(data, list(overrides))
+    return parse_recipe(data, path), data
+
+
+def parse_recipe(data: dict, source: str | Path) -> Recipe:
+    """Validate a recipe's data; the first problem is a one-line error naming the key."""
     try:
-        return Recipe.model_validate(data), data
+        return Recipe.model_validate(data)
     except ValidationError as e:
-        raise OptkitError(f"{path}: {_describe(e.errors()[0])}") from e
+        raise OptkitError(f"{source}: {_describe(e.errors()[0])}") from e

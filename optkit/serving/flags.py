@@ -10,10 +10,9 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from optkit.errors import OptkitError
 from optkit.serving.config import FALLBACK_KEYS
+from optkit.yaml_files import read_yaml_mapping
 
 
 @dataclass
@@ -69,34 +68,14 @@ def parse_threshold(text: str) -> dict[str, float]:
 def read_serve_section(path: str) -> dict:
     """The `serve:` section of a recipe file (a whole recipe is validated as one; a file may also
     hold only a `serve:` section)."""
-    from optkit.pipeline.recipe import load_recipe
+    from optkit.pipeline.recipe import parse_recipe
 
-    file = Path(path)
-    if not file.is_file():
-        raise OptkitError(f"--recipe {path} does not exist: give a YAML file with a serve: section")
-    data = _read_yaml(file, "--recipe")
+    data = read_yaml_mapping(path, "--recipe", missing_hint=" with a serve: section")
     if not isinstance(data.get("serve"), dict):
         raise OptkitError(f"recipe {path} has no serve: section: add one (see docs/serving.md)")
     if set(data) != {"serve"}:
-        load_recipe(file)  # a release recipe: all of it must be valid
+        parse_recipe(data, path)  # a release recipe: all of it must be valid
     return data["serve"]
-
-
-def _yaml_file(path: str, flag: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise OptkitError(f"{flag} {path} does not exist: give a YAML file")
-    return _read_yaml(file, flag)
-
-
-def _read_yaml(file: Path, flag: str) -> dict:
-    try:
-        data = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise OptkitError(f"{flag} {file} is not valid YAML: {str(e).splitlines()[0]}") from e
-    if not isinstance(data, dict):
-        raise OptkitError(f"{flag} {file} must be a mapping of keys")
-    return data
 
 
 def apply_flags(data: dict, flags: ServeFlags) -> dict:
@@ -127,7 +106,7 @@ def apply_flags(data: dict, flags: ServeFlags) -> dict:
     if flags.route is not None:
         data["route"] = flags.route
     if flags.tiers is not None:
-        data["tiers"] = _yaml_file(flags.tiers, "--tiers")
+        data["tiers"] = read_yaml_mapping(flags.tiers, "--tiers")
     if flags.max_queue_wait is not None:
         data["spill_over"] = {**(data.get("spill_over") or {}), "max_queue_wait_s": flags.max_queue_wait}
     if flags.prefix_min_tokens is not None:
