@@ -49,6 +49,7 @@ def bench(
 
     from optkit.errors import OptkitError
     from optkit.runtime.benchmark import BASELINES, BenchConfig, run_benchmark
+    from optkit.runtime.engine import default_dtype
 
     unknown = sorted(set(baseline or []) - set(BASELINES))
     if unknown:
@@ -59,7 +60,7 @@ def bench(
         prompt_len=prompt_len,
         gen_len=gen_len,
         device=device,
-        dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
+        dtype=dtype or default_dtype(device),
         baselines=tuple(baseline or ()),
         enforce_eager=enforce_eager,
         seed=seed,

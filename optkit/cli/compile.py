@@ -30,17 +30,10 @@ def compile_(
     import sys
 
     from optkit.cli.bench import default_device, parse_batch_sizes
-    from optkit.runtime.compile_cache import compile_model
-    from optkit.runtime.engine import EngineConfig
+    from optkit.runtime.compile_cache import compile_config, compile_model
 
     sizes = parse_batch_sizes(batch_sizes)
-    device = device or default_device()
-    config = EngineConfig(
-        max_num_seqs=max(sizes),
-        dtype=dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-        device=device,
-        torch_compile=torch_compile,
-    )
+    config = compile_config(sizes, device or default_device(), dtype, torch_compile)
     manifest = compile_model(model, out, sizes, config, log_line=lambda line: print(line, file=sys.stderr))
     if json_output:
         print_json(manifest)

@@ -24,9 +24,8 @@ from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
 from optkit.quant.quantize import quantize_model, resolve_device
-from optkit.runtime.compile_cache import COMPILE_DIR, cache_key, compile_model
+from optkit.runtime.compile_cache import COMPILE_DIR, cache_key, compile_config, compile_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
-from optkit.runtime.engine import EngineConfig
 
 
 @dataclass
@@ -172,12 +171,7 @@ def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, r
         result.stages.append({"stage": "compile", "status": "skipped", "seconds": 0.0})
         return compiled
     shutil.rmtree(work / "compiled", ignore_errors=True)
-    config = EngineConfig(
-        max_num_seqs=max(options.batch_sizes),
-        dtype=options.dtype or ("bfloat16" if device.startswith("cuda") else "float32"),
-        device=device,
-        torch_compile=options.torch_compile,
-    )
+    config = compile_config(options.batch_sizes, device, options.dtype, options.torch_compile)
     compile_model(str(artifact), work / "compiled", options.batch_sizes, config, log_line=lambda line: None)
     _write_record(work, "compile", {"inputs": inputs})
     result.stages.append({"stage": "compile", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})

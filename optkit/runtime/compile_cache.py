@@ -89,6 +89,18 @@ def prepare_runner(engine) -> str:
     return note
 
 
+def compile_config(batch_sizes: list[int], device: str, dtype: str | None, torch_compile: bool):
+    """The engine settings `optkit compile` warms: room for the largest batch size."""
+    from optkit.runtime.engine import EngineConfig, default_dtype
+
+    return EngineConfig(
+        max_num_seqs=max(batch_sizes),
+        dtype=dtype or default_dtype(device),
+        device=device,
+        torch_compile=torch_compile,
+    )
+
+
 def compile_model(model: str, out: Path | None, batch_sizes: list[int], engine_config, log_line=print) -> dict:
     """Warm the engine at each batch size (capturing the CUDA graphs on CUDA) and write the manifest
     (and torch.compile's artifacts with --torch-compile) to OUT/compile/."""

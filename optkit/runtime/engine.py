@@ -19,6 +19,13 @@ from optkit.runtime.scheduler import Scheduler, SchedulerConfig
 from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 KV_CACHE_MEMORY_FRACTION = 0.25  # of physical memory, when --kv-cache-blocks is not given
 
 
