@@ -306,4 +306,4 @@ def calibrate_layerwise(
                 run_layer(prefix, layer, hidden, rope, batch_size, device)
                 stream.release_layer(index)
             yield result
-            del result
+            del result  # else this frame keeps the layer's results alive through the next layer

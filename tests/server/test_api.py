@@ -8,6 +8,7 @@ from starlette.requests import ClientDisconnect
 from starlette.testclient import TestClient
 
 from optkit.server.app import build_app
+from tests.metrics_text import metric_samples
 from tests.server.fake_engine import FakeEngine
 
 KEY = "sk-test"
@@ -326,11 +327,7 @@ def test_metrics(client, engine):
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stop": [" "]})
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    samples = metric_samples(response.text)
     assert samples["optkit:time_to_first_token_seconds_count"] == 3
     assert samples["optkit:time_per_output_token_seconds_count"] == 2  # the stopped one had one token
     assert samples["optkit:e2e_request_latency_seconds_count"] == 3

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.metrics_text import metric_samples
 from tests.serve_process import httpx, serving
 
 pytestmark = pytest.mark.slow
@@ -29,12 +30,7 @@ def client(base: str):
 
 
 def metrics(base: str) -> dict[str, float]:
-    samples = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+    return metric_samples(httpx.get(f"{base}/metrics", timeout=10).text)
 
 
 def test_completion(server):

@@ -7,6 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from optkit.server.app import build_app
+from tests.metrics_text import metric_samples
 from tests.server.fake_engine import FakeEngine
 
 
@@ -31,12 +32,7 @@ def tokenizer():
 
 
 def samples(client: TestClient) -> dict[str, float]:
-    result = {}
-    for line in client.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            result[name] = float(value)
-    return result
+    return metric_samples(client.get("/metrics").text)
 
 
 def test_spec_metrics_by_proposer(tokenizer):

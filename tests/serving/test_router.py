@@ -11,6 +11,7 @@ from optkit.serving.load import LoadTracker
 from optkit.serving.online import ShadowScore
 from optkit.serving.router import Prompt, Router
 from optkit.serving.shadow import ShadowService
+from tests.metrics_text import metric_samples
 from tests.server.fake_engine import FakeEngine
 
 LONG = "the cat sat on the mat " * 8  # 48 tokens
@@ -37,8 +38,7 @@ def complete(client: TestClient, prompt: str, model: str | None = "draft", heade
 
 
 def samples(client: TestClient) -> dict[str, float]:
-    lines = client.get("/metrics").text.splitlines()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+    return metric_samples(client.get("/metrics").text)
 
 
 def test_models_by_name(tokenizer):

@@ -7,6 +7,7 @@ import time
 import pytest
 import yaml
 
+from tests.metrics_text import metric_samples
 from tests.serve_process import httpx, serving
 
 pytestmark = pytest.mark.slow
@@ -19,8 +20,7 @@ def client(base: str):
 
 
 def metrics(base: str) -> dict[str, float]:
-    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+    return metric_samples(httpx.get(f"{base}/metrics", timeout=10).text)
 
 
 def test_two_models_by_name_and_tiered_escalation(tmp_path):

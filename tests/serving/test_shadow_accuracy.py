@@ -11,6 +11,7 @@ from optkit.server.app import build_app
 from optkit.serving.config import serve_options
 from optkit.serving.online import score_sequence, total
 from optkit.serving.startup import start_router
+from tests.metrics_text import metric_samples
 
 pytestmark = pytest.mark.slow
 
@@ -34,8 +35,7 @@ def test_online_numbers_match_the_offline_gate(small_w2):
             body = {"model": "small-w2", "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
             assert client.post("/v1/completions", json=body).headers["x-optkit-model"] == "small-w2"
         assert router.shadow.drain(timeout=120)
-        lines = [line.rsplit(" ", 1) for line in client.get("/metrics").text.splitlines() if not line.startswith("#")]
-        metrics = {name: float(value) for name, value in lines}
+        metrics = metric_samples(client.get("/metrics").text)
     pair = '{full="small",quant="small-w2"}'
     tokens = metrics[f"optkit:shadow_tokens_total{pair}"]
     online = {
