@@ -34,20 +34,32 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.thresholds import Thresholds
 from optkit.memory import PeakMemory
 from optkit.modeldir import resolve_model_dir, weight_files
+from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.schemes import WeightScheme
 
-# label -> (method, format, symmetric, GPTQ options); each row is compared with the RTN row of
-# the same symmetry
+# label -> (method, format, symmetric, the method's options); each row is compared with the RTN
+# row of the same symmetry
 VARIANTS = {
-    "rtn": ("rtn", "compressed-tensors", True, GPTQOptions()),
-    "gptq": ("gptq", "compressed-tensors", True, GPTQOptions()),
-    "gptq act-order": ("gptq", "gptq", True, GPTQOptions(act_order=True)),
-    "gptq act-order static": ("gptq", "compressed-tensors", True, GPTQOptions(act_order=True, static_groups=True)),
-    "rtn asym": ("rtn", "compressed-tensors", False, GPTQOptions()),
-    "awq asym": ("awq", "compressed-tensors", False, GPTQOptions()),
+    "rtn": ("rtn", "compressed-tensors", True, {}),
+    "gptq": ("gptq", "compressed-tensors", True, {}),
+    "gptq act-order": ("gptq", "gptq", True, {"gptq": GPTQOptions(act_order=True)}),
+    "gptq act-order static": (
+        "gptq",
+        "compressed-tensors",
+        True,
+        {"gptq": GPTQOptions(act_order=True, static_groups=True)},
+    ),
+    "rtn asym": ("rtn", "compressed-tensors", False, {}),
+    "awq asym": ("awq", "compressed-tensors", False, {}),
+    "awq asym autoawq-clip": (
+        "awq",
+        "compressed-tensors",
+        False,
+        {"awq": AWQOptions(clip_ends="shared", clip_qk=False)},
+    ),
 }
 
 
@@ -141,11 +153,11 @@ def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
 def run_variant(
     model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str, seed: int | None = None
 ) -> dict:
-    method, fmt, symmetric, gptq = VARIANTS[label]
+    method, fmt, symmetric, method_options = VARIANTS[label]
     options = QuantizeOptions(
         method=method,
         format=fmt,
-        gptq=gptq,
+        **method_options,
         weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
         calibration=CalibrationOptions(seed=seed or 0),
     )

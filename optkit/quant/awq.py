@@ -7,7 +7,8 @@ so W ← W diag(s) and P's output channels ← P / s leave the full-precision fu
 while quantizing W diag(s) rounds the columns of salient input channels more finely. The scale is
 s = mean|x|^α (or, "duo scaling", mean|x|^α / mean|ŵ|^(1−α) with ŵ the group-normalised weight
 magnitudes), with α chosen on a grid to minimise the block's output error after quantization.
-Then each linear's per-group clipping range is shrunk where that lowers its output error.
+Then each linear's per-group clipping range is shrunk where that lowers its output error (for
+asymmetric integers each end of the range on its own).
 Pure tensor functions; the search loop that runs modules is in procedures.py.
 """
 
@@ -68,34 +69,46 @@ def search_clip(
     max_shrink: float = 0.5,
     steps: int = 20,
     max_tokens: int = 512,
+    independent_ends: bool = True,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Per (output row, group) clipping bound that minimises ‖x wᵀ − x Q(clip(w))ᵀ‖² within the group.
+    """Per (output row, group) clipping range that minimises ‖x wᵀ − x Q(clip(w))ᵀ‖² within the group.
 
-    w: [out, in]; x: [tokens, in]. Tries max|w_group| · (1 − max_shrink · i / steps), i = 0..steps.
-    Returns the bound: [out, G]."""
+    w: [out, in]; x: [tokens, in]. As in the reference implementation, ±max|w| is shrunk by the
+    factors 1 − max_shrink · i / steps, i = 0..steps. An asymmetric scheme quantizes [min, max]
+    rather than ±max|w|, so with `independent_ends` each end is shrunk on its own: every
+    (lower factor, upper factor) pair of the same grid. Returns [2, out, G]: lower and upper bounds.
+    """
     out_features, in_features = w.shape
     group_size = scheme.group_size_for(in_features)
     if x.shape[0] > max_tokens:
         x = x[clip_rows(x.shape[0], max_tokens)]
     w_g = grouped(w.float(), group_size)  # [out, G, gs]
     x_g = x.float().reshape(x.shape[0], -1, group_size)  # [T, G, gs]
-    reference = torch.einsum("tgk,ogk->otg", x_g, w_g)  # each group's partial output
-    max_abs = w_g.abs().amax(dim=-1)  # [out, G]
-    best_bound, best_error = max_abs.clone(), torch.full_like(max_abs, float("inf"))
-    for i in range(steps + 1):
-        bound = max_abs * (1 - max_shrink * i / steps)
-        clipped = torch.maximum(torch.minimum(w_g, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
-        q = grouped(fake_quantize(clipped.reshape(out_features, in_features), scheme, scale_dtype), group_size)
-        error = (torch.einsum("tgk,ogk->otg", x_g, q) - reference).pow(2).mean(dim=1)  # [out, G]
+    # A group's output error mean_t (x_t · d)² is the quadratic form dᵀ C d with C = XᵀX / T.
+    gram = torch.einsum("tgk,tgl->gkl", x_g, x_g) / x.shape[0]  # [G, gs, gs]
+    lower, upper = w_g.amin(dim=-1).clamp(max=0), w_g.amax(dim=-1).clamp(min=0)  # [out, G]
+    one_bound = scheme.symmetric or not independent_ends
+    if one_bound:
+        upper = torch.maximum(-lower, upper)
+        lower = -upper
+    factors = [1 - max_shrink * i / steps for i in range(steps + 1)]
+    pairs = [(f, f) for f in factors] if one_bound else [(a, b) for a in factors for b in factors]
+    best, best_error = torch.stack([lower, upper]), torch.full_like(upper, float("inf"))
+    for lower_factor, upper_factor in pairs:
+        bounds = torch.stack([lower * lower_factor, upper * upper_factor])
+        clipped = clip(w, bounds)
+        d = grouped(fake_quantize(clipped, scheme, scale_dtype), group_size) - w_g  # [out, G, gs]
+        d = d.transpose(0, 1)  # [G, out, gs]
+        error = (torch.bmm(d, gram) * d).sum(dim=-1).T  # [out, G]
         better = error < best_error
         best_error = torch.where(better, error, best_error)
-        best_bound = torch.where(better, bound, best_bound)
-    return best_bound
+        best = torch.where(better, bounds, best)
+    return best
 
 
-def clip(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Clamp each (row, group) of w to ±bound ([out, G])."""
-    group_size = w.shape[1] // bound.shape[1]
-    b = bound.unsqueeze(-1)
-    return torch.maximum(torch.minimum(grouped(w, group_size), b), -b).reshape(w.shape)
+def clip(w: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Clamp each (row, group) of w ([out, in]) to [lower, upper] (bounds: [2, out, G])."""
+    lower, upper = bounds.to(w.dtype).unsqueeze(-1)
+    group_size = w.shape[1] // bounds.shape[-1]
+    return torch.minimum(torch.maximum(grouped(w, group_size), lower), upper).reshape(w.shape)

@@ -21,6 +21,10 @@ class AWQOptions(BaseModel):
     grid: int = 20  # α ∈ {0, 1/grid, ..., (grid-1)/grid}
     duo_scaling: Literal["both", "on", "off"] = "both"  # search s = |x|^α, s = |x|^α / |w|^(1-α), or both
     clip: bool = True
+    # AutoAWQ shrinks ±max|w| as one bound and skips q/k; on `small` both changes lower the KLD
+    # (README): asymmetric integers get each end of a group's range shrunk on its own, and q/k are clipped
+    clip_ends: Literal["independent", "shared"] = "independent"
+    clip_qk: bool = True
     max_shrink: float = 0.5  # clipping search: shrink each group's range by up to this fraction
     clip_steps: int = 20
     clip_tokens: int = 512  # tokens sampled for the clipping search (AutoAWQ's n_sample_token)
@@ -35,7 +39,7 @@ AWQ_GROUPS = (
     ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
 )
 BLOCKS = ("self_attn.", "mlp.")  # scale, then quantize, one block after the other
-NO_CLIP = ("self_attn.q_proj", "self_attn.k_proj")  # their errors meet in q·kᵀ: clipping each alone misleads
+QK = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ does not clip them: their errors meet in q·kᵀ
 
 
 def _awq_groups(work: LayerWork):
@@ -83,18 +87,19 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         for name in names:
             weight = work.layer.get_submodule(name).weight.detach().clone()
             stats = {"loss": float("nan"), **searched.get(name, {})}
-            if options.clip and name not in NO_CLIP:
+            if options.clip and (options.clip_qk or name not in QK):
                 x = inputs[name].reshape(-1, weight.shape[1])
-                bound = awq.search_clip(
+                bounds = awq.search_clip(
                     weight,
                     x,
                     scheme,
                     max_shrink=options.max_shrink,
                     steps=options.clip_steps,
                     max_tokens=options.clip_tokens,
+                    independent_ends=options.clip_ends == "independent",
                     scale_dtype=SCALE_DTYPE,
                 )
-                weight = awq.clip(weight, bound)
+                weight = awq.clip(weight, bounds)
             qw = rtn_quantize(weight, scheme, SCALE_DTYPE)
             stats.update(weight_error(weight.cpu(), qw.dequantize()))
             set_quantized(work, name, qw)

@@ -45,19 +45,59 @@ def test_candidate_scales_cover_the_grid():
         assert torch.isclose(s.max() * s.min(), torch.tensor(1.0), rtol=1e-4)
 
 
-def test_clip_search_never_increases_the_output_error():
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_clip_search_never_increases_the_output_error(symmetric):
     torch.manual_seed(0)
     w = torch.randn(32, 64)
     w[0, 3] = 12.0  # an outlier weight that stretches its group's range
     x = torch.randn(256, 64)
-    scheme = WeightScheme(bits=3, group_size=32, symmetric=False)
-    bound = awq.search_clip(w, x, scheme, scale_dtype=torch.float32)
-    assert bound.shape == (32, 2) and (bound <= w.reshape(32, 2, 32).abs().amax(-1) + 1e-6).all()
+    scheme = WeightScheme(bits=3, group_size=32, symmetric=symmetric)
+    bounds = awq.search_clip(w, x, scheme, scale_dtype=torch.float32)
+    lower, upper = bounds
+    assert bounds.shape == (2, 32, 2) and (lower <= 0).all() and (upper >= 0).all()
+    assert (upper <= w.reshape(32, 2, 32).amax(-1).clamp(min=0) + 1e-6).all() or symmetric
+    if symmetric:
+        assert torch.equal(lower, -upper)
 
     def error(weight):
         return ((x @ (w - awq.fake_quantize(weight, scheme, torch.float32)).T) ** 2).mean()
 
-    assert error(awq.clip(w, bound)) <= error(w)
+    assert error(awq.clip(w, bounds)) < error(w)
+
+
+def _group_output_error(w, x, scheme, lower, upper):
+    """mean((x (Q(clamp(w, lower, upper)) − w)ᵀ)²) for one row-group w ([1, gs]) and its inputs x."""
+    w_hat = awq.fake_quantize(w.clamp(lower, upper), scheme, torch.float32)
+    return ((x @ (w_hat - w).T) ** 2).mean().item()
+
+
+def test_asymmetric_clip_search_picks_the_best_pair_of_bounds():
+    """Each (row, group) gets the (lower, upper) shrink pair with the smallest output error of that
+    group, checked against a direct search over the pairs."""
+    torch.manual_seed(1)
+    w = torch.randn(4, 16)
+    w[0, 2], w[1, 9] = -6.0, 5.0  # one long negative tail, one long positive tail
+    x = torch.randn(64, 16)
+    scheme = WeightScheme(bits=3, group_size=8, symmetric=False)
+    steps, max_shrink = 4, 0.5
+    bounds = awq.search_clip(w, x, scheme, steps=steps, max_shrink=max_shrink, scale_dtype=torch.float32)
+    lo0, hi0 = w.reshape(4, 2, 8).amin(-1).clamp(max=0), w.reshape(4, 2, 8).amax(-1).clamp(min=0)
+    factors = [1 - max_shrink * i / steps for i in range(steps + 1)]
+    for row in range(4):
+        for group in range(2):
+            w_group, x_group = w[row : row + 1, group * 8 : group * 8 + 8], x[:, group * 8 : group * 8 + 8]
+            best = min(
+                _group_output_error(w_group, x_group, scheme, lo0[row, group] * a, hi0[row, group] * b)
+                for a in factors
+                for b in factors
+            )
+            lower, upper = bounds[:, row, group].tolist()
+            assert _group_output_error(w_group, x_group, scheme, lower, upper) == pytest.approx(best, rel=1e-4)
+    both_ends = (lo0 < 0) & (hi0 > 0)  # groups whose range has two ends to shrink
+    lower_factor, upper_factor = (bounds[0] / lo0)[both_ends], (bounds[1] / hi0)[both_ends]
+    assert not torch.allclose(lower_factor, upper_factor)  # the ends were shrunk independently
+    shared = awq.search_clip(w, x, scheme, steps=steps, independent_ends=False, scale_dtype=torch.float32)
+    assert torch.equal(shared[0], -shared[1])  # AutoAWQ's clipping: ±max|w| shrunk as one bound
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
