@@ -22,6 +22,7 @@ import gc
 import itertools
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -264,7 +265,7 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
             f"{r['quantize_s']:.1f}",
             "" if peak is None else f"{peak * mb:.1f}",
         )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a log keeps the whole table
     console.print(table)
     if w8a8:
         table = Table(title="W8A8 (int8 weights per channel, int8 activations per token)")

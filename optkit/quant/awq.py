@@ -79,8 +79,7 @@ def search_clip(
     rather than ±max|w|, so with `independent_ends` each end is shrunk on its own: every
     (lower factor, upper factor) pair of the same grid. Returns [2, out, G]: lower and upper bounds.
     """
-    out_features, in_features = w.shape
-    group_size = scheme.group_size_for(in_features)
+    group_size = scheme.group_size_for(w.shape[1])
     if x.shape[0] > max_tokens:
         x = x[clip_rows(x.shape[0], max_tokens)]
     w_g = grouped(w.float(), group_size)  # [out, G, gs]
