@@ -100,6 +100,16 @@ def rss_follows_live_memory():
     yield
 
 
+def base_model(model: str, tmp: Path) -> str | Path:
+    """The model to quantize: `NAME+outliers` is a copy of NAME with activation outliers and the
+    same function (optkit/zoo/outliers.py), written under tmp."""
+    if model.endswith("+outliers"):
+        from optkit.zoo.outliers import add_activation_outliers
+
+        return add_activation_outliers(model.removesuffix("+outliers"), tmp / model)
+    return model
+
+
 def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
     """W8A8 methods on the model and on a copy with activation outliers (same function)."""
     from optkit.quant.smoothquant import W8_PER_CHANNEL
@@ -132,7 +142,7 @@ def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
     return rows
 
 
-def memory_bound(model: str, calibration: CalibrationOptions) -> dict[str, int]:
+def memory_bound(model: str | Path, calibration: CalibrationOptions) -> dict[str, int]:
     from transformers import AutoConfig
 
     path = resolve_model_dir(model)
@@ -186,7 +196,7 @@ def run_variant(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="small")
+    parser.add_argument("--model", default="small", help="a model directory, a reference model, or NAME+outliers")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--bits", nargs="+", type=int, default=[4, 3])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[128, 32])
@@ -195,6 +205,8 @@ def main() -> None:
     parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 (SmoothQuant) rows")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.model.endswith("+outliers") and not args.no_w8a8:
+        parser.error("--model NAME+outliers needs --no-w8a8: the W8A8 rows of NAME include its outlier copy")
     torch.manual_seed(0)
 
     rows = []
@@ -204,15 +216,16 @@ def main() -> None:
         # for the process, sized by the largest shapes seen, and the tokenizer's first load are paid
         # here. Warmed up on `draft` instead, the first GPTQ run of `small` came out 3 MB higher.
         warm_up = QuantizeOptions(method="gptq", calibration=CalibrationOptions(num_samples=2))
-        quantize_model(args.model, Path(tmp) / "warm-up", warm_up)
+        model = base_model(args.model, Path(tmp))
+        quantize_model(model, Path(tmp) / "warm-up", warm_up)
         for bits in args.bits:
             for group_size in args.group_sizes:
                 for label in args.variants:
                     for seed in [None] if VARIANTS[label][0] == "rtn" else args.seeds:
                         out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}-s{seed}"
-                        rows.append(run_variant(args.model, out, label, bits, group_size, args.eval_set, seed))
+                        rows.append(run_variant(model, out, label, bits, group_size, args.eval_set, seed))
         w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set)
-    bound = memory_bound(args.model, CalibrationOptions())
+        bound = memory_bound(model, CalibrationOptions())
     if args.json:
         print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound}, indent=2))
         return
