@@ -22,6 +22,14 @@ def small_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_outliers_dir(tmp_path_factory, small_dir) -> Path:
+    """`small` with activation outliers and the same function (optkit/zoo/outliers.py)."""
+    from optkit.zoo.outliers import add_activation_outliers
+
+    return add_activation_outliers(small_dir, tmp_path_factory.mktemp("small") / "outliers")
+
+
+@pytest.fixture(scope="session")
 def draft_w2(tmp_path_factory, draft_dir) -> Path:
     """A badly degraded artifact (RTN 2-bit per channel of `draft`), for gates that must fail."""
     from optkit.quant.quantize import QuantizeOptions, quantize_model

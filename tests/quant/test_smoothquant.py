@@ -89,9 +89,8 @@ def test_transformers_loads_the_w8a8_artifact(tmp_path, draft_dir):
 
 
 @pytest.mark.slow
-def test_smoothquant_acceptance_on_small(tmp_path, small_dir):
+def test_smoothquant_acceptance_on_small(tmp_path, small_dir, small_outliers_dir):
     """W8A8 on `small` costs ≤ 1% perplexity; on the outlier copy, plain W8A8 loses ≥ 3× SmoothQuant's."""
-    outliers = add_activation_outliers(small_dir, tmp_path / "outliers")
 
     def ppl_increase(model, method: str) -> float:
         out = tmp_path / f"{method}-{model.name}"
@@ -99,5 +98,5 @@ def test_smoothquant_acceptance_on_small(tmp_path, small_dir):
         return evaluate(out, model, Thresholds()).metrics["ppl_increase_pct"]
 
     assert ppl_increase(small_dir, "smoothquant") <= 1.0
-    smooth, plain = ppl_increase(outliers, "smoothquant"), ppl_increase(outliers, "w8a8")
+    smooth, plain = ppl_increase(small_outliers_dir, "smoothquant"), ppl_increase(small_outliers_dir, "w8a8")
     assert plain >= 3 * max(smooth, 1e-3)
