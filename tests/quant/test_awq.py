@@ -54,10 +54,14 @@ def test_clip_search_never_increases_the_output_error(symmetric):
     scheme = WeightScheme(bits=3, group_size=32, symmetric=symmetric)
     bounds = awq.search_clip(w, x, scheme, scale_dtype=torch.float32)
     lower, upper = bounds
-    assert bounds.shape == (2, 32, 2) and (lower <= 0).all() and (upper >= 0).all()
-    assert (upper <= w.reshape(32, 2, 32).amax(-1).clamp(min=0) + 1e-6).all() or symmetric
-    if symmetric:
+    groups = w.reshape(32, 2, 32)
+    range_lower, range_upper = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    if symmetric:  # the range a symmetric scheme quantizes is ±max|w|
+        range_upper = torch.maximum(-range_lower, range_upper)
+        range_lower = -range_upper
         assert torch.equal(lower, -upper)
+    assert bounds.shape == (2, 32, 2)
+    assert (range_lower <= lower).all() and (lower <= 0).all() and (0 <= upper).all() and (upper <= range_upper).all()
 
     def error(weight):
         return ((x @ (w - awq.fake_quantize(weight, scheme, torch.float32)).T) ** 2).mean()
