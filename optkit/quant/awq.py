@@ -14,7 +14,7 @@ Pure tensor functions; the search loop that runs modules is in procedures.py.
 
 import torch
 
-from optkit.quant.rtn import dequantize, grouped, minmax_qparams, quantize
+from optkit.quant.rtn import dequantize, grouped, minmax_qparams, quantize, quantized_range
 from optkit.quant.schemes import WeightScheme
 
 
@@ -68,29 +68,24 @@ def search_clip(
     *,
     max_shrink: float = 0.5,
     steps: int = 20,
-    max_tokens: int = 512,
     independent_ends: bool = True,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Per (output row, group) clipping range that minimises ‖x wᵀ − x Q(clip(w))ᵀ‖² within the group.
 
-    w: [out, in]; x: [tokens, in]. As in the reference implementation, ±max|w| is shrunk by the
-    factors 1 − max_shrink · i / steps, i = 0..steps. An asymmetric scheme quantizes [min, max]
-    rather than ±max|w|, so with `independent_ends` each end is shrunk on its own: every
+    w: [out, in]; x: [tokens, in], the tokens to measure on (clip_rows picks them). As in the
+    reference implementation, ±max|w| is shrunk by the factors 1 − max_shrink · i / steps,
+    i = 0..steps. An asymmetric scheme quantizes [min, max] (rtn.quantized_range) rather than
+    ±max|w|, so with `independent_ends` each end is shrunk on its own: every
     (lower factor, upper factor) pair of the same grid. Returns [2, out, G]: lower and upper bounds.
     """
     group_size = scheme.group_size_for(w.shape[1])
-    if x.shape[0] > max_tokens:
-        x = x[clip_rows(x.shape[0], max_tokens)]
     w_g = grouped(w.float(), group_size)  # [out, G, gs]
     x_g = x.float().reshape(x.shape[0], -1, group_size)  # [T, G, gs]
     # A group's output error mean_t (x_t · d)² is the quadratic form dᵀ C d with C = XᵀX / T.
     gram = torch.einsum("tgk,tgl->gkl", x_g, x_g) / x.shape[0]  # [G, gs, gs]
-    lower, upper = w_g.amin(dim=-1).clamp(max=0), w_g.amax(dim=-1).clamp(min=0)  # [out, G]
     one_bound = scheme.symmetric or not independent_ends
-    if one_bound:
-        upper = torch.maximum(-lower, upper)
-        lower = -upper
+    lower, upper = quantized_range(w_g, symmetric=one_bound)  # [out, G]
     factors = [1 - max_shrink * i / steps for i in range(steps + 1)]
     pairs = [(f, f) for f in factors] if one_bound else [(a, b) for a in factors for b in factors]
     best, best_error = torch.stack([lower, upper]), torch.full_like(upper, float("inf"))

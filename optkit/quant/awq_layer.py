@@ -95,7 +95,6 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
                     scheme,
                     max_shrink=options.max_shrink,
                     steps=options.clip_steps,
-                    max_tokens=options.clip_tokens,
                     independent_ends=options.clip_ends == "independent",
                     scale_dtype=SCALE_DTYPE,
                 )

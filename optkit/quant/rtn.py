@@ -30,6 +30,16 @@ def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(w.shape[0], -1, group_size)
 
 
+def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The range [lo, hi] that min/max quantization covers, per group of g ([..., group_size]):
+    the group's min and max, widened to include 0; ±max|w| when symmetric."""
+    lo, hi = g.amin(dim=-1).clamp(max=0), g.amax(dim=-1).clamp(min=0)
+    if symmetric:
+        hi = torch.maximum(-lo, hi)
+        lo = -hi
+    return lo, hi
+
+
 def minmax_qparams(
     w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +49,10 @@ def minmax_qparams(
     z = qmin - round(min / s). The scale is rounded to `scale_dtype` first, so q is computed
     with exactly the scale a loader will read back.
     """
-    g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
-    lo = g.amin(dim=-1).clamp(max=0)
-    hi = g.amax(dim=-1).clamp(min=0)
+    lo, hi = quantized_range(grouped(w.float(), scheme.group_size_for(w.shape[1])), scheme.symmetric)
     levels = (1 << scheme.bits) - 1
     if scheme.symmetric:
-        scale = torch.maximum(-lo, hi) / (levels / 2)
+        scale = hi / (levels / 2)
     else:
         scale = (hi - lo) / levels
     scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
