@@ -22,7 +22,7 @@ class AWQOptions(BaseModel):
     duo_scaling: Literal["both", "on", "off"] = "both"  # search s = |x|^α, s = |x|^α / |w|^(1-α), or both
     clip: bool = True
     # AutoAWQ shrinks ±max|w| as one bound and skips q/k; on `small` both changes lower the KLD
-    # (README): asymmetric integers get each end of a group's range shrunk on its own, and q/k are clipped
+    # (docs/results.md): asymmetric integers get each end of a group's range shrunk on its own, and q/k are clipped
     clip_ends: Literal["independent", "shared"] = "independent"
     clip_qk: bool = True
     max_shrink: float = 0.5  # clipping search: shrink each group's range by up to this fraction

@@ -8,7 +8,7 @@ from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.schemes import WeightScheme
 
-GROUP_SIZE = 128  # the group size the README uses
+GROUP_SIZE = 128  # the group size docs/results.md uses
 
 
 def quality(tmp_path, small_dir, name: str, **options) -> dict:
@@ -54,7 +54,7 @@ def test_awq_protects_salient_channels(tmp_path, small_outliers_dir, bits):
 @pytest.mark.slow
 def test_awq_beats_rtn_on_small(tmp_path, small_dir):
     """On `small` (no outlier channels) AWQ's gain is mostly its clipping search: a KLD at least 15%
-    below RTN's (0.74-0.77x over five calibration seeds in the README) and a lower perplexity
+    below RTN's (0.74-0.77x over five calibration seeds in docs/results.md) and a lower perplexity
     increase. The 0.6x perplexity criterion is met on the mean of those seeds (0.56x), not on each."""
     scheme = WeightScheme(bits=4, group_size=GROUP_SIZE, symmetric=False)
     rtn = quality(tmp_path, small_dir, "rtn", weights=scheme)
