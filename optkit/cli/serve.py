@@ -31,8 +31,14 @@ def serve(
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
     api_key: Annotated[
         str | None,
-        typer.Option(envvar="OPTKIT_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 (or OPTKIT_API_KEY)."),
+        typer.Option(
+            envvar="OPTKIT_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (better: OPTKIT_API_KEY, not shown by ps).",
+        ),
     ] = None,
+    max_request_bytes: opt.MaxRequestBytes = None,
+    body_timeout: opt.BodyTimeout = 30.0,
+    allowed_host: opt.AllowedHosts = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="The model's name in the API (default: the model directory's name).")
     ] = None,
@@ -68,6 +74,7 @@ def serve(
     import sys
 
     from optkit.runtime.engine import EngineConfig
+    from optkit.server.guards import Limits, allowed_hosts
     from optkit.serving.flags import ServeFlags, resolve_options
     from optkit.serving.startup import describe, log_to_stderr, start_router
 
@@ -98,6 +105,7 @@ def serve(
         fallback_recovery=fallback_recovery,
     )
     options = resolve_options(model, served_model_name, None if recipe is None else str(recipe), flags)
+    limits = Limits(max_request_bytes, body_timeout, allowed_hosts(host, allowed_host or []))
     sock = bind(host, port)  # before loading the models: a port in use fails at once
     if not is_loopback(host) and not api_key:
         print(f"warning: serving on {host} without --api-key: anyone who can reach the port can use it", flush=True)
@@ -108,7 +116,7 @@ def serve(
         sock.close()
         raise
     try:
-        asyncio.run(run_server(router, sock, api_key, describe(router)))
+        asyncio.run(run_server(router, sock, api_key, describe(router), limits))
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         print("stopped", file=sys.stderr)
     finally:
@@ -144,17 +152,26 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def run_server(engine, sock, api_key: str | None, served: str | None = None) -> None:
+async def run_server(engine, sock, api_key: str | None, served: str | None = None, limits=None) -> None:
     """Serves `engine` (an AsyncEngine or a serving Router) until stopped; `served` names what is
-    served in the line printed once it accepts requests (default: the engine's model name)."""
+    served in the line printed once it accepts requests (default: the engine's model name);
+    `limits`: the server's Limits (server/guards.py)."""
     import asyncio
 
     import uvicorn
 
     from optkit.server.app import build_app
+    from optkit.server.transport import KEEP_ALIVE_S, HeadDeadlineProtocol
 
-    app = build_app(engine, api_key, shutdown_engine=True)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    app = build_app(engine, api_key, shutdown_engine=True, limits=limits)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=HeadDeadlineProtocol,
+    )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

@@ -1,5 +1,5 @@
 """`optkit serve`'s options for several models, routing, shadow mode and fallback (serving/flags.py
-says how they override a recipe's `serve:` section)."""
+says how they override a recipe's `serve:` section), and the limits on what one client may send."""
 
 from pathlib import Path
 from typing import Annotated
@@ -45,4 +45,15 @@ FallbackThreshold = Annotated[
 FallbackWindow = Annotated[int | None, typer.Option(help="Shadowed requests the threshold is checked over (20).")]
 FallbackRecovery = Annotated[
     str | None, typer.Option(help="manual (POST /v1/optkit/fallback/reset) or auto (once a window passes).")
+]
+MaxRequestBytes = Annotated[
+    int | None,
+    typer.Option(min=1024, help="Largest request body; larger ones get 413 (default: 4 MiB, or 32 per context token)."),
+]
+BodyTimeout = Annotated[
+    float, typer.Option(min=0.1, help="Seconds a request body may take to arrive; slower ones get 408.")
+]
+AllowedHosts = Annotated[
+    list[str] | None,
+    typer.Option("--allowed-host", help="Another name for this server in the Host header (without --api-key)."),
 ]

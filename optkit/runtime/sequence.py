@@ -2,6 +2,7 @@
 its block table, and how it samples. No torch."""
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,24 +29,30 @@ class SamplingParams:
     top_k: int = 0  # 0 = all tokens
     top_p: float = 1.0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0  # > 1 discourages prompt and output tokens (CTRL's rule)
+    repetition_penalty: float = 1.0  # > 1 discourages prompt and output tokens (CTRL's rule); in [0.01, 10]
     frequency_penalty: float = 0.0  # OpenAI: subtract freq * count of each output token
     presence_penalty: float = 0.0  # OpenAI: subtract presence once per token seen in the output
     seed: int | None = None  # reproducible sampling for this request, whatever it is batched with
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()  # any iterable; kept as a set (checked every token)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's plus the top k
     speculative: bool = True  # False: never speculate for this request, even when the engine does
 
     def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+        for name in floats:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0 or self.top_k == -1, "top_k must be >= 0 (0 or -1: all tokens)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            # 1e-300 would divide logits by zero in float32
+            (0.01 <= self.repetition_penalty <= 10, "repetition_penalty must be in [0.01, 10]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),

@@ -1,9 +1,12 @@
 """The FastAPI app: OpenAI's API over an `AsyncEngine` (docs/runtime.md, "The engine's front").
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics, and optkit's own under /v1/optkit (serving/routes.py). With an API key
-every /v1 route needs `Authorization: Bearer KEY`; /health and /metrics stay open (they show load,
-never prompts or outputs).
+GET /health, GET /metrics, and optkit's own under /v1/optkit (serving/routes.py). In front of
+them (guards.py): the Host check, the API key (every route but /health), the body's size and time
+limits.
+
+Prompts are tokenized (and chat templates rendered) in a small thread pool, never on the event
+loop; a list of token ids longer than every served context is refused before any work per token.
 
 The app serves a `Router` (serving/router.py): one engine, or several models with a routing
 policy, shadow scoring and fallback. It picks each request's engine; the answer names it in the
@@ -18,10 +21,10 @@ blocks: while waiting for the first output or a whole (non-streamed) response th
 """
 
 import asyncio
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,7 +36,8 @@ from optkit.runtime.engine import QueueFull
 from optkit.runtime.sequence import SamplingParams
 from optkit.server import responses
 from optkit.server.chat import chat_prompt_ids
-from optkit.server.errors import APIError, ClientDisconnected, error_response, install_error_handlers
+from optkit.server.errors import APIError, ClientDisconnected, install_error_handlers
+from optkit.server.guards import BearerAuth, BodyLimit, HostCheck, Limits, default_max_request_bytes
 from optkit.server.metrics import ServerMetrics
 from optkit.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from optkit.serving import routes as serving_routes
@@ -42,6 +46,7 @@ from optkit.serving.router import Prompt, Route, Router
 
 DEFAULT_MAX_TOKENS = 16  # completions; chat defaults to the rest of the context, as OpenAI does
 RETRY_AFTER_S = 1
+TOKENIZER_THREADS = 4  # prompts tokenized at once; more wait their turn
 
 T = TypeVar("T")
 router = APIRouter()
@@ -52,6 +57,7 @@ class Served:
     router: Router
     metrics: ServerMetrics
     created: int
+    tokenizer_pool: ThreadPoolExecutor
 
     @property
     def engine(self):
@@ -59,47 +65,34 @@ class Served:
         return self.router.engines[self.router.default]
 
 
-def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False) -> FastAPI:
+def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False, limits: Limits | None = None) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, or anything with its interface) or a `Router`;
     with `shutdown_engine`, the app's shutdown stops the engines."""
     models = engine if isinstance(engine, Router) else Router.single(engine)
+    limits = limits or Limits()
+    pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="optkit-tokenize")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        pool.shutdown(wait=False, cancel_futures=True)
         if shutdown_engine:
             models.shutdown()
 
     app = FastAPI(title="optkit", lifespan=lifespan)
     metrics = ServerMetrics(models)  # the engines' stats, added up
     metrics.registry.register(RouterCollector(models))
-    app.state.served = Served(models, metrics, int(time.time()))
+    app.state.served = Served(models, metrics, int(time.time()), pool)
     install_error_handlers(app)
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(_longest_context(models))
+    app.add_middleware(BodyLimit, max_bytes=max_bytes, timeout_s=limits.body_timeout_s)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
+    elif limits.hosts is not None:
+        app.add_middleware(HostCheck, hosts=limits.hosts)
     app.include_router(router)
     app.include_router(serving_routes.router)
     return app
-
-
-class BearerAuth:
-    """`Authorization: Bearer KEY` on /v1 routes. Plain ASGI: Starlette's BaseHTTPMiddleware
-    would get in the way of streamed responses."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization")
-            scheme, _, token = (header or b"").partition(b" ")
-            if header is None or scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                message = "incorrect API key" if header else "missing API key: send Authorization: Bearer YOUR_KEY"
-                response = error_response(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class SSEResponse(StreamingResponse):
@@ -116,6 +109,10 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send) -> None:
         async with aclosing(self.outputs), aclosing(self.body_iterator):
             await super().stream_response(send)
+
+
+def _longest_context(models: Router) -> int:
+    return max(e.max_model_len for e in models.engines.values())
 
 
 def _served(request: Request) -> Served:
@@ -156,7 +153,9 @@ def _model_card(served: Served, name: str) -> ModelCard:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     served = _served(request)
-    route = served.router.route(body.model, request.headers, _completion_prompt(body.prompt))
+    if isinstance(body.prompt, list) and len(body.prompt) >= _longest_context(served.router):
+        _refuse_prompt_length(len(body.prompt), _longest_context(served.router), "prompt")
+    route = await _route(served, body.model, request, _completion_prompt(body.prompt), "prompt")
     _check_token_ids(route.prompt_ids, route.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = _sampling_params(body, max_tokens, body.logprobs)
@@ -171,7 +170,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         encode=lambda tokenizer: _chat_prompt_ids(tokenizer, body.messages),
         text=lambda tokenizer: "\n".join(m.content or "" for m in body.messages),
     )
-    route = served.router.route(body.model, request.headers, prompt)
+    route = await _route(served, body.model, request, prompt, "messages")
     engine, prompt_ids = route.engine, route.prompt_ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
@@ -187,6 +186,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     params = _sampling_params(body, max_tokens, logprobs)
     reply = _reply(route, "chatcmpl", body, want_logprobs=body.logprobs)
     return await _respond(request, served, route, params, reply, body.stream, "chat")
+
+
+async def _route(served: Served, model: str | None, request: Request, prompt: Prompt, param: str) -> Route:
+    """The route, the prompt tokenized first in the pool for every tokenizer routing may use; a
+    prompt no served context can hold is refused before routing looks at its tokens."""
+    tokenizers = served.router.tokenizers_for(model)
+    await asyncio.get_running_loop().run_in_executor(served.tokenizer_pool, prompt.prepare, tokenizers)
+    longest = _longest_context(served.router)
+    num_tokens = min(len(prompt.ids_for(t)) for t in tokenizers)
+    if num_tokens >= longest:
+        _refuse_prompt_length(num_tokens, longest, param)
+    return served.router.route(model, request.headers, prompt)
+
+
+def _refuse_prompt_length(num_tokens: int, limit: int, param: str) -> None:
+    verb = "take" if param == "messages" else "has"
+    message = (
+        f"the {param} {verb} {num_tokens} tokens, which leaves no room to reply within the context limit "
+        f"of {limit} tokens: shorten it"
+    )
+    raise APIError(400, message, param=param, code="context_length_exceeded")
 
 
 def _completion_prompt(prompt: str | list[int]) -> Prompt:
@@ -218,7 +238,8 @@ def _sampling_params(body, max_tokens: int, logprobs: int | None) -> SamplingPar
     try:
         return body.sampling_params(max_tokens, logprobs)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        param = str(e).split(" ", 1)[0]  # the engine's messages start with the parameter's name
+        raise APIError(400, str(e), param=param if param in type(body).model_fields else None) from None
 
 
 def _reply(route: Route, prefix: str, body, want_logprobs: bool) -> responses.Reply:

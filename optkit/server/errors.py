@@ -2,8 +2,11 @@
 
 A client's mistake is never a 500: FastAPI's 422 for a malformed or mistyped body becomes a 400
 whose message names the parameter, unknown routes keep their 404/405, and only a failure of the
-server itself is a 500 (type `server_error`).
+server itself is a 500 (type `server_error`), whose body never carries the exception's text (it
+may hold a path, a prompt or a secret): the traceback goes to the server's log.
 """
+
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -11,6 +14,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optkit.server.protocol import ErrorDetail, ErrorResponse
+
+logger = logging.getLogger("optkit.server")
+SERVER_ERROR = "internal server error: the server's log has the details"
 
 
 class APIError(Exception):
@@ -44,6 +50,7 @@ def error_response(
     code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
+    message = message.encode("utf-8", "backslashreplace").decode()  # a lone surrogate would fail the encoding
     body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -108,7 +115,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, SERVER_ERROR, type="server_error")
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)

@@ -7,15 +7,35 @@ no logit_bias, no suffix). vLLM's extensions top_k, min_p, repetition_penalty, i
 stop_token_ids are accepted, and optkit's `speculative` (false: no speculative decoding for this
 request, when the server runs with --speculative). Chat messages are lenient (extra keys such as
 `name` or `refusal`, which clients echo back from earlier responses, are ignored); their role is not.
+
+Text must be valid Unicode: a lone UTF-16 surrogate ("\\ud800" in the JSON) is a 400. Stop
+conditions are capped, as each one costs every generated token something: 4 stop strings (OpenAI's
+limit) of at most 256 characters, 128 stop_token_ids.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optkit.runtime.sequence import SamplingParams
 
 SEED_LIMIT = 2**63  # torch generators take 64-bit seeds
+MAX_STOP = 4
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 128
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"not valid Unicode: a lone surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}; send UTF-8 text"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
@@ -30,7 +50,7 @@ class StreamOptions(BaseModel):
 class _Sampling(_Request):
     """Fields shared by completions and chat completions; None means the API's default."""
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -44,10 +64,10 @@ class _Sampling(_Request):
     repetition_penalty: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    user: Text | None = None  # accepted and ignored
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     speculative: bool = True  # optkit's extension
 
     @field_validator("n")
@@ -68,9 +88,13 @@ class _Sampling(_Request):
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
-        return stops
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        return [_unicode(s) for s in stops]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; ValueError (its message names the parameter) when out of range."""
@@ -105,7 +129,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -119,7 +143,7 @@ class CompletionRequest(_Sampling):
     def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
         if not prompt:
             raise ValueError("the prompt is empty: give some text or token ids")
-        return prompt
+        return _unicode(prompt) if isinstance(prompt, str) else prompt
 
     @field_validator("echo")
     @classmethod
@@ -146,7 +170,7 @@ class CompletionRequest(_Sampling):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = None
+    content: Text | None = None
 
     @field_validator("content", mode="before")
     @classmethod

@@ -5,13 +5,15 @@ output's new text as a `text_completion` chunk, the last one with its finish_rea
 `delta: {"role": "assistant", "content": ""}` first, then `delta: {"content": ...}` chunks, then
 `delta: {}` with the finish_reason. With `stream_options.include_usage`, every chunk carries
 `"usage": null` and a last chunk with no choices carries the usage. An engine failure mid-stream
-(after the 200 was sent) is an `data: {"error": ...}` event before `[DONE]`.
+(after the 200 was sent) is an `data: {"error": ...}` event before `[DONE]`, without the exception's
+text (which goes to the log).
 """
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from optkit.server.errors import logger
 from optkit.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -128,7 +130,9 @@ def _event(reply: Reply, chunk) -> str:
 
 
 def _error_event(error: Exception) -> str:
-    body = ErrorResponse(error=ErrorDetail(message=str(error), type="server_error", code="500"))
+    logger.error("the engine failed mid-stream", exc_info=error)
+    message = "the engine failed while generating: the server's log has the details"
+    body = ErrorResponse(error=ErrorDetail(message=message, type="server_error", code="500"))
     return f"data: {body.model_dump_json()}\n\n"
 
 

@@ -42,6 +42,11 @@ class Prompt:
             self._ids[id(tokenizer)] = self.encode(tokenizer)
         return self._ids[id(tokenizer)]
 
+    def prepare(self, tokenizers: list) -> None:
+        """Tokenize for each of `tokenizers` now (the server does it off its event loop)."""
+        for tokenizer in tokenizers:
+            self.ids_for(tokenizer)
+
 
 @dataclass
 class Route:
@@ -99,6 +104,16 @@ class Router:
         self.routed[(name, reason)] += 1
         sampled = shadowed if shadowed is not None and self.shadow.sample() else None
         return Route(name, engine, prompt_ids, reason, sampled)
+
+    def tokenizers_for(self, model: str | None) -> list:
+        """The tokenizers `route` may encode a request for `model` with: the named (or default)
+        model's and its fallback pair's under `model` routing, every model's otherwise."""
+        if self.options.route == "model":
+            name = model if model in self.engines else self.default
+            names = [name] + ([self.fallbacks[name].full] if name in self.fallbacks else [])
+        else:
+            names = self.names
+        return list({id(t): t for t in (self.engines[n].tokenizer for n in names)}.values())
 
     def _requested(self, model: str | None) -> str | None:
         if model is not None:

@@ -30,7 +30,8 @@ def client(base: str):
 
 
 def metrics(base: str) -> dict[str, float]:
-    return metric_samples(httpx.get(f"{base}/metrics", timeout=10).text)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return metric_samples(httpx.get(f"{base}/metrics", headers=headers, timeout=10).text)
 
 
 def test_completion(server):
