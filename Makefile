@@ -31,8 +31,11 @@ demo: install
 	$(OPTKIT) run recipes/small-gptq-w4.yaml --out $(DEMO)/release
 	$(OPTKIT) generate $(DEMO)/release "def fibonacci(n):" --max-tokens 32
 
+# The CLI tests again on a 40-column terminal: printed paths, verdicts and tables must not depend
+# on its width (the slow CLI tests print --json only, so they are not repeated).
 test: install
 	$(VENV)/bin/pytest -q
+	COLUMNS=40 $(VENV)/bin/pytest -q -m "not slow" tests/cli
 
 models: install
 	$(OPTKIT) zoo build small

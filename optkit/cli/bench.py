@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import JsonFlag, console, print_json, print_table
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -97,7 +97,7 @@ def show(result: dict) -> None:
         if "ceiling" in result:
             cells.append(f"{row['fraction_of_ceiling']:.0%}" if "fraction_of_ceiling" in row else "")
         table.add_row(*cells)
-    console().print(table)
+    print_table(table)
     if "ceiling" in result:
         c = result["ceiling"]
         console().print(

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import EvalSet, JsonFlag, SeqLen, console, print_json
+from optkit.cli.options import EvalSet, JsonFlag, SeqLen, print_json, print_table
 
 
 def eval_(
@@ -66,5 +66,5 @@ def eval_(
     if json_output:
         print_json(result.to_json())
     else:
-        console().print(gate_table(result))
+        print_table(gate_table(result))
     raise typer.Exit(0 if result.passed else 1)

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import JsonFlag, console, print_json, print_table
 
 
 def inspect(
@@ -30,6 +30,8 @@ def inspect(
         return
     out = console()
     summary = Table(title=f"artifact {path}", show_header=False)
+    summary.add_column()
+    summary.add_column(overflow="fold")
     for key, value in [
         ("method", manifest["method"]),
         ("options", manifest["options"]),
@@ -50,4 +52,4 @@ def inspect(
         layers.add_row(
             layer["name"], "×".join(map(str, layer["shape"])), f"{layer['rel_error']:.4f}", f"{layer['mse']:.3e}"
         )
-    out.print(layers)
+    print_table(layers, out)

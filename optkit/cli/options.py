@@ -29,9 +29,22 @@ EnforceEager = Annotated[
 
 
 def console():
+    """stdout for people: a plain line is never wrapped, so paths and verdicts stay whole on one
+    line for whoever reads them, at any terminal width (the terminal may fold it on screen)."""
     from rich.console import Console
 
-    return Console()
+    return Console(soft_wrap=True)
+
+
+def print_table(table, out=None) -> None:
+    """Print a table of names and numbers whole: on a terminal narrower than the table, its lines
+    run past the edge, as plain lines do, instead of rich cutting names ("model.…") and numbers to
+    fit. (Columns of free text should wrap instead: give them overflow="fold".)"""
+    out = out or console()
+    natural = out.measure(table, options=out.options.update_width(1 << 16)).maximum
+    if natural > out.width:
+        table.width = natural
+    out.print(table)
 
 
 def print_json(data) -> None:

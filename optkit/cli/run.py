@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import JsonFlag, console, print_json, print_table
 
 
 def run(
@@ -41,7 +41,7 @@ def run(
         for stage in result.stages:
             table.add_row(stage["stage"], stage["status"], f"{stage['seconds']:.1f}")
         out_console = console()
-        out_console.print(table)
+        print_table(table, out_console)
         color = "green" if result.passed else "red"
         out_console.print(f"[bold {color}]{result.verdict.upper()}[/] {result.release}")
     raise typer.Exit(0 if result.passed else 1)

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, Overwrite, console, print_json
+from optkit.cli.options import JsonFlag, Overwrite, console, print_json, print_table
 
 app = typer.Typer(help="Build and list the bundled reference models.", no_args_is_help=True)
 
@@ -78,4 +78,4 @@ def list_models(json_output: JsonFlag = False) -> None:
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
-    console().print(table)
+    print_table(table)
