@@ -35,10 +35,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from optkit.runtime.engine import QueueFull
 from optkit.runtime.sequence import SamplingParams
 from optkit.server import responses
-from optkit.server.chat import chat_prompt_ids
 from optkit.server.errors import APIError, ClientDisconnected, install_error_handlers
 from optkit.server.guards import BearerAuth, BodyLimit, HostCheck, Limits, default_max_request_bytes
 from optkit.server.metrics import ServerMetrics
+from optkit.server.prompts import chat_prompt, completion_prompt, refuse_length
 from optkit.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from optkit.serving import routes as serving_routes
 from optkit.serving.metrics import RouterCollector
@@ -153,9 +153,8 @@ def _model_card(served: Served, name: str) -> ModelCard:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     served = _served(request)
-    if isinstance(body.prompt, list) and len(body.prompt) >= _longest_context(served.router):
-        _refuse_prompt_length(len(body.prompt), _longest_context(served.router), "prompt")
-    route = await _route(served, body.model, request, _completion_prompt(body.prompt), "prompt")
+    prompt = completion_prompt(body.prompt, _longest_context(served.router))
+    route = await _route(served, body.model, request, prompt, "prompt")
     _check_token_ids(route.prompt_ids, route.engine.tokenizer)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     params = _sampling_params(body, max_tokens, body.logprobs)
@@ -166,10 +165,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     served = _served(request)
-    prompt = Prompt(
-        encode=lambda tokenizer: _chat_prompt_ids(tokenizer, body.messages),
-        text=lambda tokenizer: "\n".join(m.content or "" for m in body.messages),
-    )
+    prompt = chat_prompt(body.messages, _longest_context(served.router))
     route = await _route(served, body.model, request, prompt, "messages")
     engine, prompt_ids = route.engine, route.prompt_ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -196,35 +192,8 @@ async def _route(served: Served, model: str | None, request: Request, prompt: Pr
     longest = _longest_context(served.router)
     num_tokens = min(len(prompt.ids_for(t)) for t in tokenizers)
     if num_tokens >= longest:
-        _refuse_prompt_length(num_tokens, longest, param)
+        refuse_length(num_tokens, longest, param)
     return served.router.route(model, request.headers, prompt)
-
-
-def _refuse_prompt_length(num_tokens: int, limit: int, param: str) -> None:
-    verb = "take" if param == "messages" else "has"
-    message = (
-        f"the {param} {verb} {num_tokens} tokens, which leaves no room to reply within the context limit "
-        f"of {limit} tokens: shorten it"
-    )
-    raise APIError(400, message, param=param, code="context_length_exceeded")
-
-
-def _completion_prompt(prompt: str | list[int]) -> Prompt:
-    if isinstance(prompt, str):
-        return Prompt(encode=lambda tokenizer: tokenizer.encode(prompt), text=lambda tokenizer: prompt)
-    return Prompt(encode=lambda tokenizer: list(prompt), text=lambda tokenizer: _decode(tokenizer, prompt))
-
-
-def _chat_prompt_ids(tokenizer, messages) -> list[int]:
-    try:
-        return chat_prompt_ids(tokenizer, messages)
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
-
-
-def _decode(tokenizer, token_ids: list[int]) -> str:
-    vocab_size = len(tokenizer)
-    return tokenizer.decode([t for t in token_ids if 0 <= t < vocab_size])
 
 
 def _check_token_ids(prompt_ids: list[int], tokenizer) -> None:

@@ -24,13 +24,19 @@ def default_template(messages: list[ChatMessage]) -> str:
     return "".join(blocks) + "<|assistant|>\n"
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    """ValueError when the model's template rejects the messages (e.g. a role it does not know)."""
+def chat_prompt_text(tokenizer, messages: list[ChatMessage]) -> tuple[str, bool]:
+    """The prompt's text, and whether tokenizing it adds special tokens; ValueError when the
+    model's template rejects the messages (e.g. a role it does not know)."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(default_template(messages))
+        return default_template(messages), True
     conversation = [{"role": m.role, "content": m.content or ""} for m in messages]
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja's TemplateError, or raise_exception() inside the template
         raise ValueError(f"the model's chat template rejected the messages: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return text, False
+
+
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    text, add_special_tokens = chat_prompt_text(tokenizer, messages)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -11,7 +11,8 @@ Observed by the server, per request:
 
 Read from `engine.stats()` at scrape time:
 - `optkit:num_requests_running`, `optkit:num_requests_waiting` (gauges).
-- `optkit:kv_cache_usage_perc` (gauge): the fraction of KV blocks in use, 0..1.
+- `optkit:kv_cache_usage_perc` (gauge): the fraction of KV blocks in use, 0..1;
+  `optkit:num_kv_blocks` (gauge): how many blocks there are.
 - `optkit:prompt_tokens_total`, `optkit:generation_tokens_total`,
   `optkit:prefix_cache_hit_tokens_total`, `optkit:num_preemptions_total` (counters): the engine's
   cumulative totals since it started (prompt tokens received, tokens sampled, prompt tokens
@@ -59,6 +60,7 @@ class EngineCollector(Collector):
             ("optkit:num_requests_running", "Requests running in the engine.", "num_running"),
             ("optkit:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
             ("optkit:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_cache_usage"),
+            ("optkit:num_kv_blocks", "KV cache blocks, in use or free.", "num_kv_blocks"),
         ]
         counters = [
             ("optkit:prompt_tokens", "Prompt tokens received.", "num_prompt_tokens"),

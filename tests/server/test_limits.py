@@ -104,8 +104,10 @@ class SlowTokenizer:
     def __init__(self, tokenizer, delay_s: float):
         self._tokenizer, self.delay_s = tokenizer, delay_s
         self.encoding, self.encoded = threading.Event(), threading.Event()
+        self.lengths = []  # of the texts encoded
 
     def encode(self, text, **kwargs):
+        self.lengths.append(len(text))
         if len(text) > 1000:
             self.encoding.set()
             time.sleep(self.delay_s)
@@ -291,3 +293,35 @@ def test_a_connection_that_trickles_its_head_is_closed(engine):
     closed, elapsed, answer = asyncio.run(scenario())
     assert closed == b"" and 0.2 < elapsed < 3
     assert answer.startswith(b"HTTP/1.1 200")
+
+
+class CountingTokenizer:
+    """One token per `chars_per_token` characters; records the length of every text it encodes."""
+
+    def __init__(self, chars_per_token: int):
+        self.chars_per_token, self.encoded = chars_per_token, []
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(len(text))
+        return [1] * (len(text) // self.chars_per_token)
+
+
+def test_a_text_far_over_the_context_is_refused_from_its_head():
+    from optkit.server.errors import APIError
+    from optkit.server.prompts import PROBE_CHARS_PER_TOKEN, encode_within
+
+    tokenizer = CountingTokenizer(chars_per_token=4)
+    with pytest.raises(APIError, match="more than .* context limit of 128 tokens"):
+        encode_within(tokenizer, "x" * 4_000_000, 128, "prompt")
+    assert tokenizer.encoded == [PROBE_CHARS_PER_TOKEN * 128]
+    long_tokens = CountingTokenizer(chars_per_token=100)  # 100 characters a token: the whole text fits
+    assert len(encode_within(long_tokens, "x" * 12_000, 128, "prompt")) == 120
+    assert long_tokens.encoded == [PROBE_CHARS_PER_TOKEN * 128, 12_000]
+
+
+def test_a_big_prompt_is_refused_without_tokenizing_all_of_it(tokenizer, engine):  # 1.8 MB, context 128
+    engine.tokenizer = recording = SlowTokenizer(tokenizer, delay_s=0)
+    client = TestClient(build_app(engine, None))
+    response = client.post("/v1/completions", json={"prompt": "lorem ipsum dolor " * 100_000})
+    assert_error(response, 400, "the prompt has more than", param="prompt", code="context_length_exceeded")
+    assert recording.lengths == [16 * 128]
