@@ -1,21 +1,127 @@
-"""Writing output directories so that a reader never sees a half-written one."""
+"""Writing output directories so that a reader never sees a half-written one.
+
+A temporary directory `.NAME.tmp-*` holds an output until it is complete, then is renamed to NAME.
+It records its owner (pid, host, process start time) in `.optkit-owner`, so that a later run can
+tell the leftovers of a killed run (removed) from a directory another run is still writing (kept).
+"""
 
 import contextlib
+import glob
 import hashlib
+import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from optkit.errors import OptkitError
 
+log = logging.getLogger(__name__)
 
-def check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another --out")
+OWNER = ".optkit-owner"  # in a temporary output directory, removed before the rename
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """Refuse, before any work, a directory that cannot be created or written into: `path` itself
+    or its nearest existing ancestor must be a directory this process may write. `what` names the
+    setting to change (e.g. "--out")."""
+    _check_creatable(Path(path), Path(path), what)
+
+
+def check_output_dir(out: Path, overwrite: bool, what: str = "--out") -> None:
+    """Refuse an output directory that exists (without `overwrite`), is a file, or whose parent
+    cannot be written; `what` names the setting to change."""
+    out = Path(out)
     if out.exists() and not out.is_dir():
-        raise OptkitError(f"output {out} exists and is not a directory: choose another --out")
+        raise OptkitError(f"{what} {out} exists and is not a directory: choose another {what}")
+    if out.exists() and not overwrite:
+        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another {what}")
+    _check_creatable(out, out.parent, what)
+
+
+def _check_creatable(named: Path, directory: Path, what: str) -> None:
+    """`directory` (where `named` is written) exists as a writable directory or can be made in one."""
+    existing = directory
+    while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a directory"
+        raise OptkitError(f"{what} {named}: {existing} is {kind}: choose another {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OptkitError(
+            f"{what} {named}: cannot write in {existing} (permission denied or read-only): "
+            f"choose another {what} or make {existing} writable"
+        )
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after "pid (comm)" (state first), or None where there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """When the kernel started process `pid` (clock ticks since boot): it tells the owner of a
+    temporary directory from a later process that got the same pid."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields else None  # starttime is field 22 of the whole line
+
+
+def _owner_alive(owner: dict) -> bool:
+    try:
+        os.kill(owner["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    fields = _proc_stat(owner["pid"])
+    if fields is None:
+        return True  # nothing more to ask: a live pid is taken to be the owner
+    if fields[0] == "Z":
+        return False  # exited, not yet reaped
+    return owner["started"] in (None, fields[19])
+
+
+def _read_owner(tmp: Path) -> dict | None:
+    try:
+        owner = json.loads((tmp / OWNER).read_text())
+        return {"pid": int(owner["pid"]), "host": str(owner["host"]), "started": owner.get("started")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remove_stale_temporaries(out: Path) -> None:
+    """Remove the temporary directories of `out` that a killed run left (their owner process is
+    gone), one log line each. A directory whose owner is alive is never touched; one that records
+    no owner (an older optkit) or an owner on another host is left, with a line saying so."""
+    out = Path(out)
+    host = socket.gethostname()
+    for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")):
+        if tmp.is_symlink() or not tmp.is_dir():
+            continue
+        owner = _read_owner(tmp)
+        if owner is None:
+            log.warning(
+                "left %s alone: it names no owner process (an older optkit made it, or one is starting); "
+                "delete it if no optkit is writing %s",
+                tmp,
+                out,
+            )
+        elif owner["host"] != host:
+            log.warning(
+                "left %s alone: pid %d on host %s is writing it; delete it if that run is over",
+                tmp,
+                owner["pid"],
+                owner["host"],
+            )
+        elif not _owner_alive(owner):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("removed stale temporary directory %s from an interrupted run (pid %d)", tmp, owner["pid"])
 
 
 @contextlib.contextmanager
@@ -23,17 +129,26 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` only if the block completes.
 
     On any exception (Ctrl-C included) the temporary directory is removed and `out` is
-    untouched, so an interrupted run leaves nothing at `out`.
+    untouched, so an interrupted run leaves nothing at `out`. A run killed outright (SIGKILL,
+    power loss) leaves its temporary directory; the next run for the same `out` removes it.
     """
     out = Path(out)
     check_output_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OptkitError(f"output {out}: cannot create {out.parent} ({e.strerror}): choose another --out") from e
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        pid = os.getpid()
+        owner = {"pid": pid, "host": socket.gethostname(), "started": _process_start(pid)}
+        (tmp / OWNER).write_text(json.dumps(owner) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
         yield tmp
+        (tmp / OWNER).unlink()
         for path in tmp.rglob("*"):  # some writers create private files; an artifact is for sharing
             if path.is_file():
                 os.chmod(path, 0o666 & ~umask)
@@ -62,7 +177,7 @@ def file_hashes(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, str
     return {
         p.relative_to(directory).as_posix(): file_sha256(p)
         for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.relative_to(directory).as_posix() not in exclude
+        if p.is_file() and p.relative_to(directory).as_posix() not in (*exclude, OWNER)
     }
 
 

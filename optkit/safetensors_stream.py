@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from optkit.errors import OptkitError
 
@@ -67,14 +67,15 @@ def lazy_tensors_in(file: Path) -> dict[str, LazyTensor]:
         return load
 
     tensors = {}
-    with safe_open(file, framework="pt") as f:
-        for key in f.keys():
-            dtype = f.get_slice(key).get_dtype()
-            if dtype not in DTYPES:
-                raise OptkitError(
-                    f"{file}: tensor {key} is {dtype}, which optkit cannot copy: give a bf16/fp16/fp32 model"
-                )
-            tensors[key] = LazyTensor(DTYPES[dtype], tuple(f.get_slice(key).get_shape()), loader(key))
+    try:
+        with safe_open(file, framework="pt") as f:
+            specs = {key: (f.get_slice(key).get_dtype(), tuple(f.get_slice(key).get_shape())) for key in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise OptkitError(f"{file} is truncated or corrupt ({e}): re-create or re-download it") from e
+    for key, (dtype, shape) in specs.items():
+        if dtype not in DTYPES:
+            raise OptkitError(f"{file}: tensor {key} is {dtype}, which optkit cannot copy: give a bf16/fp16/fp32 model")
+        tensors[key] = LazyTensor(DTYPES[dtype], shape, loader(key))
     return tensors
 
 

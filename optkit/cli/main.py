@@ -1,7 +1,10 @@
 """The `optkit` command: one typer app, one module per command, one handler for user errors."""
 
+import errno
+import json
 import os
 import sys
+import traceback
 
 import typer
 
@@ -36,29 +39,61 @@ app.command("compile")(compile_cmd.compile_)
 app.add_typer(zoo_cmd.app, name="zoo")
 
 
-def main() -> None:
-    """Entry point: known user errors print one line and exit 2; OPTKIT_DEBUG=1 shows tracebacks."""
+# What to do about an OSError, by errno; the line also names the file and the system's reason.
+_OS_REMEDIES = {
+    errno.EACCES: "give this user access to it or choose another path",
+    errno.EPERM: "give this user access to it or choose another path",
+    errno.EROFS: "that file system is read-only: choose another path",
+    errno.ENOSPC: "the disk is full: free space or choose another path",
+    errno.EDQUOT: "the disk quota is used up: free space or choose another path",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a file stands where a directory is needed: choose another path",
+    errno.EISDIR: "a directory stands where a file is needed: choose another path",
+    errno.EEXIST: "something is already there: move it or choose another path",
+}
+
+
+def describe_failure(e: Exception) -> tuple[str, int]:
+    """The one line and exit code for an exception that escaped a command: 2 for the user's input
+    and the machine's files (never 1, which means "the gate rejected"), 3 for a bug in optkit."""
     from pydantic import ValidationError
+    from safetensors import SafetensorError
 
     from optkit.errors import OptkitError
 
+    if isinstance(e, OptkitError):
+        return str(e), e.exit_code
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        return f"invalid option {'.'.join(str(p) for p in first['loc'])}: {first['msg']}", 2
+    if isinstance(e, OSError):
+        where = " -> ".join(os.fsdecode(f) for f in (e.filename, e.filename2) if f is not None)
+        reason = e.strerror or str(e) or type(e).__name__
+        if not where:
+            return f"{reason}: OPTKIT_DEBUG=1 shows where it happened", 2
+        return f"{where}: {reason}: {_OS_REMEDIES.get(e.errno, 'check that path and its disk')}", 2
+    if isinstance(e, json.JSONDecodeError):
+        where = f"line {e.lineno} column {e.colno}"
+        return f"a JSON file is not valid JSON ({e.msg} at {where}): OPTKIT_DEBUG=1 shows which; re-create it", 2
+    if isinstance(e, SafetensorError):
+        return f"a safetensors file is truncated or corrupt ({e}): OPTKIT_DEBUG=1 shows which; re-create it", 2
+    return f"internal error ({type(e).__name__}: {e}); please report it with the traceback above", 3
+
+
+def main() -> None:
+    """Entry point: one line on stderr for every failure; exit 2 for bad input or an unusable
+    file, 3 (with the traceback) for a bug; OPTKIT_DEBUG=1 shows every traceback."""
     try:
         app()
-    except OptkitError as e:
-        if os.environ.get("OPTKIT_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except ValidationError as e:
-        if os.environ.get("OPTKIT_DEBUG"):
-            raise
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        print(f"error: invalid option {where}: {first['msg']}", file=sys.stderr)
-        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:
+        line, code = describe_failure(e)
+        if code == 3 or os.environ.get("OPTKIT_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {line}", file=sys.stderr)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

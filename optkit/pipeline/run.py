@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optkit import __version__
-from optkit.artifacts import atomic_output_dir, content_sha256
+from optkit.artifacts import (
+    atomic_output_dir,
+    check_output_dir,
+    check_writable_dir,
+    content_sha256,
+    remove_stale_temporaries,
+)
+from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
 from optkit.gate.thresholds import Thresholds
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
@@ -65,14 +72,26 @@ def _git_commit(directory: Path) -> str | None:
     return result.stdout.strip() or None if result.returncode == 0 else None
 
 
+def _prepare_outputs(release: Path, what: str) -> Path:
+    """Check every path the run writes before any work (`what` names the setting that chose the
+    release: the recipe's `output` or --out), make the work directory, and clear what a killed run
+    left there; returns the work directory."""
+    check_output_dir(release, overwrite=True, what=what)
+    work = release.parent / f".{release.name}.work"
+    if work.exists() and not work.is_dir():
+        raise OptkitError(f"{work}, the work directory of {what} {release}, is not a directory: move it away")
+    check_writable_dir(work, what)
+    work.mkdir(parents=True, exist_ok=True)
+    for output in (work / "quantized", release):
+        remove_stale_temporaries(output)
+    return work
+
+
 def run_recipe(
     recipe: Recipe, raw: dict, *, recipe_path: Path, out: Path | None = None, device: str = "auto"
 ) -> RunResult:
     release = Path(out or recipe.output)
-    work = release.parent / f".{release.name}.work"
-    work.mkdir(parents=True, exist_ok=True)
-    for stale in [*work.glob(".quantized.tmp-*"), *release.parent.glob(f".{release.name}.tmp-*")]:
-        shutil.rmtree(stale, ignore_errors=True)  # left by a run that was killed (one writer per release)
+    work = _prepare_outputs(release, "--out" if out else "output")
     base = resolve_model_dir(recipe.model)
     result = RunResult(release, "rejected")
 

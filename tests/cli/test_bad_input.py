@@ -1,6 +1,8 @@
 """Every bad input ends in one line naming what to change, exit code 2, and nothing on disk."""
 
+import errno
 import json
+import os
 import shutil
 
 import pytest
@@ -239,3 +241,140 @@ def test_bad_smoothquant_options(run_cli, tmp_path, draft_dir, args, fragment):
     assert_user_error(
         run_cli("quantize", draft_dir, "--method", "smoothquant", *args, "--out", tmp_path / "q"), fragment
     )
+
+
+# Unwritable outputs. Tests run as root here, and root ignores permission bits, so an output is made
+# unwritable by a regular file standing where a directory must be (or by /proc, where nobody may
+# create one); the permission-bit test runs wherever the user is not root.
+
+
+@pytest.fixture
+def blocker(tmp_path):
+    """A regular file where an output's parent directory should be."""
+    path = tmp_path / "not-a-dir"
+    path.write_text("precious")
+    return path
+
+
+def test_quantize_output_under_a_file(run_cli, draft_dir, blocker):
+    assert_user_error(run_cli("quantize", draft_dir, "--out", blocker / "q"), f"--out {blocker / 'q'}", "is a file")
+    assert blocker.read_text() == "precious"
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)])
+def test_quantize_output_that_is_a_file(run_cli, draft_dir, blocker, overwrite):
+    result = run_cli("quantize", draft_dir, "--out", blocker, *overwrite)
+    assert_user_error(result, str(blocker), "is not a directory", "choose another --out")
+    assert blocker.read_text() == "precious"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_quantize_output_the_system_refuses_to_create(run_cli, draft_dir):
+    assert_user_error(run_cli("quantize", draft_dir, "--out", "/proc/optkit-test/q"), "/proc/optkit-test")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_quantize_into_a_read_only_parent(run_cli, draft_dir, out_parent):
+    out_parent.chmod(0o555)
+    try:
+        assert_user_error(run_cli("quantize", draft_dir, "--out", out_parent / "q"), "cannot write in", "--out")
+    finally:
+        out_parent.chmod(0o755)
+    assert leftovers(out_parent, "q") == []
+
+
+def test_an_os_error_while_writing_is_one_line_with_exit_2(monkeypatch, run_cli, out_parent, draft_dir):
+    """The backstop: an OSError that no check foresaw (here the disk filling up while a layer is
+    written) is one line naming the file and what to do, exit 2, never exit 1 ("rejected")."""
+    import optkit.quant.quantize as quantize_module
+
+    def disk_full(tensors, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(quantize_module, "save_file", disk_full)
+    result = run_cli("quantize", draft_dir, "--out", out_parent / "q")
+    assert_user_error(result, ".safetensors", "No space left on device", "free space")
+    assert leftovers(out_parent, "q") == []
+    monkeypatch.setenv("OPTKIT_DEBUG", "1")
+    code, _, err = run_cli("quantize", draft_dir, "--out", out_parent / "q")
+    assert code == 2 and "Traceback" in err and [line[:6] for line in err.splitlines()].count("error:") == 1
+
+
+def corrupt_safetensors(directory):
+    from safetensors import safe_open
+
+    (directory / "bad.safetensors").write_bytes(b"\xff" * 64)
+    safe_open(directory / "bad.safetensors", framework="pt")
+
+
+@pytest.mark.parametrize(
+    "failure,fragment,exit_code",
+    [
+        (lambda directory: json.loads("{"), "not valid JSON", 2),
+        (corrupt_safetensors, "safetensors file is truncated or corrupt", 2),
+        (lambda directory: [][0], "internal error (IndexError", 3),  # a bug: neither 1 (rejected) nor 2
+    ],
+)
+def test_escaping_errors_are_one_line_with_their_exit_code(
+    monkeypatch, run_cli, tmp_path, draft_dir, failure, fragment, exit_code
+):
+    import optkit.quant.quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "quantize_model", lambda *a, **k: failure(tmp_path))
+    code, out, err = run_cli("quantize", draft_dir, "--out", tmp_path / "q")
+    assert code == exit_code, (code, out, err)
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert ("Traceback" in err) == (exit_code == 3)  # a bug keeps its traceback, to be reported
+
+
+def write_recipe(directory, model, output) -> str:
+    recipe = {
+        "model": str(model),
+        "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 64}},
+        "gate": {"max_windows": 2},
+        "output": str(output),
+    }
+    path = directory / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return str(path)
+
+
+@pytest.fixture
+def no_quantize(monkeypatch):
+    """`optkit run` must fail before quantizing: if it gets that far, the test sees exit 3."""
+    import optkit.pipeline.run as run_module
+
+    def quantize_model(*args, **kwargs):
+        raise AssertionError("quantized before checking the outputs")
+
+    monkeypatch.setattr(run_module, "quantize_model", quantize_model)
+
+
+def test_run_recipe_output_that_is_a_file_fails_before_any_work(run_cli, tmp_path, draft_dir, blocker, no_quantize):
+    result = run_cli("run", write_recipe(tmp_path, draft_dir, blocker))
+    assert_user_error(result, f"output {blocker}", "is not a directory", "choose another output")
+    assert blocker.read_text() == "precious"
+    assert leftovers(tmp_path, blocker.name) == [blocker]  # no work directory either
+
+
+def test_run_output_under_a_file_fails_before_any_work(run_cli, tmp_path, draft_dir, blocker, no_quantize):
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, blocker / "release")), "is a file", "output")
+    assert_user_error(
+        run_cli("run", write_recipe(tmp_path, draft_dir, tmp_path / "fine"), "--out", blocker / "release"),
+        f"--out {blocker / 'release'}",
+        "is a file",
+    )
+    assert leftovers(tmp_path, "fine") == []
+
+
+def test_run_work_directory_that_is_a_file(run_cli, tmp_path, draft_dir, no_quantize):
+    work = tmp_path / ".release.work"
+    work.write_text("not the work directory")
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, tmp_path / "release")), str(work), "move it")
+    assert not (tmp_path / "release").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_run_output_the_system_refuses_to_create(run_cli, tmp_path, draft_dir, no_quantize):
+    assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, "/proc/optkit-test/release")), "/proc")
