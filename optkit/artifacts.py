@@ -24,11 +24,11 @@ log = logging.getLogger(__name__)
 OWNER = ".optkit-owner"  # in a temporary output directory, removed before the rename
 
 
-def check_writable_dir(path: Path, what: str) -> None:
+def check_writable_dir(path: Path, what: str, named: Path | None = None) -> None:
     """Refuse, before any work, a directory that cannot be created or written into: `path` itself
     or its nearest existing ancestor must be a directory this process may write. `what` names the
-    setting to change (e.g. "--out")."""
-    _check_creatable(Path(path), Path(path), what)
+    setting to change (e.g. "--out"), `named` the value the user gave (default: `path`)."""
+    _check_creatable(Path(named or path), Path(path), what)
 
 
 def check_output_dir(out: Path, overwrite: bool, what: str = "--out") -> None:

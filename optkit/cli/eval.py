@@ -36,10 +36,11 @@ def eval_(
 ) -> None:
     """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
 
-    Exit codes: 0 all thresholds hold, 1 a threshold is crossed, 2 bad input.
+    Exit codes: 0 all thresholds hold, 1 a threshold is crossed, 2 bad input or an unusable file.
 
     Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
     """
+    from optkit.artifacts import check_writable_dir
     from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate
     from optkit.gate.report import gate_table, write_report
@@ -47,6 +48,10 @@ def eval_(
 
     if min_recovery is not None and task is None:
         raise OptkitError("--min-recovery needs a task: add --task next_line (or a .jsonl task)")
+    if report is not None:  # before the gate runs, not after
+        if report.is_dir():
+            raise OptkitError(f"--report {report} is a directory: give a file name such as {report / 'gate.json'}")
+        check_writable_dir(report.parent, "--report", named=report)
     thresholds = Thresholds(
         max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, min_recovery=min_recovery
     )

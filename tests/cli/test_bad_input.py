@@ -378,3 +378,18 @@ def test_run_work_directory_that_is_a_file(run_cli, tmp_path, draft_dir, no_quan
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_run_output_the_system_refuses_to_create(run_cli, tmp_path, draft_dir, no_quantize):
     assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, "/proc/optkit-test/release")), "/proc")
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-directory"])
+def test_eval_report_that_cannot_be_written_fails_before_the_gate(monkeypatch, run_cli, draft_dir, blocker, where):
+    import optkit.gate.evaluate as evaluate_module
+
+    def evaluate(*args, **kwargs):
+        raise AssertionError("evaluated before checking --report")
+
+    monkeypatch.setattr(evaluate_module, "evaluate", evaluate)
+    report = blocker / "gate.json" if where == "under-a-file" else blocker.parent
+    fragment = "is a file" if where == "under-a-file" else "is a directory"
+    assert_user_error(
+        run_cli("eval", draft_dir, "--baseline", draft_dir, "--report", report), f"--report {report}", fragment
+    )
