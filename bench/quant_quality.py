@@ -39,7 +39,7 @@ from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 # label -> (method, format, symmetric, the method's options); each row is compared with the RTN
 # row of the same symmetry

@@ -20,7 +20,7 @@ Torch runs on `--threads` threads (default 1): on a small shared CPU, two OpenMP
 engine make every step wait for a descheduled partner and swamp what is measured.
 
 Then every sequence the shadow worker scored is scored again offline, the way `optkit eval` scores
-(HF modules from `optkit.modeldir.load_model`, the gate's `TokenStats`), and the online mean KLD
+(HF modules from `optkit.quant.formats.load.load_model`, the gate's `TokenStats`), and the online mean KLD
 and same-top-token percent (from /metrics) are compared with the offline ones.
 
 Usage: python bench/shadow_overhead.py [--rates 0.05 1.0] [--blocks 16] [--requests 6] [--threads 1] [--json]
@@ -44,7 +44,8 @@ except ImportError:  # older openai releases depend on httpx itself
     import httpx
 
 from optkit.data.eval_sets import load_text_set
-from optkit.modeldir import load_model, load_tokenizer, resolve_model_dir
+from optkit.modeldir import load_tokenizer, resolve_model_dir
+from optkit.quant.formats.load import load_model
 from optkit.runtime.engine import EngineConfig
 from optkit.server.app import build_app
 from optkit.serving.config import serve_options
@@ -56,7 +57,7 @@ QUANT, FULL = "small-w2", "small"
 
 def quantized_small(directory: Path) -> Path:
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.quant.schemes import WeightScheme
+    from optkit.weights.schemes import WeightScheme
 
     out = directory / QUANT
     quantize_model(resolve_model_dir("small"), out, QuantizeOptions(weights=WeightScheme(bits=2, group_size=-1)))

@@ -18,21 +18,26 @@ BUNDLED_DIR = Path(__file__).resolve().parent / "zoo" / "models"
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
-    """A bundled reference model by name (`small`, `draft`), or a local directory."""
-    from optkit.zoo.specs import SPECS
-
+    """A bundled reference model by name (`small`, `draft`: a built folder of BUNDLED_DIR), or a
+    local directory. (The zoo, which builds them, sits above this module: only the folder is read.)"""
     path = Path(name_or_path)
-    if str(name_or_path) in SPECS and not path.exists():
-        path = BUNDLED_DIR / str(name_or_path)
-        if not (path / "config.json").exists():
-            raise OptkitError(f"reference model {name_or_path!r} is not built: run `optkit zoo build {name_or_path}`")
+    bundled = BUNDLED_DIR / str(name_or_path)
+    if not path.exists() and path.name == str(name_or_path) and (bundled / "config.json").is_file():
+        path = bundled
     check_model_dir(path)
     return path
 
 
+def bundled_models() -> list[str]:
+    return sorted(p.parent.name for p in BUNDLED_DIR.glob("*/config.json"))
+
+
 def check_model_dir(path: Path) -> None:
     if not path.exists():
-        raise OptkitError(f"model {path} does not exist: give a model directory or a reference model name")
+        raise OptkitError(
+            f"model {path} does not exist: give a model directory or a reference model name "
+            f"({', '.join(bundled_models())}; `optkit zoo build NAME` builds one)"
+        )
     if not path.is_dir():
         raise OptkitError(f"model {path} is a file: give the directory that holds config.json")
     if not (path / "config.json").is_file():
@@ -107,53 +112,6 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory (every shard), as stored."""
     reader = TensorReader(path)
     return {key: reader.get(key) for key in reader.keys()}
-
-
-def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A causal LM ready for evaluation: plain HF checkpoints through `from_pretrained`; optkit's
-    weight-only artifacts through their dequantized weights (the reference semantics); W8A8
-    artifacts with int8 linear layers that run int8 matmuls."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-    from transformers.utils import logging as hf_logging
-
-    from optkit.quant.formats import reader_for
-
-    path = resolve_model_dir(name_or_path)
-    verify_weights(path)
-    hf_logging.disable_progress_bar()  # optkit shows its own progress
-    quant_config = read_config(path).get("quantization_config")
-    if quant_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
-        return model.eval()
-    fmt = reader_for(quant_config, str(path))
-    config = AutoConfig.from_pretrained(path)
-    del config.quantization_config
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = read_tensors(path)
-    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
-    int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
-    for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
-        model.set_submodule(name, module)
-
-    def in_int8_module(key: str) -> bool:
-        return key.rsplit(".", 1)[0] in int8_modules
-
-    if int8_modules:
-        state = {k: v for k, v in tensors.items() if not in_int8_module(k)}
-    else:
-        state = fmt.dequantized_state_dict(tensors, quant_config, dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not in_int8_module(k)]
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise OptkitError(
-            f"{path}: weights do not match the config (missing {sorted(set(missing) - tied)[:3]}, "
-            f"unexpected {unexpected[:3]}): re-create the artifact"
-        )
-    model.tie_weights()
-    return model.eval()
 
 
 def load_tokenizer(name_or_path: str | Path):

@@ -33,7 +33,7 @@ def small_outliers_dir(tmp_path_factory, small_dir) -> Path:
 def draft_w2(tmp_path_factory, draft_dir) -> Path:
     """A badly degraded artifact (RTN 2-bit per channel of `draft`), for gates that must fail."""
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.quant.schemes import WeightScheme
+    from optkit.weights.schemes import WeightScheme
 
     out = tmp_path_factory.mktemp("artifacts") / "draft-w2"
     quantize_model(draft_dir, out, QuantizeOptions(weights=WeightScheme(bits=2, group_size=-1)))

@@ -34,8 +34,8 @@ from optkit.kernels.paged_attention import AttentionMetadata  # noqa: E402
 from optkit.kernels.triton import paged_attention as pa  # noqa: E402
 from optkit.kernels.triton import w4a16, w8a8  # noqa: E402
 from optkit.kernels.w4a16 import W4A16Linear  # noqa: E402
-from optkit.quant.rtn import QuantizedWeight  # noqa: E402
-from optkit.quant.schemes import WeightScheme  # noqa: E402
+from optkit.weights.quantized import QuantizedWeight  # noqa: E402
+from optkit.weights.schemes import WeightScheme  # noqa: E402
 
 H200_SMS = 132
 OPTIONS = {"num_warps", "num_stages", "num_ctas", "maxnreg"}

@@ -145,8 +145,8 @@ def guarded(rows: list, group: str, name: str, shape: str):
 # --------------------------------------------------------------------------------------- linear
 def w4a16_layers(n: int, k: int, count: int, group_size: int = 128):
     from optkit.kernels.w4a16 import W4A16Linear
-    from optkit.quant.rtn import QuantizedWeight
-    from optkit.quant.schemes import WeightScheme
+    from optkit.weights.quantized import QuantizedWeight
+    from optkit.weights.schemes import WeightScheme
 
     scheme = WeightScheme(bits=4, group_size=group_size, symmetric=False)
     layers = []

@@ -62,7 +62,7 @@ def make_w4(src: Path, out: Path) -> None:
 
     from optkit.quant.formats import gptq  # needs compressed_tensors importable (formats/__init__.py)
     from optkit.quant.rtn import rtn_quantize
-    from optkit.quant.schemes import WeightScheme
+    from optkit.weights.schemes import WeightScheme
 
     scheme = WeightScheme(bits=4, group_size=128, symmetric=True)
     tensors = {}

@@ -50,8 +50,8 @@ def quantize(
     from optkit.quant.calibrate import CalibrationOptions
     from optkit.quant.gptq import GPTQOptions
     from optkit.quant.quantize import FORMATS, METHODS, W8A8_METHODS, QuantizeOptions, quantize_model
-    from optkit.quant.schemes import SUPPORTED_BITS, WeightScheme
     from optkit.quant.smoothquant_layer import SmoothQuantOptions
+    from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
 
     if method not in METHODS:
         raise OptkitError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from optkit.artifacts import content_sha256
 from optkit.cache import cache_dir
+from optkit.data.corpus import stdlib_files, stdlib_root
 from optkit.errors import OptkitError
-from optkit.zoo.corpus import stdlib_files, stdlib_root
 
 
 class SetDefinition(BaseModel):

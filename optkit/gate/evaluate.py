@@ -21,8 +21,9 @@ from optkit.gate.reference_cache import (
 )
 from optkit.gate.tasks import accuracy, encode_task, load_task
 from optkit.gate.thresholds import Check, Thresholds, check
-from optkit.modeldir import load_model, load_tokenizer, read_config, resolve_model_dir
+from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
+from optkit.quant.formats.load import load_model
 
 
 @dataclass

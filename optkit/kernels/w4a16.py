@@ -16,32 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
-from optkit.quant.rtn import QuantizedWeight, dequantize
-
-
-def field_bits(bits: int) -> int:
-    """The width of the field that holds one value: 2, 4, or 8 (a plain int8)."""
-    assert 1 <= bits <= 8, bits
-    return 2 if bits <= 2 else 4 if bits <= 4 else 8
-
-
-def pack_int32(u: torch.Tensor, width: int) -> torch.Tensor:
-    """Unsigned ints [R, C] below 2^width -> int32 [R, ceil(C / per_word)], per_word = 32 / width."""
-    per_word = 32 // width
-    rows, cols = u.shape
-    padded = F.pad(u.to(torch.int64), (0, -cols % per_word)).reshape(rows, -1, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * width
-    words = (padded << shifts).sum(dim=-1)  # fields do not overlap, so the sum is an OR
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int32(packed: torch.Tensor, width: int, cols: int) -> torch.Tensor:
-    """Inverse of `pack_int32`: int32 [R, W] -> int32 [R, cols]."""
-    per_word = 32 // width
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * width
-    # an arithmetic shift of a negative word only fills the top bits, which the mask drops
-    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << width) - 1)  # [R, W, per_word]
-    return fields.reshape(packed.shape[0], -1)[:, :cols]
+from optkit.weights.packing import field_bits, pack_int32, unpack_int32
+from optkit.weights.quantized import QuantizedWeight, dequantize
 
 
 class W4A16Linear(torch.nn.Module):

@@ -14,8 +14,9 @@ Pure tensor functions; the search loop that runs modules is in procedures.py.
 
 import torch
 
-from optkit.quant.rtn import dequantize, grouped, minmax_qparams, quantize, quantized_range
-from optkit.quant.schemes import WeightScheme
+from optkit.quant.rtn import minmax_qparams, quantize, quantized_range
+from optkit.weights.quantized import dequantize, grouped
+from optkit.weights.schemes import WeightScheme
 
 
 def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

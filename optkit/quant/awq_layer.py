@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
-from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
-from optkit.quant.schemes import WeightScheme
+from optkit.quant.rtn import rtn_quantize, weight_error
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 
 class AWQOptions(BaseModel):

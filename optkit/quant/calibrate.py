@@ -22,7 +22,7 @@ from optkit.errors import OptkitError
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
 from optkit.quant.gptq import accumulate_hessian, empty_hessian
-from optkit.quant.rtn import QuantizedWeight
+from optkit.weights.quantized import QuantizedWeight
 
 # True-sequential order of a Llama-family decoder layer (Mistral and Qwen2 use the same names).
 SEQUENTIAL_GROUPS = (

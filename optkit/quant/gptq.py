@@ -17,8 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optkit.errors import OptkitError
-from optkit.quant.rtn import QuantizedWeight, minmax_qparams
-from optkit.quant.schemes import WeightScheme
+from optkit.quant.rtn import minmax_qparams
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 
 class GPTQOptions(BaseModel):

@@ -9,8 +9,9 @@ import torch
 
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, sequential_groups
 from optkit.quant.gptq import GPTQOptions, gptq_quantize, output_error
-from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
-from optkit.quant.schemes import WeightScheme
+from optkit.quant.rtn import rtn_quantize, weight_error
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 SCALE_DTYPE = torch.bfloat16  # layers are calibrated in fp32; scales are stored as in bf16 checkpoints
 

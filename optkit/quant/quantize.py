@@ -33,11 +33,11 @@ from optkit.quant.calibrate import (
 from optkit.quant.formats import FORMATS, get_format
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.procedures import gptq_procedure
-from optkit.quant.schemes import WeightScheme
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_procedure
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
+from optkit.weights.schemes import WeightScheme
 
 Method = Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"]
 METHODS = get_args(Method)

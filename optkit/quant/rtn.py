@@ -5,29 +5,10 @@ scale and zero_point are [out_features, G]. Dequantization: Ŵ[o, i] = (q[o, i] 
 where g(i) = i // group_size, or g_idx[i] when columns were quantized out of order (GPTQ act-order).
 """
 
-from dataclasses import dataclass
-
 import torch
 
-from optkit.quant.schemes import WeightScheme
-
-
-@dataclass
-class QuantizedWeight:
-    q: torch.Tensor  # int8 [out, in], values in [scheme.qmin, scheme.qmax]
-    scale: torch.Tensor  # [out, G] in the stored dtype
-    zero_point: torch.Tensor  # int8 [out, G]; zeros when symmetric
-    scheme: WeightScheme
-    g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column; None = i // group_size
-    input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.q, self.scale, self.zero_point, self.g_idx).to(dtype)
-
-
-def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[out, in] -> [out, G, group_size]."""
-    return w.reshape(w.shape[0], -1, group_size)
+from optkit.weights.quantized import QuantizedWeight, grouped
+from optkit.weights.schemes import WeightScheme
 
 
 def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,18 +51,6 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, sch
     q = torch.round(grouped(w.float(), group_size) / scale.float().unsqueeze(-1))
     q = (q + zero_point.float().unsqueeze(-1)).clamp(scheme.qmin, scheme.qmax)
     return q.reshape(w.shape).to(torch.int8)
-
-
-def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, g_idx: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Ŵ = (q - z) * s, in float32 [out, in]."""
-    if g_idx is not None:
-        columns = g_idx.long()
-        return (q.float() - zero_point.float()[:, columns]) * scale.float()[:, columns]
-    group_size = q.shape[1] // scale.shape[1]
-    centered = grouped(q.float(), group_size) - zero_point.float().unsqueeze(-1)
-    return (centered * scale.float().unsqueeze(-1)).reshape(q.shape)
 
 
 def rtn_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:

@@ -11,7 +11,7 @@ import torch
 
 from optkit.kernels.w8a8 import quantize_activations
 from optkit.quant.rtn import rtn_quantize
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 W8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True)
 

@@ -12,7 +12,8 @@ from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
-from optkit.quant.rtn import QuantizedWeight, rtn_quantize, weight_error
+from optkit.quant.rtn import rtn_quantize, weight_error
+from optkit.weights.quantized import QuantizedWeight
 
 
 class SmoothQuantOptions(BaseModel):

@@ -90,7 +90,7 @@ def load_hf(path, dtype: torch.dtype, device: str):
     from optkit.modeldir import read_config
 
     if read_config(path).get("quantization_config"):
-        from optkit.modeldir import load_model
+        from optkit.quant.formats.load import load_model
 
         model = load_model(path, dtype=dtype)
     else:

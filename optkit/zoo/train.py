@@ -11,10 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from optkit.artifacts import atomic_output_dir
 from optkit.cache import cache_dir
+from optkit.data.corpus import read_texts
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.progress import progress_bar
-from optkit.zoo.corpus import read_texts
 from optkit.zoo.specs import VOCAB_SIZE, ZooSpec
 from optkit.zoo.tokenizer import train_tokenizer
 

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
+from optkit.data.corpus import stdlib_files
 from optkit.data.eval_sets import bundled_names, load_definition, load_text_set, materialize
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
-from optkit.zoo.corpus import stdlib_files
 
 
 def test_bundled_sets_are_defined():

@@ -6,9 +6,10 @@ from optkit.gate import evaluate as evaluate_module
 from optkit.gate.evaluate import evaluate
 from optkit.gate.metrics import full_kld, reference_from_logits, topk_kld
 from optkit.gate.thresholds import Thresholds
-from optkit.modeldir import load_model, load_tokenizer
+from optkit.modeldir import load_tokenizer
+from optkit.quant.formats.load import load_model
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 
 def test_topk_kld_is_a_close_lower_bound_of_the_full_kld(tmp_path, small_dir):

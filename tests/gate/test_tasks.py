@@ -5,7 +5,8 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.gate.tasks import accuracy, choice_logprobs, encode_task, load_task
-from optkit.modeldir import load_model, load_tokenizer
+from optkit.modeldir import load_tokenizer
+from optkit.quant.formats.load import load_model
 
 
 def test_bundled_task_loads_and_the_base_beats_chance(small_dir):

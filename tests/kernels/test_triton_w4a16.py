@@ -13,8 +13,8 @@ from tests.kernels.triton_devices import DEVICES
 import optkit.kernels.triton as triton_kernels
 from optkit.kernels.triton import w4a16 as kernels
 from optkit.kernels.w4a16 import W4A16Linear
-from optkit.quant.rtn import QuantizedWeight
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 
 def make_layer(bits, group_size, symmetric=False, act_order=False, out_features=48, in_features=256, bias=False,

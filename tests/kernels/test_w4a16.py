@@ -2,9 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels.w4a16 import W4A16Linear, pack_int32, unpack_int32
-from optkit.quant.rtn import QuantizedWeight
-from optkit.quant.schemes import WeightScheme
+from optkit.kernels.w4a16 import W4A16Linear
+from optkit.weights.packing import pack_int32, unpack_int32
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 
 def random_quantized(bits, group_size, symmetric, act_order=False, out_features=24, in_features=96, seed=0):

@@ -13,9 +13,9 @@ from optkit.models.loader import load_runtime_model
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
+from optkit.weights.schemes import WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
@@ -76,7 +76,7 @@ def token_prompts(small_dir):
 
 @pytest.mark.parametrize("name", ARTIFACTS)
 def test_quantized_artifact_matches_the_evaluation_loader(artifacts, token_prompts, name):
-    from optkit.modeldir import load_model
+    from optkit.quant.formats.load import load_model
 
     base, options, layer_class = ARTIFACTS[name]
     path = artifacts / name
@@ -94,7 +94,7 @@ def test_quantized_artifact_matches_the_evaluation_loader(artifacts, token_promp
 
 
 def test_two_bit_per_channel(draft_w2, token_prompts):
-    from optkit.modeldir import load_model
+    from optkit.quant.formats.load import load_model
 
     model = load_runtime_model(draft_w2)
     assert all(m.bits == 2 for m in model.modules() if isinstance(m, W4A16Linear))

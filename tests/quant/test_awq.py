@@ -4,15 +4,16 @@ import torch
 from optkit.errors import OptkitError
 from optkit.gate.evaluate import evaluate
 from optkit.gate.thresholds import Thresholds
-from optkit.modeldir import load_model, read_tensors
+from optkit.modeldir import read_tensors
 from optkit.quant import awq
 from optkit.quant.awq_layer import AWQ_GROUPS
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.formats import awq as awq_format
+from optkit.quant.formats.load import load_model
 from optkit.quant.procedures import fold_scale
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.rtn import rtn_quantize
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 

@@ -4,7 +4,7 @@ import torch
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
-from optkit.modeldir import load_model, load_tokenizer
+from optkit.modeldir import load_tokenizer
 from optkit.quant.calibrate import (
     CalibrationOptions,
     LayerStream,
@@ -15,6 +15,7 @@ from optkit.quant.calibrate import (
     run_layer,
     sequential_groups,
 )
+from optkit.quant.formats.load import load_model
 
 
 def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
@@ -108,8 +109,8 @@ def test_each_layer_is_handed_over_before_the_next_is_loaded(draft_dir, monkeypa
     from optkit.quant.calibrate import calibrate_layerwise
     from optkit.quant.gptq import GPTQOptions
     from optkit.quant.procedures import gptq_procedure
-    from optkit.quant.schemes import WeightScheme
     from optkit.quant.targets import decoder_linears
+    from optkit.weights.schemes import WeightScheme
 
     loaded = []
     load_layer = LayerStream.load_layer

@@ -5,7 +5,7 @@ from compressed_tensors.quantization import QuantizationConfig
 
 from optkit.quant.formats import compressed_tensors as ct
 from optkit.quant.rtn import rtn_quantize
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -12,7 +12,7 @@ from optkit.quant.gptq import (
     output_error,
 )
 from optkit.quant.rtn import rtn_quantize
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 
 def correlated_inputs(tokens: int, features: int, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,7 @@ from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.formats import gptq as gptq_format
 from optkit.quant.gptq import GPTQOptions, accumulate_hessian, empty_hessian, gptq_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 FAST_CALIB = CalibrationOptions(num_samples=16, seq_len=64)
 

@@ -6,7 +6,7 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.thresholds import Thresholds
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 GROUP_SIZE = 128  # the group size docs/results.md uses
 

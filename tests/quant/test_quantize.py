@@ -9,10 +9,11 @@ from optkit.artifacts import file_sha256
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.memory import PeakMemory
-from optkit.modeldir import load_model, load_tokenizer
+from optkit.modeldir import load_tokenizer
 from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.formats.load import load_model
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 
 def test_artifact_layout_and_manifest(tmp_path, draft_dir):

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from optkit.quant.rtn import dequantize, minmax_qparams, quantize, rtn_quantize, weight_error
-from optkit.quant.schemes import WeightScheme
+from optkit.quant.rtn import minmax_qparams, quantize, rtn_quantize, weight_error
+from optkit.weights.quantized import dequantize
+from optkit.weights.schemes import WeightScheme
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -7,9 +7,9 @@ from safetensors import safe_open
 from optkit.gate.evaluate import evaluate
 from optkit.gate.thresholds import Thresholds
 from optkit.kernels.w8a8 import W8A8Linear
-from optkit.modeldir import load_model
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.formats.load import load_model
 from optkit.quant.procedures import fold_scale
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant_layer import SMOOTHING_GROUPS, SmoothQuantOptions

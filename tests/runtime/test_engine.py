@@ -68,7 +68,7 @@ def test_quantized_artifact_greedy_matches_transformers(tmp_path, small_dir, hel
     pytest.importorskip("compressed_tensors")
     from optkit.quant.calibrate import CalibrationOptions
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.quant.schemes import WeightScheme
+    from optkit.weights.schemes import WeightScheme
 
     artifact = tmp_path / method
     options = QuantizeOptions(

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from optkit.modeldir import load_model
 from optkit.models.loader import load_runtime_model
+from optkit.quant.formats.load import load_model
 from optkit.serving.forcing import score_replay
 from optkit.serving.online import score_sequence
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from optkit.modeldir import load_model
+from optkit.quant.formats.load import load_model
 from optkit.runtime.engine import EngineConfig
 from optkit.server.app import build_app
 from optkit.serving.config import serve_options

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from optkit.zoo.corpus import split_of, stdlib_files
+from optkit.data.corpus import split_of, stdlib_files
 from optkit.zoo.specs import SPECS
 from optkit.zoo.tokenizer import train_tokenizer
 

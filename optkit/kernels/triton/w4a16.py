@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from optkit.kernels.triton import _interpreter, next_pow2, num_sms  # noqa: F401 (interpreter fixes)
-from optkit.kernels.w4a16 import field_bits, pack_int32, unpack_int32
+from optkit.weights.packing import field_bits, pack_int32, unpack_int32
 
 MAGIC = 8388608.0  # 2^23: float32 whose low mantissa bits hold a small integer exactly
 

@@ -4,7 +4,7 @@ from collections.abc import Callable
 
 import torch
 
-from optkit.quant.rtn import QuantizedWeight
+from optkit.weights.quantized import QuantizedWeight
 
 
 def dequantize_layers(

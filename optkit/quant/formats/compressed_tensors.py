@@ -21,8 +21,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import dequantize_layers
-from optkit.quant.rtn import QuantizedWeight
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 NAME = "compressed-tensors"
 FORMAT = "pack-quantized"

@@ -15,8 +15,8 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import dequantize_layers
-from optkit.quant.rtn import QuantizedWeight
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 NAME = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")

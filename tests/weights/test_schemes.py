@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from optkit.errors import OptkitError
-from optkit.quant.schemes import WeightScheme
+from optkit.weights.schemes import WeightScheme
 
 
 @pytest.mark.parametrize("bits", [1, 5, 16])

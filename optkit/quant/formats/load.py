@@ -1,0 +1,55 @@
+"""Any model directory as a transformers causal LM for evaluation: plain checkpoints through
+`from_pretrained`, optkit artifacts of every format through the format's reader."""
+
+from pathlib import Path
+
+import torch
+
+from optkit.errors import OptkitError
+from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
+from optkit.quant.formats import reader_for
+
+
+def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM ready for evaluation: plain HF checkpoints through `from_pretrained`; optkit's
+    weight-only artifacts through their dequantized weights (the reference semantics); W8A8
+    artifacts with int8 linear layers that run int8 matmuls."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_dir(name_or_path)
+    verify_weights(path)
+    hf_logging.disable_progress_bar()  # optkit shows its own progress
+    quant_config = read_config(path).get("quantization_config")
+    if quant_config is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        return model.eval()
+    fmt = reader_for(quant_config, str(path))
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = read_tensors(path)
+    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
+    int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
+    for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
+        model.set_submodule(name, module)
+
+    def in_int8_module(key: str) -> bool:
+        return key.rsplit(".", 1)[0] in int8_modules
+
+    if int8_modules:
+        state = {k: v for k, v in tensors.items() if not in_int8_module(k)}
+    else:
+        state = fmt.dequantized_state_dict(tensors, quant_config, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not in_int8_module(k)]
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise OptkitError(
+            f"{path}: weights do not match the config (missing {sorted(set(missing) - tied)[:3]}, "
+            f"unexpected {unexpected[:3]}): re-create the artifact"
+        )
+    model.tie_weights()
+    return model.eval()

@@ -1,0 +1,43 @@
+"""A quantized weight as data: integers, scales, zero points and the scheme, with the one
+dequantization every reader and kernel agrees on.
+
+Shapes: q is [out_features, in_features]; with G = in_features / group_size groups per row,
+scale and zero_point are [out_features, G]. Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) * s[o, g(i)],
+where g(i) = i // group_size, or g_idx[i] when columns were quantized out of order (GPTQ act-order).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from optkit.weights.schemes import WeightScheme
+
+
+@dataclass
+class QuantizedWeight:
+    q: torch.Tensor  # int8 [out, in], values in [scheme.qmin, scheme.qmax]
+    scale: torch.Tensor  # [out, G] in the stored dtype
+    zero_point: torch.Tensor  # int8 [out, G]; zeros when symmetric
+    scheme: WeightScheme
+    g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column; None = i // group_size
+    input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.q, self.scale, self.zero_point, self.g_idx).to(dtype)
+
+
+def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[out, in] -> [out, G, group_size]."""
+    return w.reshape(w.shape[0], -1, group_size)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, g_idx: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Ŵ = (q - z) * s, in float32 [out, in]."""
+    if g_idx is not None:
+        columns = g_idx.long()
+        return (q.float() - zero_point.float()[:, columns]) * scale.float()[:, columns]
+    group_size = q.shape[1] // scale.shape[1]
+    centered = grouped(q.float(), group_size) - zero_point.float().unsqueeze(-1)
+    return (centered * scale.float().unsqueeze(-1)).reshape(q.shape)
