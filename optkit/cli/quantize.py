@@ -90,6 +90,7 @@ def quantize(
         calibration=CalibrationOptions(calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed),
         smoothquant=SmoothQuantOptions(alpha=alpha_value, activations=act_quant),
     )
+    warn_if_unloadable(options)
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
     if json_output:
         print_json(manifest)
@@ -108,3 +109,15 @@ def quantize(
         f"[bold green]wrote[/] {out}  ({method} {options.weights.describe()}, {len(layers)} layers, "
         f"{summary}, {manifest['wall_time_s']:.1f}s)"
     )
+
+
+def warn_if_unloadable(options) -> None:
+    """One line on stderr when the installed loaders cannot read what is about to be written."""
+    from optkit.compat.matrix import ArtifactKind, check_installed_versions
+    from optkit.quant.quantize import W8A8_METHODS
+
+    w = options.weights
+    kind = ArtifactKind(options.format, w.bits, w.symmetric, w8a8=options.method in W8A8_METHODS)
+    warning = check_installed_versions(kind)
+    if warning:
+        typer.echo(f"warning: {warning}", err=True)

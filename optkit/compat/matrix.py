@@ -1,0 +1,181 @@
+"""The compatibility matrix as data: artifact kinds, loaders, and the upstream breakages measured.
+
+Pure data and small functions (no torch): `optkit quantize` warns from it before work starts,
+`optkit inspect` says where an artifact loads, tests/compat asserts every entry, and
+bench/compat_matrix.py renders docs/compatibility.md from the test results.
+"""
+
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+TRANSFORMERS = "transformers (+ compressed-tensors)"
+GPTQMODEL = "transformers + gptqmodel"
+OPTKIT = "optkit runtime"
+VLLM = "vLLM"
+LOADERS = (OPTKIT, TRANSFORMERS, GPTQMODEL, VLLM)
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """What decides whether a loader can read an artifact (the method only changes the numbers)."""
+
+    format: str  # compressed-tensors | gptq | awq
+    bits: int
+    symmetric: bool
+    w8a8: bool = False  # int8 weights and activations (compressed-tensors int-quantized)
+
+    def describe(self) -> str:
+        if self.w8a8:
+            return f"{self.format} W8A8 int8"
+        return f"{self.format} w{self.bits} {'sym' if self.symmetric else 'asym'}"
+
+
+@dataclass(frozen=True)
+class Breakage:
+    """A loader that fails on a kind of artifact in a range of versions of one package."""
+
+    loader: str
+    package: str
+    broken: str  # a PEP 440 specifier of the broken versions
+    applies_format: str
+    applies_symmetric: bool | None  # None: either
+    summary: str  # what fails, in a few words
+    upstream: str  # the link or source location that explains it
+    remedy: str  # what the user can do, in one clause
+    measured_ok: tuple[str, ...] = ()  # versions where tests/compat saw it load
+    measured_broken: tuple[str, ...] = ()  # versions where tests/compat saw it fail
+
+    def applies(self, kind: ArtifactKind) -> bool:
+        return (
+            kind.format == self.applies_format
+            and not kind.w8a8
+            and (self.applies_symmetric is None or kind.symmetric == self.applies_symmetric)
+        )
+
+    def is_broken(self, installed: str | None) -> bool:
+        return installed is not None and SpecifierSet(self.broken).contains(Version(installed), prereleases=True)
+
+
+# Measured by tests/compat (and scratch venvs for the versions around the break, see
+# docs/compatibility.md): transformers 5.23 made `from_pretrained` build the compressed modules on
+# the meta device (`CompressedTensorsHfQuantizer._process_model_before_weight_loading` ->
+# `ModelCompressor.compress_model`); on meta, compressed-tensors' `PackedQuantizationCompressor.compress`
+# leaves `weight_zero_point` unpacked ([out, groups]), so the checkpoint's packed
+# [ceil(out * bits / 32), groups] zero points are a size MISMATCH. compressed-tensors 0.17.1 to
+# 0.20.1 behave the same; the transformers version decides.
+CT_ASYM_TRANSFORMERS_5_23 = Breakage(
+    loader=TRANSFORMERS,
+    package="transformers",
+    broken=">=5.23.0",
+    applies_format="compressed-tensors",
+    applies_symmetric=False,
+    summary="asymmetric pack-quantized: weight_zero_point size MISMATCH in from_pretrained",
+    upstream=(
+        "compressed_tensors/compressors/pack_quantized/base.py PackedQuantizationCompressor.compress "
+        "(meta branch does not pack weight_zero_point), reached since transformers 5.23 through "
+        "quantizers/quantizer_compressed_tensors.py _process_model_before_weight_loading"
+    ),
+    remedy="load with quantization_config=CompressedTensorsConfig(dequantize=True), or pass --sym",
+    measured_ok=("5.21.1", "5.22.2"),
+    measured_broken=("5.23.0", "5.24.0"),
+)
+BREAKAGES = (CT_ASYM_TRANSFORMERS_5_23,)
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def known_breakages(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> list[Breakage]:
+    """The breakages that hit `kind` with `versions` (package -> version; default: installed)."""
+    return [b for b in BREAKAGES if b.applies(kind) and b.is_broken(_version(b.package, versions))]
+
+
+def _version(package: str, versions: dict[str, str | None] | None) -> str | None:
+    return installed_version(package) if versions is None else versions.get(package)
+
+
+def check_installed_versions(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> str | None:
+    """One line for the user when an installed loader cannot read what is about to be written."""
+    hits = known_breakages(kind, versions)
+    if not hits:
+        return None
+    b = hits[0]
+    remedy = b.remedy + (" or --format awq" if kind.bits == 4 else "")
+    if vllm_path(kind):
+        remedy += "; vLLM reads it"
+    return (
+        f"{b.package} {_version(b.package, versions)} cannot load {kind.describe()} artifacts by default "
+        f"({b.summary}; see docs/compatibility.md): {remedy}"
+    )
+
+
+def vllm_path(kind: ArtifactKind) -> str | None:
+    """The vLLM loader that reads `kind` (by spec, optkit/compat/vllm_spec.py), or None."""
+    if kind.format == "compressed-tensors":
+        if kind.w8a8:
+            return "compressed-tensors W8A8Int8"
+        if kind.symmetric or kind.bits in (4, 8):
+            return "compressed-tensors WNA16"
+        return None  # WNA16 zero points: 4 and 8 bits only
+    if kind.format == "gptq":
+        return "GPTQ-Marlin" if kind.bits in (4, 8) and kind.symmetric else "GPTQ (exllama)"
+    if kind.format == "awq":
+        return "AWQ-Marlin" if kind.bits == 4 else None
+    return None
+
+
+def expected_status(kind: ArtifactKind, loader: str, versions: dict[str, str | None] | None = None) -> str:
+    """What the matrix expects: "loads", "fails" (a known breakage), "by spec", "no" (the loader
+    does not read this kind) or "untested"."""
+    if loader == OPTKIT:
+        return "loads"
+    if loader == TRANSFORMERS:
+        if kind.format != "compressed-tensors":
+            return "no"  # transformers reads GPTQ/AWQ only through gptqmodel
+        return "fails" if known_breakages(kind, versions) else "loads"
+    if loader == GPTQMODEL:
+        return "untested" if kind.format != "compressed-tensors" else "no"
+    if loader == VLLM:
+        return "by spec" if vllm_path(kind) else "no"
+    raise ValueError(loader)
+
+
+def kind_from_quant_config(quant_config: dict) -> ArtifactKind:
+    """The kind of an artifact from its config.json `quantization_config`."""
+    method = quant_config.get("quant_method")
+    if method == "compressed-tensors":
+        weights = next(iter(quant_config["config_groups"].values()))["weights"]
+        return ArtifactKind(
+            "compressed-tensors",
+            weights["num_bits"],
+            weights["symmetric"],
+            w8a8=quant_config.get("format") == "int-quantized",
+        )
+    if method == "gptq":
+        return ArtifactKind("gptq", quant_config["bits"], quant_config.get("sym", True))
+    if method == "awq":
+        return ArtifactKind("awq", quant_config["bits"], False)
+    raise ValueError(f"unknown quant_method {method!r}")
+
+
+def where_it_loads(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> list[tuple[str, str]]:
+    """(loader, status with its reason) for every loader, for `optkit inspect`."""
+    rows = []
+    for loader in LOADERS:
+        status = expected_status(kind, loader, versions)
+        if status == "fails":
+            b = known_breakages(kind, versions)[0]
+            status = f"fails with {b.package} {_version(b.package, versions)} ({b.summary}): {b.remedy}"
+        elif status == "by spec":
+            status = f"by spec ({vllm_path(kind)}; not run here)"
+        elif status == "untested" and loader == GPTQMODEL:
+            status = "untested here (manual check, docs/compatibility.md)"
+        rows.append((loader, status))
+    return rows

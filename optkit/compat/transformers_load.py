@@ -1,0 +1,115 @@
+"""Does an artifact load in transformers, completely, and compute what optkit's runtime computes?
+
+"Loads" means: `from_pretrained` raises nothing, reports no missing, unexpected or mismatched
+keys, logs no "newly initialized" weights (transformers fills those with random values), and its
+fp32 logits on a few token sequences lie within `tolerance` of the runtime's on the same artifact.
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# max |logits_transformers - logits_runtime| <= ATOL + RTOL * max |logits_runtime|. Both dequantize
+# the same integers with the same scales in fp32; they differ only by summation order (weight-only)
+# or by where int8 activations round (W8A8: fake-quantized in transformers, int8 matmul here).
+ATOL = 1e-3
+RTOL = {False: 1e-4, True: 2e-2}  # w8a8 -> relative tolerance
+
+
+@dataclass
+class LoadCheck:
+    loaded: bool
+    problems: list[str] = field(default_factory=list)
+    max_abs_diff: float | None = None
+    tolerance: float | None = None
+    logits_scale: float | None = None  # max |logits| of the runtime
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded and not self.problems
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def load_transformers(path: Path, **kwargs) -> tuple[torch.nn.Module | None, list[str]]:
+    """(model or None, problems) from `AutoModelForCausalLM.from_pretrained(path)` in fp32."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    records = _Records()
+    logger = hf_logging.get_logger("transformers")
+    logger.addHandler(records)
+    hf_logging.disable_progress_bar()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, output_loading_info=True, **kwargs
+        )
+    except Exception as e:  # any failure of the loader is the finding, not a crash of the check
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        report = [line.strip() for m in records.messages for line in m.splitlines() if "| MISMATCH" in line]
+        return None, [
+            f"from_pretrained raised {type(e).__name__}: {first}"[:300],
+            *[" ".join(r.split()) for r in report[:1]],
+        ]
+    finally:
+        logger.removeHandler(records)
+    problems = [f"{kind}: {', '.join(sorted(map(str, keys))[:3])}" for kind, keys in info.items() if keys]
+    problems += [m.splitlines()[0] for m in records.messages if "newly initialized" in m]
+    return model.eval(), problems
+
+
+@torch.inference_mode()
+def runtime_logits(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """fp32 logits [len, vocab] of every position, from optkit's runtime (one prefill each)."""
+    from optkit.kernels.paged_attention import AttentionMetadata
+    from optkit.models.llama import allocate_kv_caches
+    from optkit.models.loader import load_runtime_model
+
+    model = load_runtime_model(path)
+    block_size, out = 16, []
+    for seq in sequences:
+        blocks = math.ceil(len(seq) / block_size)
+        caches = allocate_kv_caches(model.config, blocks, block_size, torch.float32)
+        meta = AttentionMetadata.build([len(seq)], [len(seq)], [list(range(blocks))], list(range(len(seq))), "cpu")
+        hidden = model(torch.tensor(seq), torch.arange(len(seq)), meta, caches)
+        out.append(model.compute_logits(hidden))
+    return out
+
+
+def sample_sequences(vocab_size: int, lengths: tuple[int, ...] = (17, 5, 32), seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def check_transformers_load(
+    path: Path, sequences: list[list[int]] | None = None, rtol: float | None = None, **kwargs
+) -> LoadCheck:
+    """Load `path` in transformers and compare its logits with the runtime's (see the module doc);
+    rtol overrides the relative tolerance, kwargs go to `from_pretrained`."""
+    from optkit.modeldir import read_config
+
+    config = read_config(path)
+    model, problems = load_transformers(path, **kwargs)
+    if model is None:
+        return LoadCheck(False, problems)
+    sequences = sequences or sample_sequences(config["vocab_size"])
+    w8a8 = config.get("quantization_config", {}).get("format") == "int-quantized"
+    expected = runtime_logits(path, sequences)
+    with torch.inference_mode():
+        got = [model(torch.tensor([s])).logits[0].float() for s in sequences]
+    diff = max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True))
+    scale = max(e.abs().max().item() for e in expected)
+    tolerance = ATOL + (RTOL[w8a8] if rtol is None else rtol) * scale
+    if not diff <= tolerance:  # also catches NaN
+        problems.append(f"logits differ from optkit's runtime by {diff:.3g} (tolerance {tolerance:.3g})")
+    return LoadCheck(True, problems, diff, tolerance, scale)

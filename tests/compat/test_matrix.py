@@ -1,0 +1,189 @@
+"""Every artifact kind optkit writes, in every loader a user would reach for (optkit/compat/matrix.py).
+
+Each cell asserts what the matrix expects: "loads" (no missing, unexpected, mismatched or newly
+initialised keys; logits within tolerance of optkit's runtime), "fails" (a known upstream
+breakage: the test fails once upstream fixes it, so the matrix gets updated), or "by spec" (vLLM,
+checked against what its loaders create). The default run covers every format × bits × symmetry
+with RTN and every method at 4 bits; `-m compat` adds the rest of the cross-product.
+"""
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from optkit.compat import matrix
+from optkit.compat.matrix import ArtifactKind
+from optkit.compat.transformers_load import check_transformers_load
+from optkit.compat.vllm_spec import check_vllm_spec
+from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.smoothquant import W8_PER_CHANNEL
+from optkit.quant.smoothquant_layer import SmoothQuantOptions
+from optkit.weights.schemes import WeightScheme
+
+CALIB = CalibrationOptions(num_samples=8, seq_len=64)
+BITS = {"compressed-tensors": (2, 3, 4, 8), "gptq": (2, 3, 4, 8), "awq": (4,)}
+WORKAROUND_RTOL = 1e-2
+SYMMETRY = {"compressed-tensors": (True, False), "gptq": (True,), "awq": (True, False)}
+
+
+def _cells():
+    for fmt, bits_list in BITS.items():
+        for bits in bits_list:
+            for symmetric in SYMMETRY[fmt]:
+                for method in ("rtn", "gptq", "awq"):
+                    default = method == "rtn" and bits in (4, 8)
+                    marks = () if default else (pytest.mark.compat,)
+                    name = f"{method}-{fmt}-w{bits}-{'sym' if symmetric else 'asym'}"
+                    yield pytest.param(method, fmt, bits, symmetric, "none", marks=marks, id=name)
+    for activations in ("dynamic", "static"):
+        yield pytest.param(
+            "smoothquant", "compressed-tensors", 8, True, activations, id=f"smoothquant-w8a8-{activations}"
+        )
+
+
+def _quantize(model_dir: Path, out: Path, method: str, fmt: str, bits: int, symmetric: bool, activations: str) -> Path:
+    if method == "smoothquant":
+        options = QuantizeOptions(
+            method=method,
+            weights=W8_PER_CHANNEL,
+            calibration=CALIB,
+            smoothquant=SmoothQuantOptions(activations=activations),
+        )
+    else:
+        scheme = WeightScheme(bits=bits, group_size=64, symmetric=symmetric)
+        options = QuantizeOptions(method=method, format=fmt, weights=scheme, calibration=CALIB)
+    quantize_model(model_dir, out, options)
+    return out
+
+
+def _versions() -> dict[str, str | None]:
+    return {p: matrix.installed_version(p) for p in ("transformers", "compressed-tensors", "torch", "gptqmodel")}
+
+
+def _linear_shapes(path: Path) -> dict[str, tuple[int, int]]:
+    from transformers import AutoConfig
+
+    from optkit.manifest import read_manifest
+    from optkit.quant.targets import decoder_linears
+
+    ignored = set(read_manifest(path)["ignored_layers"])
+    return {
+        t.name: (t.out_features, t.in_features)
+        for t in decoder_linears(AutoConfig.from_pretrained(path))
+        if t.name not in ignored
+    }
+
+
+def _vllm_problems(path: Path) -> list[str]:
+    from optkit.modeldir import read_config, read_tensors
+
+    return check_vllm_spec(read_config(path), read_tensors(path), _linear_shapes(path))
+
+
+def check_cell(path: Path, kind: ArtifactKind, row: str, method: str, record) -> None:
+    """Assert every loader's expected outcome for one artifact and record what was measured."""
+    versions = _versions()
+    cell = {
+        "row": row,
+        "method": method,
+        "kind": kind.describe(),
+        "format": kind.format,
+        "bits": kind.bits,
+        "symmetric": kind.symmetric,
+        "w8a8": kind.w8a8,
+        "versions": versions,
+    }
+    # optkit's runtime and transformers both: the check loads the runtime model as its reference
+    expected = matrix.expected_status(kind, matrix.TRANSFORMERS, versions)
+    if expected == "no":
+        from optkit.models.loader import load_runtime_model
+
+        load_runtime_model(path)
+        record({**cell, "loader": matrix.OPTKIT, "status": "loads"})
+    else:
+        result = check_transformers_load(path)
+        if expected == "loads":
+            assert result.ok, result.problems
+            record({**cell, "loader": matrix.OPTKIT, "status": "loads"})
+            record({**cell, "loader": matrix.TRANSFORMERS, "status": "loads", "max_abs_diff": result.max_abs_diff})
+        else:
+            assert not result.ok, (
+                f"{kind.describe()} now loads in transformers {versions['transformers']}: update BREAKAGES"
+            )
+            breakage = matrix.known_breakages(kind, versions)[0]
+            assert any("MISMATCH" in p or "mismatch" in p for p in result.problems), result.problems
+            record({**cell, "loader": matrix.TRANSFORMERS, "status": "fails", "problem": breakage.summary})
+            # The workaround the warning gives: dequantize at load time. It dequantizes in the
+            # scales' dtype (bf16 here), so its logits sit within bf16 rounding, not fp32's.
+            from transformers import CompressedTensorsConfig
+
+            workaround = check_transformers_load(
+                path, rtol=WORKAROUND_RTOL, quantization_config=CompressedTensorsConfig(dequantize=True)
+            )
+            assert workaround.ok, workaround.problems
+            record({**cell, "loader": matrix.OPTKIT, "status": "loads"})
+            record(
+                {
+                    **cell,
+                    "loader": "transformers, dequantize=True",
+                    "status": "loads",
+                    "max_abs_diff": workaround.max_abs_diff,
+                }
+            )
+    # gptqmodel: an optional extra; without it the cell stays "untested" in the docs
+    if kind.format in ("gptq", "awq"):
+        try:
+            importlib.metadata.version("gptqmodel")
+        except importlib.metadata.PackageNotFoundError:
+            record({**cell, "loader": matrix.GPTQMODEL, "status": "untested"})
+        else:
+            result = check_transformers_load(path)
+            record(
+                {
+                    **cell,
+                    "loader": matrix.GPTQMODEL,
+                    "status": "loads" if result.ok else "fails",
+                    "problem": "; ".join(result.problems)[:200],
+                }
+            )
+    # vLLM, by spec
+    problems = _vllm_problems(path)
+    if matrix.vllm_path(kind) is None:
+        assert problems and "no loader" in problems[0]
+        record({**cell, "loader": matrix.VLLM, "status": "no", "problem": problems[0]})
+    else:
+        assert problems == []
+        record({**cell, "loader": matrix.VLLM, "status": "by spec", "path": matrix.vllm_path(kind)})
+
+
+@pytest.mark.parametrize(("method", "fmt", "bits", "symmetric", "activations"), list(_cells()))
+def test_artifact_loads_where_the_matrix_says(tmp_path, draft_dir, record, method, fmt, bits, symmetric, activations):
+    path = _quantize(draft_dir, tmp_path / "artifact", method, fmt, bits, symmetric, activations)
+    kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
+    check_cell(path, kind, "llama (draft)", method if activations == "none" else f"{method} ({activations})", record)
+
+
+FAMILY_CELLS = {
+    "ct-w4-sym": ("rtn", "compressed-tensors", 4, True),
+    "ct-w4-asym": ("rtn", "compressed-tensors", 4, False),
+    "gptq-w4": ("gptq", "gptq", 4, True),
+    "awq-w4-asym": ("awq", "awq", 4, False),
+    "w8a8": ("smoothquant", "compressed-tensors", 8, True),
+}
+
+
+def _family_cells():
+    for family in ("llama", "mistral", "qwen2", "qwen3"):
+        for name, cell in FAMILY_CELLS.items():
+            marks = () if name == "ct-w4-asym" else (pytest.mark.compat,)  # default: the likeliest to break
+            yield pytest.param(family, *cell, marks=marks, id=f"{family}-{name}")
+
+
+@pytest.mark.parametrize(("family", "method", "fmt", "bits", "symmetric"), list(_family_cells()))
+def test_every_family_loads_where_the_matrix_says(tmp_path, family_dir, record, family, method, fmt, bits, symmetric):
+    activations = "dynamic" if method == "smoothquant" else "none"
+    path = _quantize(family_dir(family), tmp_path / "artifact", method, fmt, bits, symmetric, activations)
+    kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
+    check_cell(path, kind, family, method, record)

@@ -1,0 +1,57 @@
+"""The version data of the matrix: warnings follow what was measured, and only where they apply."""
+
+import pytest
+
+from optkit.compat import matrix
+from optkit.compat.matrix import ArtifactKind
+
+ASYM = ArtifactKind("compressed-tensors", 4, False)
+
+
+@pytest.mark.parametrize("breakage", matrix.BREAKAGES, ids=lambda b: b.summary[:30])
+def test_each_breakage_range_agrees_with_the_versions_measured(breakage):
+    assert breakage.measured_ok and breakage.measured_broken
+    assert not any(breakage.is_broken(v) for v in breakage.measured_ok)
+    assert all(breakage.is_broken(v) for v in breakage.measured_broken)
+
+
+def test_quantize_warns_in_one_line_only_for_the_versions_that_break():
+    assert matrix.check_installed_versions(ASYM, {"transformers": "5.22.2"}) is None
+    warning = matrix.check_installed_versions(ASYM, {"transformers": "5.24.0"})
+    assert "transformers 5.24.0" in warning and "--sym" in warning and "\n" not in warning
+    assert "--format awq" in warning and "vLLM reads it" in warning
+
+
+def test_no_warning_for_what_transformers_loads():
+    for kind in (
+        ArtifactKind("compressed-tensors", 4, True),
+        ArtifactKind("compressed-tensors", 8, True, w8a8=True),
+        ArtifactKind("awq", 4, False),
+        ArtifactKind("gptq", 4, True),
+    ):
+        assert matrix.check_installed_versions(kind, {"transformers": "5.24.0"}) is None
+
+
+def test_three_bit_asymmetric_warning_offers_neither_awq_nor_vllm():
+    warning = matrix.check_installed_versions(ArtifactKind("compressed-tensors", 3, False), {"transformers": "5.24.0"})
+    assert "--format awq" not in warning and "vLLM" not in warning
+
+
+def test_kind_is_read_back_from_each_formats_config():
+    ct = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": {"num_bits": 3, "symmetric": False}}},
+    }
+    assert matrix.kind_from_quant_config(ct) == ArtifactKind("compressed-tensors", 3, False)
+    assert matrix.kind_from_quant_config({"quant_method": "gptq", "bits": 8, "sym": True}) == ArtifactKind(
+        "gptq", 8, True
+    )
+
+
+def test_where_it_loads_names_every_loader_and_the_remedy():
+    rows = dict(matrix.where_it_loads(ASYM, {"transformers": "5.24.0"}))
+    assert set(rows) == set(matrix.LOADERS)
+    assert rows[matrix.TRANSFORMERS].startswith("fails") and "dequantize=True" in rows[matrix.TRANSFORMERS]
+    assert rows[matrix.VLLM].startswith("by spec")
+    assert dict(matrix.where_it_loads(ASYM, {"transformers": "5.22.2"}))[matrix.TRANSFORMERS] == "loads"
