@@ -67,7 +67,8 @@ def describe_failure(e: Exception) -> tuple[str, int]:
         first = e.errors()[0]
         return f"invalid option {'.'.join(str(p) for p in first['loc'])}: {first['msg']}", 2
     if isinstance(e, OSError):
-        where = " -> ".join(os.fsdecode(f) for f in (e.filename, e.filename2) if f is not None)
+        names = [f for f in (e.filename, e.filename2) if f is not None]
+        where = " -> ".join(os.fsdecode(f) if isinstance(f, bytes) else str(f) for f in names)
         reason = e.strerror or str(e) or type(e).__name__
         if not where:
             return f"{reason}: OPTKIT_DEBUG=1 shows where it happened", 2
