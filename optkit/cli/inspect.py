@@ -45,6 +45,7 @@ def inspect(
     ]:
         summary.add_row(key, str(value))
     out.print(summary)
+    print_table(where_it_loads_table(path), out)
     layers = Table(title="per-layer weight error")
     for column in ("layer", "shape", "rel. error", "MSE"):
         layers.add_column(column, justify="left" if column == "layer" else "right")
@@ -53,3 +54,17 @@ def inspect(
             layer["name"], "×".join(map(str, layer["shape"])), f"{layer['rel_error']:.4f}", f"{layer['mse']:.3e}"
         )
     print_table(layers, out)
+
+
+def where_it_loads_table(path):
+    """Where this artifact is known to load, from the compatibility matrix (optkit/compat/matrix.py)."""
+    from rich.table import Table
+
+    from optkit.compat.matrix import kind_from_quant_config, where_it_loads
+    from optkit.modeldir import read_config
+
+    kind = kind_from_quant_config(read_config(path)["quantization_config"])
+    table = Table(title=f"where it loads ({kind.describe()}; docs/compatibility.md)", show_header=False)
+    for loader, status in where_it_loads(kind):
+        table.add_row(loader, status)
+    return table

@@ -9,11 +9,17 @@ from optkit.cli.options import JsonFlag, console, print_json
 
 def verify(
     artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit.")],
+    load: Annotated[
+        str | None,
+        typer.Option(help="Also load it in this loader and compare logits with optkit's runtime: transformers."),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Recheck the sha256 of every file listed in optkit.json; exit 1 naming any that differ.
+    With --load transformers, also exit 1 when transformers loads it with missing, unexpected or
+    re-initialised keys, or with logits beyond tolerance of optkit's runtime.
 
-    Example: optkit verify out/small-gptq-w4
+    Example: optkit verify out/small-gptq-w4 --load transformers
     """
     from optkit.errors import OptkitError
     from optkit.manifest import read_manifest, verify_files
@@ -23,12 +29,19 @@ def verify(
     manifest = read_manifest(path)
     if manifest is None:
         raise OptkitError(f"{path} has no optkit.json: verify checks artifacts written by optkit")
+    if load not in (None, "transformers"):
+        raise OptkitError(f"--load {load!r} is not a loader verify runs: give --load transformers")
     problems = verify_files(path, manifest)
+    if load and not problems:
+        from optkit.compat.transformers_load import check_transformers_load
+
+        problems = [f"transformers: {p}" for p in check_transformers_load(path).problems]
     if json_output:
         print_json({"artifact": str(path), "files": len(manifest["files"]), "problems": problems, "ok": not problems})
     elif problems:
         for problem in problems:
             console().print(f"[bold red]mismatch[/] {problem}")
     else:
-        console().print(f"[bold green]ok[/] {path}: {len(manifest['files'])} files match optkit.json")
+        loaded = ", loads in transformers with the runtime's logits" if load else ""
+        console().print(f"[bold green]ok[/] {path}: {len(manifest['files'])} files match optkit.json{loaded}")
     raise typer.Exit(1 if problems else 0)
