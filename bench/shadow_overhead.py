@@ -46,11 +46,11 @@ except ImportError:  # older openai releases depend on httpx itself
 from optkit.data.eval_sets import load_text_set
 from optkit.modeldir import load_tokenizer, resolve_model_dir
 from optkit.quant.formats.load import load_model
+from optkit.routing.config import serve_options
+from optkit.routing.online import ShadowScore, score_sequence, total
+from optkit.routing.startup import start_router
 from optkit.runtime.engine import EngineConfig
 from optkit.server.app import build_app
-from optkit.serving.config import serve_options
-from optkit.serving.online import ShadowScore, score_sequence, total
-from optkit.serving.startup import start_router
 
 QUANT, FULL = "small-w2", "small"
 

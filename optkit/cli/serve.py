@@ -73,16 +73,17 @@ def serve(
     import asyncio
     import sys
 
+    from optkit.cli.serve_flags import ServeFlags, resolve_options
+    from optkit.routing.startup import describe, log_to_stderr, start_router
     from optkit.runtime.engine import EngineConfig
     from optkit.server.guards import Limits, allowed_hosts
-    from optkit.serving.flags import ServeFlags, resolve_options
-    from optkit.serving.startup import describe, log_to_stderr, start_router
+    from optkit.server.listen import bind, is_loopback, run_server
 
     config = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
-        kv_cache_blocks=None,  # per model: serving/startup.py
+        kv_cache_blocks=None,  # per model: routing/startup.py
         dtype=dtype,
         device=device,
         speculative=speculative,
@@ -122,62 +123,3 @@ def serve(
     finally:
         router.shutdown()
         sock.close()
-
-
-def bind(host: str, port: int):
-    import socket
-
-    from optkit.errors import OptkitError
-
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as e:
-        raise OptkitError(f"--host {host}: cannot resolve it ({e.strerror}): give an address such as 127.0.0.1") from e
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OptkitError(f"cannot listen on {host}:{port} ({e.strerror}): pick another --port") from e
-    return sock
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
-async def run_server(engine, sock, api_key: str | None, served: str | None = None, limits=None) -> None:
-    """Serves `engine` (an AsyncEngine or a serving Router) until stopped; `served` names what is
-    served in the line printed once it accepts requests (default: the engine's model name);
-    `limits`: the server's Limits (server/guards.py)."""
-    import asyncio
-
-    import uvicorn
-
-    from optkit.server.app import build_app
-    from optkit.server.transport import KEEP_ALIVE_S, HeadDeadlineProtocol
-
-    app = build_app(engine, api_key, shutdown_engine=True, limits=limits)
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        http=HeadDeadlineProtocol,
-    )
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        print(f"serving {served or engine.model_name} on http://{shown}:{port}", flush=True)
-    await task

@@ -1,4 +1,4 @@
-"""`optkit serve`'s flags onto the `serve:` section (serving/config.py): flags override key by key.
+"""`optkit serve`'s flags onto the `serve:` section (routing/config.py): flags override key by key.
 
 `--model NAME=PATH` adds NAME or replaces its path; `--kv-cache-fraction NAME=F`,
 `--kv-cache-blocks NAME=N` (or N: every model) and `--task NAME=TASK` set that model's key; every
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optkit.errors import OptkitError
-from optkit.serving.config import FALLBACK_KEYS
+from optkit.pipeline.recipe import parse_recipe
+from optkit.routing.config import FALLBACK_KEYS, ServeOptions, serve_options
 from optkit.yaml_files import read_yaml_mapping
 
 
@@ -68,8 +69,6 @@ def parse_threshold(text: str) -> dict[str, float]:
 def read_serve_section(path: str) -> dict:
     """The `serve:` section of a recipe file (a whole recipe is validated as one; a file may also
     hold only a `serve:` section)."""
-    from optkit.pipeline.recipe import parse_recipe
-
     data = read_yaml_mapping(path, "--recipe", missing_hint=" with a serve: section")
     if not isinstance(data.get("serve"), dict):
         raise OptkitError(f"recipe {path} has no serve: section: add one (see docs/serving.md)")
@@ -130,10 +129,10 @@ def apply_flags(data: dict, flags: ServeFlags) -> dict:
     return data
 
 
-def resolve_options(model: str | None, served_model_name: str | None, recipe: str | None, flags: ServeFlags):
+def resolve_options(
+    model: str | None, served_model_name: str | None, recipe: str | None, flags: ServeFlags
+) -> ServeOptions:
     """ServeOptions from a recipe's serve: section, the MODEL argument and the flags."""
-    from optkit.serving.config import serve_options
-
     if model is not None:
         name = served_model_name or Path(model).resolve().name
         if not name:

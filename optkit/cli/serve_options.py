@@ -1,4 +1,4 @@
-"""`optkit serve`'s options for several models, routing, shadow mode and fallback (serving/flags.py
+"""`optkit serve`'s options for several models, routing, shadow mode and fallback (cli/serve_flags.py
 says how they override a recipe's `serve:` section), and the limits on what one client may send."""
 
 from pathlib import Path

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from optkit.errors import OptkitError
 from optkit.gate.thresholds import Thresholds
 from optkit.quant.quantize import QuantizeOptions
-from optkit.serving.config import ServeOptions
+from optkit.routing.config import ServeOptions
 from optkit.yaml_files import read_yaml_mapping
 
 

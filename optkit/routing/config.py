@@ -18,7 +18,7 @@ holding only a `serve:` section) might read:
       shadow: {pairs: {small-w2: small}, rate: 0.05}
       fallback: {threshold: {kld: 0.5, top1: 80}, window: 20, recovery: manual}
 
-The flags of `optkit serve` override these keys (serving/flags.py). Names are checked against the
+The flags of `optkit serve` override these keys (cli/serve_flags.py). Names are checked against the
 models once everything is merged (`check_references`), before any model is loaded.
 """
 

@@ -5,7 +5,7 @@ shadowed requests, its new requests go to its full-precision pair, until an oper
 While in fallback, sampled requests are still shadowed (FULL's answers, scored the same way: both
 models teacher-forced on them), so the window keeps measuring QUANT. Requests already running on
 QUANT finish there: a switch only changes where new requests go. The window restarts at each
-switch. Every switch is logged (logger `optkit.serving`) and counted.
+switch. Every switch is logged (logger `optkit.serving`, `routing.LOGGER`) and counted.
 """
 
 import logging
@@ -13,10 +13,11 @@ import threading
 import time
 from collections import deque
 
-from optkit.serving.config import FallbackOptions
-from optkit.serving.online import ShadowScore, crossed, gate_thresholds, total
+from optkit.routing import LOGGER
+from optkit.routing.config import FallbackOptions
+from optkit.routing.online import ShadowScore, crossed, gate_thresholds, total
 
-log = logging.getLogger("optkit.serving")
+log = logging.getLogger(LOGGER)
 MAX_EVENTS = 100
 
 

@@ -14,7 +14,7 @@ import torch
 
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, allocate_kv_caches
-from optkit.serving.online import ShadowScore, score_rows
+from optkit.routing.online import ShadowScore, score_rows
 
 BLOCK_SIZE = 16
 
@@ -48,7 +48,7 @@ def score_replay(
     chunk_tokens: int = 32,
     pause: Callable[[], None] = lambda: None,
 ) -> ShadowScore:
-    """The online score of one request (serving/online.py): both models teacher-forced over
+    """The online score of one request (routing/online.py): both models teacher-forced over
     prompt + output, compared at the positions that predict the output tokens. `pause()` runs
     before every forward step, so the caller can yield the CPU to client requests."""
     num_tokens = len(token_ids)

@@ -2,7 +2,7 @@
 
 Policies (`route`):
 - `model`: the request's `model` names the engine (OpenAI's semantics); no `model`: the first one;
-  an unknown name is a 404.
+  an unknown name is an `UnknownModel` (errors.py; the server answers 404).
 - `tiered`: the request starts at the tier its `model` names (or the default tier), its prompt may
   escalate it (tiers.py), a tier named in the `x-optkit-tier` header is taken as is.
 - `prefix`: a `model` stands for its task's models (or name a task); a prompt whose first
@@ -21,19 +21,19 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from optkit.server.errors import APIError
-from optkit.serving.config import ServeOptions
-from optkit.serving.fallback import FallbackMonitor
-from optkit.serving.load import LoadTracker, PrefixTable
-from optkit.serving.shadow import ShadowJob, ShadowService
-from optkit.serving.tiers import TierPolicy
+from optkit.routing.config import ServeOptions
+from optkit.routing.errors import UnknownModel, UnknownTier
+from optkit.routing.fallback import FallbackMonitor
+from optkit.routing.load import LoadTracker, PrefixTable
+from optkit.routing.shadow import ShadowJob, ShadowService
+from optkit.routing.tiers import TierPolicy
 
 
 @dataclass
 class Prompt:
     """A request's prompt, tokenized for whichever engine's tokenizer asks (once per tokenizer)."""
 
-    encode: Callable[[object], list[int]]  # tokenizer -> token ids; may raise APIError
+    encode: Callable[[object], list[int]]  # tokenizer -> token ids; may raise the caller's errors
     text: Callable[[object], str]  # tokenizer -> the text tier rules search
     _ids: dict[int, list[int]] = field(default_factory=dict)
 
@@ -121,19 +121,16 @@ class Router:
         return model
 
     def check_model(self, model: str) -> None:
-        """A 404 naming the served models, unless `model` is one."""
-        if model in self.engines:
-            return
-        served = ", ".join(repr(n) for n in self.names)
-        message = f"the model {model!r} does not exist: this server serves {served}"
-        raise APIError(404, message, param="model", code="model_not_found")
+        """`UnknownModel` naming the served models, unless `model` is one."""
+        if model not in self.engines:
+            raise UnknownModel(model, self.names)
 
     def _tiered(self, requested: str | None, headers: Mapping[str, str], prompt: Prompt) -> tuple[str, str]:
         tiers = self.tiers
         pinned = headers.get(tiers.header)
         if pinned is not None:
             if pinned not in tiers.order:
-                raise APIError(400, f"{tiers.header} {pinned!r} is not a tier: use one of {', '.join(tiers.order)}")
+                raise UnknownTier(tiers.header, pinned, tiers.order)
             return pinned, "header"
         if requested is not None and requested not in tiers.order:
             return requested, "model"

@@ -1,5 +1,5 @@
 """Shadow mode: a sampled fraction of a quantized model's requests is replayed on its full-precision
-pair in the background, and both are compared token by token (serving/online.py).
+pair in the background, and both are compared token by token (routing/online.py).
 
 The client never waits for it. A finished request that was sampled is queued (a full queue drops
 the replay and counts it); one worker thread replays the queue, at the lowest OS priority, and
@@ -20,11 +20,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optkit.serving.config import ShadowOptions
-from optkit.serving.fallback import FallbackMonitor
-from optkit.serving.online import ShadowScore, total
+from optkit.routing import LOGGER
+from optkit.routing.config import ShadowOptions
+from optkit.routing.fallback import FallbackMonitor
+from optkit.routing.online import ShadowScore, total
 
-log = logging.getLogger("optkit.serving")
+log = logging.getLogger(LOGGER)
 POLL_S = 0.005
 
 

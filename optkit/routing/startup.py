@@ -17,8 +17,9 @@ import os
 import sys
 
 from optkit.errors import OptkitError
-from optkit.serving.config import ServeOptions
-from optkit.serving.router import Router
+from optkit.routing import LOGGER
+from optkit.routing.config import ServeOptions
+from optkit.routing.router import Router
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -74,11 +75,11 @@ def kv_cache_blocks(options: ServeOptions, base, memory_bytes: int | None = None
 def start_router(options: ServeOptions, base) -> Router:
     """Loads every model into its own engine (`base`: the EngineConfig they share) and wires
     shadow scoring and fallback. Engines already started are stopped if a later one fails."""
+    from optkit.routing.fallback import FallbackMonitor
+    from optkit.routing.forcing import runtime_scorer
+    from optkit.routing.load import LoadTracker
+    from optkit.routing.shadow import ShadowService
     from optkit.runtime.async_engine import AsyncEngine
-    from optkit.serving.fallback import FallbackMonitor
-    from optkit.serving.forcing import runtime_scorer
-    from optkit.serving.load import LoadTracker
-    from optkit.serving.shadow import ShadowService
 
     check_tokenizers(options)
     blocks = kv_cache_blocks(options, base)
@@ -105,7 +106,7 @@ def start_router(options: ServeOptions, base) -> Router:
 
 def log_to_stderr() -> None:
     """Fallback switches (and failed replays) as one line each on stderr."""
-    logger = logging.getLogger("optkit.serving")
+    logger = logging.getLogger(LOGGER)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))

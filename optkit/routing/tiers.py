@@ -2,7 +2,7 @@
 
 import re
 
-from optkit.serving.config import TiersOptions
+from optkit.routing.config import TiersOptions
 
 
 class TierPolicy:

@@ -1,14 +1,14 @@
 """The FastAPI app: OpenAI's API over an `AsyncEngine` (docs/runtime.md, "The engine's front").
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics, and optkit's own under /v1/optkit (serving/routes.py). In front of
+GET /health, GET /metrics, and optkit's own under /v1/optkit (server/optkit_routes.py). In front of
 them (guards.py): the Host check, the API key (every route but /health), the body's size and time
 limits.
 
 Prompts are tokenized (and chat templates rendered) in a small thread pool, never on the event
 loop; a list of token ids longer than every served context is refused before any work per token.
 
-The app serves a `Router` (serving/router.py): one engine, or several models with a routing
+The app serves a `Router` (routing/router.py): one engine, or several models with a routing
 policy, shadow scoring and fallback. It picks each request's engine; the answer names it in the
 `x-optkit-model` header (and why, in `x-optkit-route`).
 
@@ -32,24 +32,23 @@ from typing import TypeVar
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from optkit.routing.router import Prompt, Route, Router
 from optkit.runtime.engine import QueueFull
 from optkit.runtime.sequence import SamplingParams
-from optkit.server import responses
+from optkit.server import optkit_routes, responses
 from optkit.server.errors import APIError, ClientDisconnected, install_error_handlers
 from optkit.server.guards import BearerAuth, BodyLimit, HostCheck, Limits, default_max_request_bytes
 from optkit.server.metrics import ServerMetrics
 from optkit.server.prompts import chat_prompt, completion_prompt, refuse_length
 from optkit.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from optkit.serving import routes as serving_routes
-from optkit.serving.metrics import RouterCollector
-from optkit.serving.router import Prompt, Route, Router
+from optkit.server.routing_metrics import RouterCollector
 
 DEFAULT_MAX_TOKENS = 16  # completions; chat defaults to the rest of the context, as OpenAI does
 RETRY_AFTER_S = 1
 TOKENIZER_THREADS = 4  # prompts tokenized at once; more wait their turn
 
 T = TypeVar("T")
-router = APIRouter()
+api = APIRouter()
 
 
 @dataclass
@@ -90,8 +89,8 @@ def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False, lim
         app.add_middleware(BearerAuth, api_key=api_key)
     elif limits.hosts is not None:
         app.add_middleware(HostCheck, hosts=limits.hosts)
-    app.include_router(router)
-    app.include_router(serving_routes.router)
+    app.include_router(api)
+    app.include_router(optkit_routes.api)
     return app
 
 
@@ -119,26 +118,26 @@ def _served(request: Request) -> Served:
     return request.app.state.served
 
 
-@router.get("/health")
+@api.get("/health")
 async def health(request: Request) -> Response:
     if not _served(request).router.is_running:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
+@api.get("/metrics")
 async def metrics(request: Request) -> Response:
     body, content_type = _served(request).metrics.render()
     return Response(body, media_type=content_type)
 
 
-@router.get("/v1/models")
+@api.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     served = _served(request)
     return ModelList(data=[_model_card(served, name) for name in served.router.names])
 
 
-@router.get("/v1/models/{model_id:path}")
+@api.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> ModelCard:
     served = _served(request)
     served.router.check_model(model_id)
@@ -150,7 +149,7 @@ def _model_card(served: Served, name: str) -> ModelCard:
     return ModelCard(id=name, created=served.created, max_model_len=engine.max_model_len)
 
 
-@router.post("/v1/completions")
+@api.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     served = _served(request)
     prompt = completion_prompt(body.prompt, _longest_context(served.router))
@@ -162,7 +161,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _respond(request, served, route, params, reply, body.stream, "completion")
 
 
-@router.post("/v1/chat/completions")
+@api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     served = _served(request)
     prompt = chat_prompt(body.messages, _longest_context(served.router))

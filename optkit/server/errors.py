@@ -4,6 +4,9 @@ A client's mistake is never a 500: FastAPI's 422 for a malformed or mistyped bod
 whose message names the parameter, unknown routes keep their 404/405, and only a failure of the
 server itself is a 500 (type `server_error`), whose body never carries the exception's text (it
 may hold a path, a prompt or a secret): the traceback goes to the server's log.
+
+The router knows nothing of HTTP: it raises domain errors (routing/errors.py), and `ROUTING_ERRORS`
+gives each its status, parameter and code here, as vLLM's app maps its engine's errors.
 """
 
 import logging
@@ -13,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from optkit.routing.errors import RoutingError, UnknownModel, UnknownTier
 from optkit.server.protocol import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger("optkit.server")
@@ -36,6 +40,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+# A routing error -> (status, param, code); its message is the body's message.
+ROUTING_ERRORS: dict[type[RoutingError], tuple[int, str | None, str | None]] = {
+    UnknownModel: (404, "model", "model_not_found"),
+    UnknownTier: (400, None, None),
+}
+
+
+def routing_error(exc: RoutingError) -> APIError:
+    status, param, code = ROUTING_ERRORS.get(type(exc), (400, None, None))
+    return APIError(status, str(exc), param=param, code=code)
 
 
 class ClientDisconnected(Exception):
@@ -101,6 +117,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> Response:
         return exc.response()
 
+    async def unroutable(request: Request, exc: RoutingError) -> Response:
+        return routing_error(exc).response()
+
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
         error = validation_error(list(exc.errors()))
         if error.param is None and "json" not in request.headers.get("content-type", "json"):
@@ -119,6 +138,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, SERVER_ERROR, type="server_error")
 
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RoutingError, unroutable)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnected, disconnected)

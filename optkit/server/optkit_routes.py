@@ -1,4 +1,5 @@
-"""optkit's own routes for shadow mode and fallback (under /v1, so an API key guards them).
+"""optkit's own routes for shadow mode and fallback (under /v1, so an API key guards them), over
+the app's `Router` (routing/router.py).
 
 - GET /v1/optkit/shadow: per shadow pair, the rolling window (token-weighted mean KLD, same-top-token
   percent, perplexity ratio), the totals, each recent request's own numbers, and its fallback state.
@@ -13,27 +14,28 @@ from fastapi import APIRouter, Request
 
 from optkit.server.errors import APIError
 
-router = APIRouter()
+api = APIRouter()
 
 
-def _router(request: Request):
+def _routing(request: Request):
+    """The app's `Router`."""
     return request.app.state.served.router
 
 
-@router.get("/v1/optkit/shadow")
+@api.get("/v1/optkit/shadow")
 async def shadow(request: Request) -> dict:
-    models = _router(request)
+    models = _routing(request)
     if models.shadow is None:
         raise APIError(404, "shadow mode is off: start optkit serve with --shadow QUANT=FULL", code="shadow_off")
     return models.shadow.snapshot()
 
 
-@router.get("/v1/optkit/fallback")
+@api.get("/v1/optkit/fallback")
 async def fallback(request: Request) -> dict:
     return {"pairs": [monitor.state() for monitor in _fallbacks(request).values()]}
 
 
-@router.post("/v1/optkit/fallback/reset")
+@api.post("/v1/optkit/fallback/reset")
 async def fallback_reset(request: Request) -> dict:
     monitors = _fallbacks(request)
     model = request.query_params.get("model")
@@ -55,7 +57,7 @@ async def fallback_reset(request: Request) -> dict:
 
 
 def _fallbacks(request: Request) -> dict:
-    monitors = _router(request).fallbacks
+    monitors = _routing(request).fallbacks
     if not monitors:
         message = "fallback is off: start optkit serve with --shadow QUANT=FULL --fallback-threshold kld=X"
         raise APIError(404, message, code="fallback_off")

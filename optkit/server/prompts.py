@@ -12,10 +12,10 @@ Tokenizing runs in the app's thread pool (app.py), and is bounded by the context
   the probe is tokenized whole: that work is bounded by the body's size cap (guards.py).
 """
 
+from optkit.routing.router import Prompt
 from optkit.server.chat import chat_prompt_text
 from optkit.server.errors import APIError
 from optkit.server.protocol import ChatMessage
-from optkit.serving.router import Prompt
 
 PROBE_CHARS_PER_TOKEN = 16
 PROBE_MARGIN = 16

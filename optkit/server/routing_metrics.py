@@ -4,7 +4,7 @@ Per model (label `model`), read at scrape time:
 - `optkit:routed_requests_total{model, reason}`: requests by the model that answered and why it
   was chosen (model, default, tier, header, rule:LABEL, prefix, balance, spill, fallback).
 - `optkit:model_requests_running`, `optkit:model_requests_waiting`, `optkit:model_kv_cache_usage_perc`
-  (the engine's), `optkit:model_queue_wait_seconds` (the router's estimate, serving/load.py),
+  (the engine's), `optkit:model_queue_wait_seconds` (the router's estimate, routing/load.py),
   `optkit:model_generation_tokens_total`.
 Per shadow pair (labels `quant`, `full`):
 - `optkit:shadow_replays_total{outcome}`: replays queued, scored, dropped (queue full), failed.
@@ -21,7 +21,7 @@ import math
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from optkit.serving.online import total
+from optkit.routing.online import total
 
 
 class RouterCollector(Collector):

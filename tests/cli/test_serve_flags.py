@@ -6,10 +6,10 @@ import shutil
 import pytest
 import yaml
 
+from optkit.cli.serve_flags import ServeFlags, apply_flags, parse_threshold, read_serve_section, resolve_options
 from optkit.errors import OptkitError
 from optkit.pipeline.recipe import load_recipe
-from optkit.serving.config import serve_options
-from optkit.serving.flags import ServeFlags, apply_flags, parse_threshold, read_serve_section, resolve_options
+from optkit.routing.config import serve_options
 
 
 def options(data: dict | None = None, **flags):

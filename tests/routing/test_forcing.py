@@ -5,8 +5,8 @@ import torch
 
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats.load import load_model
-from optkit.serving.forcing import score_replay
-from optkit.serving.online import score_sequence
+from optkit.routing.forcing import score_replay
+from optkit.routing.online import score_sequence
 
 TOKENS = [17, 250, 3, 999, 42, 7, 7, 1200, 5, 88, 640, 12, 31, 2048, 9, 300, 77, 15, 400, 61, 2, 33]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optkit.gate.metrics import TokenStats, summarize
-from optkit.serving.online import ShadowScore, crossed, gate_thresholds, score_rows, score_sequence, total
+from optkit.routing.online import ShadowScore, crossed, gate_thresholds, score_rows, score_sequence, total
 
 
 def test_score_rows_is_the_gates_token_stats():

@@ -3,11 +3,11 @@
 import pytest
 
 from optkit.errors import OptkitError
+from optkit.routing.config import ServeOptions, TiersOptions
+from optkit.routing.load import LoadTracker, PrefixTable
+from optkit.routing.startup import kv_cache_blocks
+from optkit.routing.tiers import TierPolicy
 from optkit.runtime.engine import EngineConfig
-from optkit.serving.config import ServeOptions, TiersOptions
-from optkit.serving.load import LoadTracker, PrefixTable
-from optkit.serving.startup import kv_cache_blocks
-from optkit.serving.tiers import TierPolicy
 
 
 class Clock:

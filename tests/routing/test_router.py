@@ -4,13 +4,13 @@ shadow replays and fallback, and what /metrics and /v1/optkit show of them."""
 import pytest
 from starlette.testclient import TestClient
 
+from optkit.routing.config import ServeOptions
+from optkit.routing.fallback import FallbackMonitor
+from optkit.routing.load import LoadTracker
+from optkit.routing.online import ShadowScore
+from optkit.routing.router import Prompt, Router
+from optkit.routing.shadow import ShadowService
 from optkit.server.app import build_app
-from optkit.serving.config import ServeOptions
-from optkit.serving.fallback import FallbackMonitor
-from optkit.serving.load import LoadTracker
-from optkit.serving.online import ShadowScore
-from optkit.serving.router import Prompt, Router
-from optkit.serving.shadow import ShadowService
 from tests.metrics_text import metric_samples
 from tests.server.fake_engine import FakeEngine
 

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from optkit.serving.config import FallbackOptions, ShadowOptions
-from optkit.serving.fallback import FallbackMonitor
-from optkit.serving.online import ShadowScore
-from optkit.serving.shadow import ShadowJob, ShadowService
+from optkit.routing.config import FallbackOptions, ShadowOptions
+from optkit.routing.fallback import FallbackMonitor
+from optkit.routing.online import ShadowScore
+from optkit.routing.shadow import ShadowJob, ShadowService
 
 GOOD = ShadowScore(num_tokens=10, kld_sum=0.1, top1_matches=10, nll_full_sum=10.0, nll_quant_sum=10.0)
 BAD = ShadowScore(num_tokens=10, kld_sum=5.0, top1_matches=5, nll_full_sum=10.0, nll_quant_sum=15.0)

@@ -6,11 +6,11 @@ import torch
 from starlette.testclient import TestClient
 
 from optkit.quant.formats.load import load_model
+from optkit.routing.config import serve_options
+from optkit.routing.online import score_sequence, total
+from optkit.routing.startup import start_router
 from optkit.runtime.engine import EngineConfig
 from optkit.server.app import build_app
-from optkit.serving.config import serve_options
-from optkit.serving.online import score_sequence, total
-from optkit.serving.startup import start_router
 from tests.metrics_text import metric_samples
 
 pytestmark = pytest.mark.slow
