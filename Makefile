@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 DEMO := out/demo
 
-.PHONY: install demo test models bench lint clean
+.PHONY: install demo test models bench lint clean compat-latest
 
 install: $(VENV)/.installed
 
@@ -36,6 +36,15 @@ demo: install
 test: install
 	$(VENV)/bin/pytest -q
 	COLUMNS=40 $(VENV)/bin/pytest -q -m "not slow" tests/cli
+
+# The compatibility matrix (tests/compat, every cell) on the newest versions pyproject allows,
+# in a scratch venv: torch pinned first, then the newest transformers / compressed-tensors in range.
+COMPAT_VENV ?= /tmp/optkit-compat-latest
+compat-latest:
+	rm -rf $(COMPAT_VENV) && python3 -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q "$(TORCH)"
+	$(COMPAT_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/compat
 
 models: install
 	$(OPTKIT) zoo build small

@@ -162,7 +162,9 @@ def check_cell(path: Path, kind: ArtifactKind, row: str, method: str, record) ->
 def test_artifact_loads_where_the_matrix_says(tmp_path, draft_dir, record, method, fmt, bits, symmetric, activations):
     path = _quantize(draft_dir, tmp_path / "artifact", method, fmt, bits, symmetric, activations)
     kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
-    check_cell(path, kind, "llama (draft)", method if activations == "none" else f"{method} ({activations})", record)
+    check_cell(
+        path, kind, "draft (llama, trained)", method if activations == "none" else f"{method} ({activations})", record
+    )
 
 
 FAMILY_CELLS = {
@@ -186,4 +188,4 @@ def test_every_family_loads_where_the_matrix_says(tmp_path, family_dir, record, 
     activations = "dynamic" if method == "smoothquant" else "none"
     path = _quantize(family_dir(family), tmp_path / "artifact", method, fmt, bits, symmetric, activations)
     kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
-    check_cell(path, kind, family, method, record)
+    check_cell(path, kind, f"{family} (tiny, random)", method, record)
