@@ -4,8 +4,12 @@ import os
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """The cache's root, not created."""
+    return Path(os.environ.get("OPTKIT_CACHE") or Path.home() / ".cache" / "optkit")
+
+
 def cache_dir(*parts: str) -> Path:
-    root = Path(os.environ.get("OPTKIT_CACHE") or Path.home() / ".cache" / "optkit")
-    path = root.joinpath(*parts)
+    path = cache_root().joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -1,7 +1,9 @@
 """Model directories: resolve a name or path, check it before use, load it without running code.
 
 Only safetensors are read (never pickle), `trust_remote_code` is never set, and an optkit
-artifact's files are checked against the sha256 sums in its `optkit.json` before loading.
+artifact's files are checked against the sha256 sums in its `optkit.json` before loading (each name
+confined to the directory: manifest.confined_file). A `compile/` in the directory is never read
+(runtime/compile_cache.py).
 """
 
 import json
@@ -12,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from optkit.artifacts import file_sha256
 from optkit.errors import OptkitError
-from optkit.manifest import MANIFEST
+from optkit.manifest import MANIFEST, confined_file, read_manifest
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "zoo" / "models"
 
@@ -68,20 +70,25 @@ def read_config(path: Path) -> dict:
 
 def verify_weights(path: Path) -> None:
     """Every safetensors header parses and fits its file; files match the manifest's sha256."""
-    manifest = path / MANIFEST
-    expected = json.loads(manifest.read_text()).get("files", {}) if manifest.exists() else {}
+    expected = (read_manifest(path) or {}).get("files", {})
     for file in weight_files(path):
+        if not file.is_file():  # a FIFO would block the read
+            raise OptkitError(f"{file} is not a regular file: optkit reads weights only from regular files")
         try:
             with safe_open(file, framework="pt") as f:
                 f.keys()
         except (SafetensorError, OSError) as e:
             raise OptkitError(f"{file} is truncated or corrupt ({e}): re-create or re-download it") from e
     for name, digest in expected.items():
-        file = path / name
-        if not file.exists():
-            raise OptkitError(f"{file} is listed in {MANIFEST} but missing: the artifact is incomplete, re-create it")
+        file = confined_file(path, name, MANIFEST)
+        if file is None:
+            raise OptkitError(
+                f"{path / name} is listed in {MANIFEST} but missing: the artifact is incomplete, re-create it"
+            )
         if file_sha256(file) != digest:
-            raise OptkitError(f"{file} does not match its sha256 in {MANIFEST}: the artifact is corrupt, re-create it")
+            raise OptkitError(
+                f"{path / name} does not match its sha256 in {MANIFEST}: the artifact is corrupt, re-create it"
+            )
 
 
 class TensorReader:

@@ -66,7 +66,8 @@ def method_of_stages(stages: list[str]) -> str:
 
 class CompileOptions(BaseModel):
     """The `compile:` section: warm the released artifact at these decode batch sizes (capturing
-    CUDA graphs on CUDA) and ship what `optkit compile` writes, so `serve` starts warm."""
+    CUDA graphs on CUDA) into this machine's compile cache, as `optkit compile` does, and record
+    what was warmed in optkit.json (a release never carries a compile cache: docs/releases.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -90,7 +91,7 @@ class Recipe(BaseModel):
     quantize: QuantizeOptions = Field(default_factory=QuantizeOptions)
     gate: GateOptions = Field(default_factory=GateOptions)
     output: str  # the release directory
-    compile: CompileOptions | None = None  # absent: the release carries no compile cache
+    compile: CompileOptions | None = None  # absent: no compile stage
     serve: ServeOptions = Field(default_factory=ServeOptions)  # how `optkit serve --recipe` serves it
 
     @model_validator(mode="before")

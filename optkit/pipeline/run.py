@@ -1,6 +1,10 @@
 """`optkit run RECIPE`: quantize -> gate -> compile -> package, each stage skipped when its inputs
 are unchanged (compile runs only for a recipe with a `compile:` section and an artifact that passed).
 
+Compile warms this machine's own compile cache (runtime/compile_cache.py) and the release records
+what was warmed, as plain data in optkit.json's "compile"; the release carries no torch cache
+(they are pickles: code), so the serving machine runs `optkit compile` itself.
+
 Stage outputs live in a work directory beside the release (`.NAME.work/`); each finished stage
 leaves a record of the hash of its inputs. A rerun whose inputs match skips the stage; an
 interrupted run leaves no record for the stage it was in, so the rerun redoes exactly that stage.
@@ -31,8 +35,8 @@ from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
 from optkit.quant.quantize import quantize_model, resolve_device
-from optkit.runtime.compile_cache import COMPILE_DIR, cache_key, compile_config, compile_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
+from optkit.runtime.compile_cache import cache_key, cache_path, compile_config, compile_model
 
 
 @dataclass
@@ -152,8 +156,6 @@ def run_recipe(
         for path in artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
-        if compiled is not None:
-            shutil.copytree(compiled, tmp / COMPILE_DIR)
         (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
         (tmp / "report.html").write_text(render_report(release.name, manifest, result.gate, result.verdict))
@@ -167,31 +169,31 @@ def run_recipe(
                 "recipe_git_commit": _git_commit(recipe_path.resolve().parent),
                 "gate": result.gate,
                 "verdict": result.verdict,
-                "compile": json.loads((compiled / COMPILE_MANIFEST).read_text()) if compiled else None,
+                "compile": compiled,
             },
         )
     result.stages.append({"stage": "package", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     return result
 
 
-def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, result: RunResult) -> Path | None:
-    """Warm the artifact (`optkit compile`) into the work directory; returns its compile/ folder,
-    or None when the gate rejected the artifact."""
+def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, result: RunResult) -> dict | None:
+    """Warm the artifact (`optkit compile`) into this machine's compile cache; returns the warm-up
+    record for the release's manifest, or None when the gate rejected the artifact."""
     start = time.perf_counter()
     if not result.passed:
         result.stages.append({"stage": "compile", "status": "skipped (rejected)", "seconds": 0.0})
         return None
     options = recipe.compile
     device = resolve_device(options.device).type
-    compiled = work / "compiled" / COMPILE_DIR
     inputs = _digest({"artifact": manifest["files"], "compile": options.model_dump(), "key": cache_key(device)})
     done = _record(work, "compile")
-    if done and done["inputs"] == inputs and (compiled / COMPILE_MANIFEST).is_file():
+    warm = (cache_path(artifact, device) / COMPILE_MANIFEST).is_file()
+    if done and done["inputs"] == inputs and "result" in done and warm:
         result.stages.append({"stage": "compile", "status": "skipped", "seconds": 0.0})
-        return compiled
-    shutil.rmtree(work / "compiled", ignore_errors=True)
+        return done["result"]
     config = compile_config(options.batch_sizes, device, options.dtype, options.torch_compile)
-    compile_model(str(artifact), work / "compiled", options.batch_sizes, config, log_line=lambda line: None)
-    _write_record(work, "compile", {"inputs": inputs})
+    record = compile_model(str(artifact), options.batch_sizes, config, log_line=lambda line: None)
+    record.pop("path")  # this machine's cache: no business of the release
+    _write_record(work, "compile", {"inputs": inputs, "result": record})
     result.stages.append({"stage": "compile", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
-    return compiled
+    return record

@@ -45,7 +45,7 @@ class EngineConfig:
     # CUDA graphs and compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
     torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
-    compile_dir: str | None = None  # where `optkit compile` wrote compile/ (default: the model's directory)
+    compile_dir: str | None = None  # the local compile cache (default: $OPTKIT_CACHE/compile; never a model dir)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting", "num_speculative_tokens"):

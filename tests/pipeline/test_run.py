@@ -66,28 +66,34 @@ def test_thresholds_the_artifact_cannot_meet_reject_the_release(run_cli, tmp_pat
     assert "REJECTED" in (release / "README.md").read_text()
 
 
-def test_a_compile_section_ships_the_warm_up_with_the_release(run_cli, tmp_path, draft_dir):
-    """The compiled release carries compile/compile.json (hashed in the manifest), which `serve`
-    and `generate` pick up; an unchanged rerun skips the warm-up, new batch sizes redo it."""
-    from optkit.runtime.compile_cache import find_cache
+def test_a_compile_section_warms_this_machine_and_ships_no_cache(run_cli, tmp_path, draft_dir, monkeypatch):
+    """The compile stage warms the local compile cache, where `serve` and `generate` find the
+    release (it shares the artifact's content id); the release carries no compile/, only a record
+    of the warm-up in optkit.json. An unchanged rerun skips the warm-up, new batch sizes redo it."""
+    from optkit.runtime.compile_cache import cache_path
+    from optkit.runtime.engine import EngineConfig, LLMEngine
 
+    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
     recipe = write_recipe(tmp_path, draft_dir, compile={"batch_sizes": [1, 4], "device": "cpu"})
     first = run_cli("run", recipe, "--json")
     assert first[0] == 0, first[2]
     assert stage_status(first) == {"quantize": "ran", "gate": "ran", "compile": "ran", "package": "ran"}
     release = tmp_path / "release"
+    assert not (release / "compile").exists()
     manifest = json.loads((release / "optkit.json").read_text())
-    compiled = json.loads((release / "compile" / "compile.json").read_text())
-    assert compiled["batch_sizes"] == [1, 4] and compiled["device"] == "cpu"
-    assert manifest["compile"] == compiled and "compile/compile.json" in manifest["files"]
-    assert find_cache(release, None) == release / "compile"
+    assert not any(name.startswith("compile") for name in manifest["files"])
+    assert manifest["compile"]["batch_sizes"] == [1, 4] and manifest["compile"]["device"] == "cpu"
+    warmed = json.loads((cache_path(release, "cpu") / "compile.json").read_text())
+    assert warmed == manifest["compile"]  # what was warmed, as plain data
+    assert f"compile cache {cache_path(release, 'cpu')}" in LLMEngine(release, EngineConfig()).cuda_graphs_note
     assert run_cli("verify", release)[0] == 0
 
     second = run_cli("run", recipe, "--json")
     assert stage_status(second)["compile"] == "skipped"
     third = run_cli("run", recipe, "--set", "compile.batch_sizes=[2]", "--json")
     assert stage_status(third) == {"quantize": "skipped", "gate": "skipped", "compile": "ran", "package": "ran"}
-    assert json.loads((release / "compile" / "compile.json").read_text())["batch_sizes"] == [2]
+    assert json.loads((release / "optkit.json").read_text())["compile"]["batch_sizes"] == [2]
+    assert json.loads((cache_path(release, "cpu") / "compile.json").read_text())["batch_sizes"] == [2]
 
 
 def test_a_rejected_artifact_is_not_compiled(run_cli, tmp_path, draft_dir):
