@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from optkit.artifacts import check_writable_dir
 from optkit.errors import OptkitError
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,8 @@ def compile_model(model: str, batch_sizes: list[int], engine_config, log_line=pr
     from optkit.runtime.sequence import SamplingParams
 
     path = resolve_model_dir(model)
+    root = _cache_root(path, engine_config.compile_dir)
+    check_writable_dir(root, "OPTKIT_CACHE" if engine_config.compile_dir is None else "compile_dir")
     start = time.perf_counter()
     engine = LLMEngine(path, engine_config)  # checks the files against optkit.json, which model_id trusts
     load_seconds = time.perf_counter() - start

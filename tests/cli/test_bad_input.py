@@ -380,6 +380,14 @@ def test_run_output_the_system_refuses_to_create(run_cli, tmp_path, draft_dir, n
     assert_user_error(run_cli("run", write_recipe(tmp_path, draft_dir, "/proc/optkit-test/release")), "/proc")
 
 
+def test_compile_with_an_unwritable_cache(monkeypatch, run_cli, draft_dir, blocker):
+    """`optkit compile` writes only into this machine's cache ($OPTKIT_CACHE)."""
+    monkeypatch.setenv("OPTKIT_CACHE", str(blocker / "cache"))
+    result = run_cli("compile", draft_dir, "--batch-sizes", "1", "--device", "cpu")
+    assert_user_error(result, str(blocker), "OPTKIT_CACHE")
+    assert blocker.read_text() == "precious"
+
+
 @pytest.mark.parametrize("where", ["under-a-file", "a-directory"])
 def test_eval_report_that_cannot_be_written_fails_before_the_gate(monkeypatch, run_cli, draft_dir, blocker, where):
     import optkit.gate.evaluate as evaluate_module
