@@ -1,7 +1,9 @@
 """Render docs/compatibility.md from the compatibility tests' results.
 
     python bench/compat_matrix.py               # runs tests/compat (all cells, -m compat included)
-    python bench/compat_matrix.py --results F   # renders F (JSON lines written by OPTKIT_COMPAT_RESULTS=F pytest ...)
+    python bench/compat_matrix.py --results F [G]   # renders F, G (JSON lines written by
+                                                    # OPTKIT_COMPAT_RESULTS=F pytest ...); a later
+                                                    # file's cell replaces an earlier one's
 
 Cells: ✔ loaded with logits within tolerance of optkit's runtime; ✘ failed (the known breakage
 named below); "by spec" matches what vLLM's loader creates but was not run; "—" the loader does not
@@ -32,7 +34,7 @@ def run_tests(results: Path) -> None:
 
 def render(cells: list[dict]) -> str:
     rows: dict[tuple, dict[str, str]] = {}
-    versions = cells[0]["versions"] if cells else {}
+    version_sets = {json.dumps(cell["versions"], sort_keys=True) for cell in cells}
     for cell in cells:
         key = (cell["row"], cell["method"], cell["kind"])
         mark = MARKS[cell["status"]]
@@ -46,13 +48,16 @@ def render(cells: list[dict]) -> str:
     lines = ["| model | method | artifact | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (3 + len(COLUMNS))]
     for (row, method, kind), marks in sorted(rows.items()):
         lines.append(f"| {row} | {method} | {kind} | " + " | ".join(marks.get(c, "—") for c in COLUMNS) + " |")
-    measured = ", ".join(f"{k} {v}" for k, v in sorted(versions.items()) if v)
+    measured = "; ".join(
+        ", ".join(f"{k} {v}" for k, v in sorted(json.loads(vs).items()) if v) for vs in sorted(version_sets)
+    )
     b = matrix.CT_ASYM_TRANSFORMERS_5_23
     notes = [
         f"Measured with {measured}.",
         "",
-        f"(1) {b.summary}: transformers `{b.broken}` (loads with {', '.join(b.measured_ok)}; fails with "
-        f"{', '.join(b.measured_broken)}). Where: {b.upstream}. Workaround: {b.remedy}.",
+        f"(1) {b.summary}: broken with {' and '.join(f'{p} `{r}`' for p, r in b.broken.items())} "
+        f"(loads with {_sets(b.measured_ok)}; fails with {_sets(b.measured_broken)}). "
+        f"Where: {b.upstream}. Workaround: {b.remedy}.",
         "",
         "(2) vLLM's CompressedTensorsWNA16 takes zero points at 4 and 8 bits only (WNA16_ZP_SUPPORTED_TYPES_MAP).",
         "",
@@ -61,16 +66,22 @@ def render(cells: list[dict]) -> str:
     return "\n".join(lines + [""] + notes) + "\n"
 
 
+def _sets(version_sets: tuple[dict[str, str], ...]) -> str:
+    return "; ".join(" + ".join(f"{p} {v}" for p, v in sorted(vs.items())) for vs in version_sets)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, help="JSON lines from a test run (default: run the tests now)")
+    parser.add_argument(
+        "--results", type=Path, nargs="+", help="JSON lines from test runs (default: run the tests now)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
     args = parser.parse_args()
     results = args.results
     if results is None:
-        results = Path(tempfile.mkdtemp()) / "compat.jsonl"
-        run_tests(results)
-    cells = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+        results = [Path(tempfile.mkdtemp()) / "compat.jsonl"]
+        run_tests(results[0])
+    cells = [json.loads(line) for file in results for line in file.read_text().splitlines() if line.strip()]
     text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells))
     args.out.write_text(text)
     print(f"wrote {args.out} ({len(cells)} results)")

@@ -35,18 +35,18 @@ class ArtifactKind:
 
 @dataclass(frozen=True)
 class Breakage:
-    """A loader that fails on a kind of artifact in a range of versions of one package."""
+    """A loader that fails on a kind of artifact when every package named in `broken` is installed
+    at a version in its range."""
 
     loader: str
-    package: str
-    broken: str  # a PEP 440 specifier of the broken versions
+    broken: dict[str, str]  # package -> PEP 440 specifier; all must match
     applies_format: str
     applies_symmetric: bool | None  # None: either
     summary: str  # what fails, in a few words
-    upstream: str  # the link or source location that explains it
+    upstream: str  # the source locations (or link) that explain it
     remedy: str  # what the user can do, in one clause
-    measured_ok: tuple[str, ...] = ()  # versions where tests/compat saw it load
-    measured_broken: tuple[str, ...] = ()  # versions where tests/compat saw it fail
+    measured_ok: tuple[dict[str, str], ...] = ()  # version sets where it was seen to load
+    measured_broken: tuple[dict[str, str], ...] = ()  # version sets where it was seen to fail
 
     def applies(self, kind: ArtifactKind) -> bool:
         return (
@@ -55,32 +55,49 @@ class Breakage:
             and (self.applies_symmetric is None or kind.symmetric == self.applies_symmetric)
         )
 
-    def is_broken(self, installed: str | None) -> bool:
-        return installed is not None and SpecifierSet(self.broken).contains(Version(installed), prereleases=True)
+    def is_broken(self, versions: dict[str, str | None]) -> bool:
+        return all(
+            versions.get(package) is not None
+            and SpecifierSet(spec).contains(Version(versions[package]), prereleases=True)
+            for package, spec in self.broken.items()
+        )
 
 
-# Measured by tests/compat (and scratch venvs for the versions around the break, see
-# docs/compatibility.md): transformers 5.23 made `from_pretrained` build the compressed modules on
-# the meta device (`CompressedTensorsHfQuantizer._process_model_before_weight_loading` ->
-# `ModelCompressor.compress_model`); on meta, compressed-tensors' `PackedQuantizationCompressor.compress`
-# leaves `weight_zero_point` unpacked ([out, groups]), so the checkpoint's packed
-# [ceil(out * bits / 32), groups] zero points are a size MISMATCH. compressed-tensors 0.17.1 to
-# 0.20.1 behave the same; the transformers version decides.
+# Measured in scratch environments (torch 2.13.0, docs/compatibility.md) and by tests/compat.
+# transformers 5.23 builds the compressed modules on the meta device before loading
+# (`CompressedTensorsHfQuantizer._process_model_before_weight_loading` -> `compress_model`), and
+# compressed-tensors 0.18.0 gave `PackedQuantizationCompressor.compress` a meta branch that
+# returns before packing `weight_zero_point`: the model expects [out, groups] where the checkpoint
+# holds the standard packed [ceil(out * bits / 32), groups]. Either version alone is harmless.
 CT_ASYM_TRANSFORMERS_5_23 = Breakage(
     loader=TRANSFORMERS,
-    package="transformers",
-    broken=">=5.23.0",
+    broken={"transformers": ">=5.23.0", "compressed-tensors": ">=0.18.0"},
     applies_format="compressed-tensors",
     applies_symmetric=False,
     summary="asymmetric pack-quantized: weight_zero_point size MISMATCH in from_pretrained",
     upstream=(
-        "compressed_tensors/compressors/pack_quantized/base.py PackedQuantizationCompressor.compress "
-        "(meta branch does not pack weight_zero_point), reached since transformers 5.23 through "
-        "quantizers/quantizer_compressed_tensors.py _process_model_before_weight_loading"
+        "compressed-tensors >= 0.18 compressors/pack_quantized/base.py PackedQuantizationCompressor.compress "
+        "(the meta branch returns before packing weight_zero_point), reached since transformers 5.23 "
+        "through quantizers/quantizer_compressed_tensors.py _process_model_before_weight_loading"
     ),
     remedy="load with quantization_config=CompressedTensorsConfig(dequantize=True), or pass --sym",
-    measured_ok=("5.21.1", "5.22.2"),
-    measured_broken=("5.23.0", "5.24.0"),
+    measured_ok=(
+        {"transformers": "5.21.1", "compressed-tensors": "0.20.1"},
+        {"transformers": "5.22.2", "compressed-tensors": "0.20.1"},
+        {"transformers": "5.22.2", "compressed-tensors": "0.17.1"},
+        {"transformers": "5.22.2", "compressed-tensors": "0.19.0"},
+        {"transformers": "5.20.2", "compressed-tensors": "0.20.0"},
+        {"transformers": "5.23.0", "compressed-tensors": "0.17.1"},
+        {"transformers": "5.24.0", "compressed-tensors": "0.17.1"},
+    ),
+    measured_broken=(
+        {"transformers": "5.23.0", "compressed-tensors": "0.18.0"},
+        {"transformers": "5.23.0", "compressed-tensors": "0.19.0"},
+        {"transformers": "5.23.0", "compressed-tensors": "0.20.1"},
+        {"transformers": "5.24.0", "compressed-tensors": "0.18.0"},
+        {"transformers": "5.24.0", "compressed-tensors": "0.19.0"},
+        {"transformers": "5.24.0", "compressed-tensors": "0.20.1"},
+    ),
 )
 BREAKAGES = (CT_ASYM_TRANSFORMERS_5_23,)
 
@@ -92,13 +109,20 @@ def installed_version(package: str) -> str | None:
         return None
 
 
+def _versions(breakage: Breakage, versions: dict[str, str | None] | None) -> dict[str, str | None]:
+    if versions is None:
+        return {package: installed_version(package) for package in breakage.broken}
+    return versions
+
+
 def known_breakages(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> list[Breakage]:
     """The breakages that hit `kind` with `versions` (package -> version; default: installed)."""
-    return [b for b in BREAKAGES if b.applies(kind) and b.is_broken(_version(b.package, versions))]
+    return [b for b in BREAKAGES if b.applies(kind) and b.is_broken(_versions(b, versions))]
 
 
-def _version(package: str, versions: dict[str, str | None] | None) -> str | None:
-    return installed_version(package) if versions is None else versions.get(package)
+def _installed(breakage: Breakage, versions: dict[str, str | None] | None) -> str:
+    found = _versions(breakage, versions)
+    return " with ".join(f"{package} {found.get(package)}" for package in breakage.broken)
 
 
 def check_installed_versions(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> str | None:
@@ -111,7 +135,7 @@ def check_installed_versions(kind: ArtifactKind, versions: dict[str, str | None]
     if vllm_path(kind):
         remedy += "; vLLM reads it"
     return (
-        f"{b.package} {_version(b.package, versions)} cannot load {kind.describe()} artifacts by default "
+        f"{_installed(b, versions)} cannot load {kind.describe()} artifacts by default "
         f"({b.summary}; see docs/compatibility.md): {remedy}"
     )
 
@@ -172,7 +196,7 @@ def where_it_loads(kind: ArtifactKind, versions: dict[str, str | None] | None = 
         status = expected_status(kind, loader, versions)
         if status == "fails":
             b = known_breakages(kind, versions)[0]
-            status = f"fails with {b.package} {_version(b.package, versions)} ({b.summary}): {b.remedy}"
+            status = f"fails with {_installed(b, versions)} ({b.summary}): {b.remedy}"
         elif status == "by spec":
             status = f"by spec ({vllm_path(kind)}; not run here)"
         elif status == "untested" and loader == GPTQMODEL:

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-# max |logits_transformers - logits_runtime| <= ATOL + RTOL * max |logits_runtime|. Both dequantize
-# the same integers with the same scales in fp32; they differ only by summation order (weight-only)
-# or by where int8 activations round (W8A8: fake-quantized in transformers, int8 matmul here).
+# max |logits_transformers - logits_runtime| <= ATOL + RTOL * max |logits_runtime|. Weight-only:
+# both dequantize the same integers with the same scales in fp32, only the summation order differs.
+# W8A8: transformers fake-quantizes activations per token with compressed-tensors' scale
+# amax / 127.5 (calculate_qparams: bit_range / 2), the runtime (like vLLM's scaled_int8_quant) with
+# amax / 127, so activations round differently: a difference of the size of int8 activation noise
+# (measured up to 2.8% of max |logits| on tiny random models, 1e-6 on draft).
 ATOL = 1e-3
-RTOL = {False: 1e-4, True: 2e-2}  # w8a8 -> relative tolerance
+RTOL = {False: 1e-4, True: 5e-2}  # w8a8 -> relative tolerance
 
 
 @dataclass

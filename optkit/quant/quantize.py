@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import save_file
 
 from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256
+from optkit.devices import resolve_device as resolve_device_str
 from optkit.errors import OptkitError
 from optkit.manifest import MANIFEST, write_manifest
 from optkit.memory import PeakMemory
@@ -83,11 +84,8 @@ class QuantizeOptions(BaseModel):
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise OptkitError(f"--device {device} asked for, but no CUDA device is available: use --device cpu")
-    return torch.device(device)
+    """`--device` as a torch device ("auto" and the checks: optkit/devices.py)."""
+    return torch.device(resolve_device_str(device))
 
 
 def quantize_model(

@@ -6,6 +6,7 @@ from optkit.compat import matrix
 from optkit.compat.matrix import ArtifactKind
 
 ASYM = ArtifactKind("compressed-tensors", 4, False)
+BROKEN = {"transformers": "5.24.0", "compressed-tensors": "0.20.1"}
 
 
 @pytest.mark.parametrize("breakage", matrix.BREAKAGES, ids=lambda b: b.summary[:30])
@@ -13,12 +14,22 @@ def test_each_breakage_range_agrees_with_the_versions_measured(breakage):
     assert breakage.measured_ok and breakage.measured_broken
     assert not any(breakage.is_broken(v) for v in breakage.measured_ok)
     assert all(breakage.is_broken(v) for v in breakage.measured_broken)
+    # every package of the range was seen to matter: flipping any one of them alone un-breaks it
+    for package in breakage.broken:
+        assert any(
+            ok[package] != bad[package]
+            and {k: v for k, v in ok.items() if k != package} == {k: v for k, v in bad.items() if k != package}
+            for ok in breakage.measured_ok
+            for bad in breakage.measured_broken
+        ), package
 
 
 def test_quantize_warns_in_one_line_only_for_the_versions_that_break():
-    assert matrix.check_installed_versions(ASYM, {"transformers": "5.22.2"}) is None
-    warning = matrix.check_installed_versions(ASYM, {"transformers": "5.24.0"})
-    assert "transformers 5.24.0" in warning and "--sym" in warning and "\n" not in warning
+    assert matrix.check_installed_versions(ASYM, {**BROKEN, "transformers": "5.22.2"}) is None
+    assert matrix.check_installed_versions(ASYM, {**BROKEN, "compressed-tensors": "0.17.1"}) is None
+    warning = matrix.check_installed_versions(ASYM, BROKEN)
+    assert "transformers 5.24.0 with compressed-tensors 0.20.1" in warning
+    assert "--sym" in warning and "\n" not in warning
     assert "--format awq" in warning and "vLLM reads it" in warning
 
 
@@ -29,11 +40,11 @@ def test_no_warning_for_what_transformers_loads():
         ArtifactKind("awq", 4, False),
         ArtifactKind("gptq", 4, True),
     ):
-        assert matrix.check_installed_versions(kind, {"transformers": "5.24.0"}) is None
+        assert matrix.check_installed_versions(kind, BROKEN) is None
 
 
 def test_three_bit_asymmetric_warning_offers_neither_awq_nor_vllm():
-    warning = matrix.check_installed_versions(ArtifactKind("compressed-tensors", 3, False), {"transformers": "5.24.0"})
+    warning = matrix.check_installed_versions(ArtifactKind("compressed-tensors", 3, False), BROKEN)
     assert "--format awq" not in warning and "vLLM" not in warning
 
 
@@ -50,8 +61,8 @@ def test_kind_is_read_back_from_each_formats_config():
 
 
 def test_where_it_loads_names_every_loader_and_the_remedy():
-    rows = dict(matrix.where_it_loads(ASYM, {"transformers": "5.24.0"}))
+    rows = dict(matrix.where_it_loads(ASYM, BROKEN))
     assert set(rows) == set(matrix.LOADERS)
     assert rows[matrix.TRANSFORMERS].startswith("fails") and "dequantize=True" in rows[matrix.TRANSFORMERS]
     assert rows[matrix.VLLM].startswith("by spec")
-    assert dict(matrix.where_it_loads(ASYM, {"transformers": "5.22.2"}))[matrix.TRANSFORMERS] == "loads"
+    assert dict(matrix.where_it_loads(ASYM, {**BROKEN, "transformers": "5.22.2"}))[matrix.TRANSFORMERS] == "loads"
