@@ -43,7 +43,9 @@ COMPAT_VENV ?= /tmp/optkit-compat-latest
 compat-latest:
 	rm -rf $(COMPAT_VENV) && python3 -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/pip install -q "$(TORCH)"
-	$(COMPAT_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	@# everything but torch at its newest allowed version; torch stays the CPU build (a newer one is CUDA, GBs)
+	echo "$(TORCH)" > $(COMPAT_VENV)/constraints.txt
+	$(COMPAT_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -c $(COMPAT_VENV)/constraints.txt -e ".[dev]"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/compat
 
 models: install
