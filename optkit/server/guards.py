@@ -113,8 +113,7 @@ class BodyLimit:
         try:
             if length is not None and int(length) > self.max_bytes:
                 raise _TooLarge
-            async with asyncio.timeout(self.timeout_s):
-                body = await self._read(receive)
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)  # asyncio.timeout needs 3.11
         except _TooLarge:
             await self._refuse(
                 413,
@@ -123,7 +122,7 @@ class BodyLimit:
                 send,
             )
             return
-        except TimeoutError:
+        except asyncio.TimeoutError:  # TimeoutError itself from 3.11
             message = f"the request body did not arrive within {self.timeout_s:g} s"
             await self._refuse(408, message, scope, send)
             return
