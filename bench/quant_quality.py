@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.memory import PeakMemory
 from optkit.modeldir import resolve_model_dir, weight_files
 from optkit.quant.awq_layer import AWQOptions
@@ -127,7 +127,7 @@ def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
             start = time.perf_counter()
             quantize_model(base, out, options)
             seconds = time.perf_counter() - start
-            m = evaluate(out, base, Thresholds(), eval_set=eval_set).metrics
+            m = evaluate(out, base, GateOptions(eval_set=eval_set)).metrics
             rows.append(
                 {
                     "model": label,
@@ -176,7 +176,7 @@ def run_variant(
     with rss_follows_live_memory(), PeakMemory() as peak:
         quantize_model(model, out, options)
     seconds = time.perf_counter() - start
-    m = evaluate(out, model, Thresholds(), eval_set=eval_set).metrics
+    m = evaluate(out, model, GateOptions(eval_set=eval_set)).metrics
     return {
         "variant": label,
         "seed": seed,  # calibration seed; None for RTN

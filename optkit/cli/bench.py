@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json, print_table
+from optkit.cli.options import Device, Dtype, EnforceEager, JsonFlag, console, print_json, print_table
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -19,12 +19,6 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def bench(
     model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
     baseline: Annotated[
@@ -34,9 +28,9 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random ids).")] = 128,
     gen_len: Annotated[int, typer.Option(min=1, help="Tokens generated per request (EOS ignored).")] = 128,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on CUDA).")] = None,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs for optkit's run.")] = False,
+    device: Device = None,
+    dtype: Dtype = None,
+    enforce_eager: EnforceEager = None,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     json_output: JsonFlag = False,
 ) -> None:
@@ -49,20 +43,20 @@ def bench(
 
     from optkit.errors import OptkitError
     from optkit.runtime.benchmark import BASELINES, BenchConfig, run_benchmark
-    from optkit.runtime.engine import default_dtype
+    from optkit.runtime.engine_args import EngineArgs
 
     unknown = sorted(set(baseline or []) - set(BASELINES))
     if unknown:
         raise OptkitError(f"unknown --baseline {unknown[0]!r}: choose {' or '.join(BASELINES)}")
-    device = device or default_device()
+    engine = EngineArgs.from_cli_args(device=device, dtype=dtype, enforce_eager=enforce_eager).engine_config()
     config = BenchConfig(
         batch_sizes=parse_batch_sizes(batch_sizes),
         prompt_len=prompt_len,
         gen_len=gen_len,
-        device=device,
-        dtype=dtype or default_dtype(device),
+        device=engine.device,
+        dtype=engine.dtype,
         baselines=tuple(baseline or ()),
-        enforce_eager=enforce_eager,
+        enforce_eager=engine.enforce_eager,
         seed=seed,
     )
     result = run_benchmark(model, config, log=lambda line: print(line, file=sys.stderr, flush=True))

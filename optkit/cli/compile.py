@@ -5,18 +5,16 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import Device, Dtype, JsonFlag, TorchCompile, console, print_json
 
 
 def compile_(
     model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated decode batch sizes to warm.")] = "1,8,32,64",
     out: Annotated[Path | None, typer.Option("--out", "-o", hidden=True)] = None,  # gone: says so
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16 (default: bfloat16 on CUDA).")] = None,
-    torch_compile: Annotated[
-        bool, typer.Option("--torch-compile", help="Also torch.compile each decode bucket (CUDA only; experimental).")
-    ] = False,
+    device: Device = None,
+    dtype: Dtype = None,
+    torch_compile: TorchCompile = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Warm the engine at each batch size and capture its decode CUDA graphs (CUDA), on the machine
@@ -28,9 +26,10 @@ def compile_(
     """
     import sys
 
-    from optkit.cli.bench import default_device, parse_batch_sizes
+    from optkit.cli.bench import parse_batch_sizes
     from optkit.errors import OptkitError
-    from optkit.runtime.compile_cache import compile_config, compile_model
+    from optkit.runtime.engine_args import EngineArgs
+    from optkit.runtime.warmup import compile_model
 
     if out is not None:
         raise OptkitError(
@@ -38,7 +37,8 @@ def compile_(
             "run `optkit compile MODEL` on the serving machine, it warms $OPTKIT_CACHE/compile"
         )
     sizes = parse_batch_sizes(batch_sizes)
-    config = compile_config(sizes, device or default_device(), dtype, torch_compile)
+    args = EngineArgs.from_cli_args(device=device, dtype=dtype, torch_compile=torch_compile, max_num_seqs=max(sizes))
+    config = args.engine_config()  # room for the largest batch size
     manifest = compile_model(model, sizes, config, log_line=lambda line: print(line, file=sys.stderr))
     if json_output:
         print_json(manifest)

@@ -43,8 +43,8 @@ def eval_(
     from optkit.artifacts import check_writable_dir
     from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate
+    from optkit.gate.options import GateOptions
     from optkit.gate.report import gate_table, write_report
-    from optkit.gate.thresholds import Thresholds
 
     if min_recovery is not None and task is None:
         raise OptkitError("--min-recovery needs a task: add --task next_line (or a .jsonl task)")
@@ -52,13 +52,11 @@ def eval_(
         if report.is_dir():
             raise OptkitError(f"--report {report} is a directory: give a file name such as {report / 'gate.json'}")
         check_writable_dir(report.parent, "--report", named=report)
-    thresholds = Thresholds(
-        max_ppl_increase=max_ppl_increase, max_kld=max_kld, min_top1=min_top1, min_recovery=min_recovery
-    )
-    result = evaluate(
-        artifact,
-        baseline,
-        thresholds,
+    options = GateOptions(
+        max_ppl_increase=max_ppl_increase,
+        max_kld=max_kld,
+        min_top1=min_top1,
+        min_recovery=min_recovery,  # given, even as None: no recipe default (0.95 with a task)
         eval_set=eval_set,
         seq_len=seq_len,
         max_windows=max_windows,
@@ -66,6 +64,7 @@ def eval_(
         top_k=top_k,
         task=task,
     )
+    result = evaluate(artifact, baseline, options)
     if report is not None:
         write_report(result, report)
     if json_output:

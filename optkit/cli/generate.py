@@ -6,7 +6,17 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import EnforceEager, JsonFlag, NumSpeculativeTokens, Speculative, console, print_json
+from optkit.cli.options import (
+    Device,
+    Dtype,
+    EnforceEager,
+    JsonFlag,
+    MaxNumSeqs,
+    NumSpeculativeTokens,
+    Speculative,
+    console,
+    print_json,
+)
 
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "speculative"}
 
@@ -24,11 +34,12 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0: all).")] = 0,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print text as it is generated.")] = False,
-    max_num_seqs: Annotated[int, typer.Option(help="Sequences decoded together.")] = 64,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
+    max_num_seqs: MaxNumSeqs = None,
+    device: Device = None,
+    dtype: Dtype = None,
     speculative: Speculative = None,
-    num_speculative_tokens: NumSpeculativeTokens = 4,
-    enforce_eager: EnforceEager = False,
+    num_speculative_tokens: NumSpeculativeTokens = None,
+    enforce_eager: EnforceEager = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Generate text with the bundled runtime.
@@ -38,7 +49,8 @@ def generate(
     Example: optkit generate small "def f(x):" --speculative draft:draft --num-speculative-tokens 4
     """
     from optkit.errors import OptkitError
-    from optkit.runtime.engine import EngineConfig, LLMEngine
+    from optkit.runtime.engine import LLMEngine
+    from optkit.runtime.engine_args import EngineArgs
     from optkit.runtime.sequence import SamplingParams
 
     if (prompt is None) == (prompts is None):
@@ -51,14 +63,15 @@ def generate(
             params.append(SamplingParams(**{**defaults, **{k: v for k, v in request.items() if k != "prompt"}}))
         except (TypeError, ValueError) as e:
             raise OptkitError(f"prompt {i + 1}: {e}") from None
-    config = EngineConfig(
+    args = EngineArgs.from_cli_args(
         max_num_seqs=max_num_seqs,
+        device=device,
         dtype=dtype,
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
         enforce_eager=enforce_eager,
     )
-    engine = LLMEngine(model, config)
+    engine = LLMEngine(model, args.engine_config())
     token_ids = [engine.tokenizer.encode(r["prompt"]) for r in requests]
     for i, ids in enumerate(token_ids):
         if not ids:

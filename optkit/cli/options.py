@@ -5,6 +5,8 @@ from typing import Annotated
 
 import typer
 
+from optkit.runtime.engine_args import EngineArgs
+
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of tables.")]
 Overwrite = Annotated[bool, typer.Option("--overwrite", help="Replace --out if it already exists.")]
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Directory to write (created atomically).")]
@@ -12,19 +14,48 @@ EvalSet = Annotated[
     str, typer.Option("--eval-set", help="Bundled set name (heldout, calib) or a .txt/.jsonl/.parquet file.")
 ]
 SeqLen = Annotated[int, typer.Option("--seq-len", help="Tokens per evaluation window.")]
+
+
+# ---------------------------------------------------------------- the engine's flags (runtime/engine_args.py)
+# generate, serve, bench and compile share these. Each defaults to None, "not given", so that
+# EngineArgs.from_cli_args keeps the field's default and a flag given to serve overrides only its
+# key of a recipe's serve.engine section; the help shows EngineArgs' default.
+def _engine_option(name: str, help: str, **kwargs):
+    default = EngineArgs.model_fields[name].default
+    flag = "--" + name.replace("_", "-")
+    shown = "" if default is None or isinstance(default, bool) else f" (default: {default})"
+    return typer.Option(flag, help=help + shown, show_default=False, **kwargs)
+
+
+Device = Annotated[str | None, _engine_option("device", "cpu, cuda or cuda:N; auto: cuda when available, else cpu.")]
+Dtype = Annotated[
+    str | None, _engine_option("dtype", "float32, bfloat16 or float16; auto: bfloat16 on CUDA, float32 on CPU.")
+]
+MaxNumSeqs = Annotated[int | None, _engine_option("max_num_seqs", "Sequences decoded together.", min=1)]
+MaxNumBatchedTokens = Annotated[
+    int | None, _engine_option("max_num_batched_tokens", "Tokens computed per engine step.", min=1)
+]
+MaxModelLen = Annotated[
+    int | None, _engine_option("max_model_len", "Context limit: prompt + max_tokens (default: the model's).", min=1)
+]
 Speculative = Annotated[
     str | None,
-    typer.Option(
-        "--speculative",
-        help="Speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model with the same tokenizer).",
+    _engine_option(
+        "speculative",
+        "Speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model with the same tokenizer).",
     ),
 ]
 NumSpeculativeTokens = Annotated[
-    int, typer.Option("--num-speculative-tokens", min=1, help="Tokens proposed per sequence and step (--speculative).")
+    int | None,
+    _engine_option("num_speculative_tokens", "Tokens proposed per sequence and step (--speculative).", min=1),
 ]
-
 EnforceEager = Annotated[
-    bool, typer.Option("--enforce-eager", help="Run every step eagerly: no CUDA graphs for decode steps (CUDA).")
+    bool | None,
+    _engine_option("enforce_eager", "Run every step eagerly: no CUDA graphs for decode steps (CUDA)."),
+]
+TorchCompile = Annotated[
+    bool | None,
+    _engine_option("torch_compile", "Also torch.compile each decode bucket (CUDA only; experimental)."),
 ]
 
 

@@ -5,7 +5,16 @@ from typing import Annotated
 import typer
 
 from optkit.cli import serve_options as opt
-from optkit.cli.options import EnforceEager, NumSpeculativeTokens, Speculative
+from optkit.cli.options import (
+    Device,
+    Dtype,
+    EnforceEager,
+    MaxModelLen,
+    MaxNumBatchedTokens,
+    MaxNumSeqs,
+    NumSpeculativeTokens,
+    Speculative,
+)
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless --host says otherwise
 
@@ -42,20 +51,18 @@ def serve(
     served_model_name: Annotated[
         str | None, typer.Option(help="The model's name in the API (default: the model directory's name).")
     ] = None,
-    max_num_seqs: Annotated[int, typer.Option(min=1, help="Sequences decoded together.")] = 64,
-    max_model_len: Annotated[
-        int | None, typer.Option(min=1, help="Context limit: prompt + max_tokens (default: the model's).")
-    ] = None,
+    max_num_seqs: MaxNumSeqs = None,
+    max_model_len: MaxModelLen = None,
     kv_cache_blocks: Annotated[
         list[str] | None,
         typer.Option(help="KV cache blocks: N, or NAME=N per model (default: max-num-seqs full-length sequences)."),
     ] = None,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1, help="Tokens computed per engine step.")] = 512,
-    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "float32",
-    device: Annotated[str, typer.Option(help="Device to run the model on (cpu, cuda).")] = "cpu",
+    max_num_batched_tokens: MaxNumBatchedTokens = None,
+    dtype: Dtype = None,
+    device: Device = None,
     speculative: Speculative = None,
-    num_speculative_tokens: NumSpeculativeTokens = 4,
-    enforce_eager: EnforceEager = False,
+    num_speculative_tokens: NumSpeculativeTokens = None,
+    enforce_eager: EnforceEager = None,
 ) -> None:
     """Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, plus
     /health and /metrics (Prometheus). Prints one line once it accepts requests.
@@ -75,21 +82,10 @@ def serve(
 
     from optkit.cli.serve_flags import ServeFlags, resolve_options
     from optkit.routing.startup import describe, log_to_stderr, start_router
-    from optkit.runtime.engine import EngineConfig
+    from optkit.runtime.engine_args import given
     from optkit.server.guards import Limits, allowed_hosts
     from optkit.server.listen import bind, is_loopback, run_server
 
-    config = EngineConfig(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        kv_cache_blocks=None,  # per model: routing/startup.py
-        dtype=dtype,
-        device=device,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        enforce_eager=enforce_eager,
-    )
     flags = ServeFlags(
         models=models or [],
         kv_cache_fraction=kv_cache_fraction or [],
@@ -104,8 +100,21 @@ def serve(
         fallback_threshold=fallback_threshold,
         fallback_window=fallback_window,
         fallback_recovery=fallback_recovery,
+        engine=given(  # kv_cache_blocks is per model (routing/startup.py)
+            dict(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                dtype=dtype,
+                device=device,
+                speculative=speculative,
+                num_speculative_tokens=num_speculative_tokens,
+                enforce_eager=enforce_eager,
+            )
+        ),
     )
     options = resolve_options(model, served_model_name, None if recipe is None else str(recipe), flags)
+    config = options.engine.engine_config()  # device "auto" resolved once, for every model
     limits = Limits(max_request_bytes, body_timeout, allowed_hosts(host, allowed_host or []))
     sock = bind(host, port)  # before loading the models: a port in use fails at once
     if not is_loopback(host) and not api_key:

@@ -3,7 +3,7 @@
 `--model NAME=PATH` adds NAME or replaces its path; `--kv-cache-fraction NAME=F`,
 `--kv-cache-blocks NAME=N` (or N: every model) and `--task NAME=TASK` set that model's key; every
 other flag replaces its key (`--tiers FILE` the whole tiers section, `--shadow` the pairs,
-`--fallback-threshold` the threshold).
+`--fallback-threshold` the threshold, `--device` the `engine:` section's device).
 """
 
 import difflib
@@ -33,6 +33,7 @@ class ServeFlags:
     fallback_threshold: str | None = None  # kld=X,top1=Y
     fallback_window: int | None = None
     fallback_recovery: str | None = None
+    engine: dict = field(default_factory=dict)  # the engine flags given (runtime/engine_args.py's keys)
 
 
 def parse_pairs(values: list[str], flag: str, what: str = "VALUE") -> dict[str, str]:
@@ -126,6 +127,9 @@ def apply_flags(data: dict, flags: ServeFlags) -> dict:
         fallback["recovery"] = flags.fallback_recovery
     if fallback:
         data["fallback"] = fallback
+    if flags.engine:
+        engine = data.get("engine")
+        data["engine"] = {**(engine if isinstance(engine, dict) else {}), **flags.engine}
     return data
 
 

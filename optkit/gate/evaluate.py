@@ -12,6 +12,7 @@ from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.errors import OptkitError
 from optkit.gate.metrics import Reference, TokenStats, kld_histogram, reference_from_logits, summarize
+from optkit.gate.options import GateOptions
 from optkit.gate.reference_cache import (
     load_cached_value,
     load_reference,
@@ -20,7 +21,7 @@ from optkit.gate.reference_cache import (
     save_reference,
 )
 from optkit.gate.tasks import accuracy, encode_task, load_task
-from optkit.gate.thresholds import Check, Thresholds, check
+from optkit.gate.thresholds import Check, check
 from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
 from optkit.quant.formats.load import load_model
@@ -53,22 +54,12 @@ class GateResult:
         }
 
 
-def evaluate(
-    artifact: str | Path,
-    baseline: str | Path,
-    thresholds: Thresholds,
-    *,
-    eval_set: str = "heldout",
-    seq_len: int = 256,
-    max_windows: int | None = None,
-    batch_size: int = 8,
-    reference_cache: bool = False,
-    top_k: int = 256,
-    task: str | None = None,
-) -> GateResult:
-    """Score `artifact` against `baseline` on the token windows of `eval_set`: exactly over the
-    whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
-    base model is then loaded only the first time)."""
+def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *, batch_size: int = 8) -> GateResult:
+    """Score `artifact` against `baseline` on the token windows of `options.eval_set`: exactly over
+    the whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
+    base model is then loaded only the first time); then check `options`' thresholds."""
+    eval_set, seq_len, max_windows = options.eval_set, options.seq_len, options.max_windows
+    reference_cache, top_k, task = options.reference_cache, options.top_k, options.task
     start = time.perf_counter()
     artifact_dir, baseline_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
     texts = load_text_set(eval_set)
@@ -137,7 +128,7 @@ def evaluate(
             "base_model_loaded": base_model is not None,
         },
         metrics=metrics,
-        checks=check(metrics, thresholds),
+        checks=check(metrics, options),
         kld_histogram=kld_histogram(stats),
         wall_time_s=round(time.perf_counter() - start, 3),
     )

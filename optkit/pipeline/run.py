@@ -28,15 +28,16 @@ from optkit.artifacts import (
 )
 from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
-from optkit.gate.thresholds import Thresholds
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
 from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
-from optkit.quant.quantize import quantize_model, resolve_device
+from optkit.quant.quantize import quantize_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
-from optkit.runtime.compile_cache import cache_key, cache_path, compile_config, compile_model
+from optkit.runtime.compile_cache import cache_key, cache_path
+from optkit.runtime.engine_args import EngineArgs
+from optkit.runtime.warmup import compile_model
 
 
 @dataclass
@@ -125,23 +126,7 @@ def run_recipe(
         result.gate = done["result"]
         result.stages.append({"stage": "gate", "status": "skipped", "seconds": 0.0})
     else:
-        thresholds = Thresholds(
-            max_ppl_increase=gate.max_ppl_increase,
-            max_kld=gate.max_kld,
-            min_top1=gate.min_top1,
-            min_recovery=gate.min_recovery,
-        )
-        outcome: GateResult = evaluate(
-            artifact,
-            base,
-            thresholds,
-            eval_set=gate.eval_set,
-            seq_len=gate.seq_len,
-            max_windows=gate.max_windows,
-            reference_cache=gate.reference_cache,
-            top_k=gate.top_k,
-            task=gate.task,
-        )
+        outcome: GateResult = evaluate(artifact, base, gate)
         result.gate = outcome.to_json()
         _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
         result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
@@ -184,14 +169,20 @@ def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, r
         result.stages.append({"stage": "compile", "status": "skipped (rejected)", "seconds": 0.0})
         return None
     options = recipe.compile
-    device = resolve_device(options.device).type
+    args = EngineArgs(
+        device=options.device,
+        dtype=options.dtype or "auto",
+        torch_compile=options.torch_compile,
+        max_num_seqs=max(options.batch_sizes),  # room for the largest batch size
+    )
+    config = args.engine_config()
+    device = config.device
     inputs = _digest({"artifact": manifest["files"], "compile": options.model_dump(), "key": cache_key(device)})
     done = _record(work, "compile")
     warm = (cache_path(artifact, device) / COMPILE_MANIFEST).is_file()
     if done and done["inputs"] == inputs and "result" in done and warm:
         result.stages.append({"stage": "compile", "status": "skipped", "seconds": 0.0})
         return done["result"]
-    config = compile_config(options.batch_sizes, device, options.dtype, options.torch_compile)
     record = compile_model(str(artifact), options.batch_sizes, config, log_line=lambda line: None)
     record.pop("path")  # this machine's cache: no business of the release
     _write_record(work, "compile", {"inputs": inputs, "result": record})

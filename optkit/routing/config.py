@@ -17,6 +17,7 @@ holding only a `serve:` section) might read:
       spill_over: {max_queue_wait_s: 2.0}
       shadow: {pairs: {small-w2: small}, rate: 0.05}
       fallback: {threshold: {kld: 0.5, top1: 80}, window: 20, recovery: manual}
+      engine: {device: auto, max_num_seqs: 32}   # runtime/engine_args.py: every engine flag, one key each
 
 The flags of `optkit serve` override these keys (cli/serve_flags.py). Names are checked against the
 models once everything is merged (`check_references`), before any model is loaded.
@@ -29,6 +30,7 @@ from typing import Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from optkit.errors import OptkitError
+from optkit.runtime.engine_args import EngineArgs
 
 
 class _Options(BaseModel):
@@ -139,6 +141,7 @@ class ServeOptions(_Options):
     spill_over: SpillOverOptions = Field(default_factory=SpillOverOptions)
     shadow: ShadowOptions = Field(default_factory=ShadowOptions)
     fallback: FallbackOptions = Field(default_factory=FallbackOptions)
+    engine: EngineArgs = Field(default_factory=EngineArgs)  # what every served model's engine runs with
 
 
 def serve_options(data: dict) -> ServeOptions:

@@ -10,7 +10,6 @@ share one). Then each model gets its own engine and KV cache:
 - neither: an equal share of what the fractions leave (alone: the engine's own default).
 """
 
-import dataclasses
 import logging
 import math
 import os
@@ -86,7 +85,7 @@ def start_router(options: ServeOptions, base) -> Router:
     engines = {}
     try:
         for name, spec in options.models.items():
-            config = dataclasses.replace(base, kv_cache_blocks=blocks[name])
+            config = base.model_copy(update={"kv_cache_blocks": blocks[name]})
             engines[name] = AsyncEngine.start(spec.path, config, name)
     except BaseException:
         for engine in engines.values():

@@ -125,7 +125,7 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, max_num_seqs: int, max_model_len: int, block_size: int, forward=None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.max_model_len = max_model_len
-        self.forward = forward or model  # a torch.compile'd forward (compile_cache.py), or the model
+        self.forward = forward or model  # a torch.compile'd forward (ModelRunner.capture_decode_graphs), or the model
         self.buckets = decode_buckets(max_num_seqs)
         device = next(model.parameters()).device
         rows, self.max_blocks = self.buckets[-1], math.ceil(max_model_len / block_size)
@@ -192,16 +192,3 @@ class DecodeGraphs:
         self.block_tables[:bucket, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.graphs[bucket].replay()
         return self.hidden[: len(seqs)]
-
-
-def attach_decode_graphs(runner, max_num_seqs: int, max_model_len: int, enforce_eager: bool, forward=None) -> str:
-    """Captures decode graphs for `runner` (a ModelRunner) when they can run; what was done, in words."""
-    reason = graphs_unavailable_reason(runner.device, enforce_eager)
-    if reason is not None:
-        runner.graphs = None
-        return f"CUDA graphs off: {reason}"
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, max_num_seqs, max_model_len, runner.block_size, forward)
-    graphs.capture()
-    runner.graphs = graphs
-    buckets, seconds = graphs.buckets, graphs.capture_seconds
-    return f"CUDA graphs: {len(buckets)} decode buckets up to {buckets[-1]}, captured in {seconds:.1f} s"

@@ -1,9 +1,9 @@
-"""The engine: scheduler -> model runner -> sampler -> scheduler, one step at a time.
+"""The engine: scheduler -> decoding.propose -> model runner -> decoding.sample -> scheduler, one step at a time.
 
 `LLMEngine` is the synchronous core (offline batches, `optkit generate`); `async_engine.AsyncEngine`
-runs it on its own thread for the server (docs/runtime.md, "The engine's front"). With
-`speculative` set, a `speculative.Speculator` adds proposals before the model runs and verifies
-them instead of the plain sampler.
+runs it on its own thread for the server (docs/runtime.md, "The engine's front"). How logits become
+tokens is the engine's one `decoding.Decoding`: plain, or speculative (proposals before the model
+runs, verified after it).
 """
 
 import os
@@ -12,56 +12,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from optkit.errors import OptkitError
+from optkit.runtime import compile_cache
 from optkit.runtime.block_manager import BlockManager
+from optkit.runtime.decoding import make_decoding
 from optkit.runtime.detokenizer import Detokenizer
+from optkit.runtime.engine_args import EngineConfig
 from optkit.runtime.sampler import Sampler, TokenLogprobs
 from optkit.runtime.scheduler import Scheduler, SchedulerConfig
 from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def default_dtype(device: str) -> str:
-    """bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
-    return "bfloat16" if device.startswith("cuda") else "float32"
-
-
 KV_CACHE_MEMORY_FRACTION = 0.25  # of physical memory, when --kv-cache-blocks is not given
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    kv_cache_blocks: int | None = None  # default: max_num_seqs full-length sequences, capped by memory
-    block_size: int = 16
-    dtype: str = "float32"
-    device: str = "cpu"
-    enable_prefix_caching: bool = True
-    max_waiting: int = 1024
-    speculative: str | None = None  # "ngram" or "draft:PATH" (runtime/speculative.py); None: off
-    num_speculative_tokens: int = 4  # proposals per decoding sequence and step
-    # CUDA graphs and compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
-    torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
-    compile_dir: str | None = None  # the local compile cache (default: $OPTKIT_CACHE/compile; never a model dir)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting", "num_speculative_tokens"):
-            if getattr(self, name) < 1:
-                raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.dtype not in DTYPES:
-            raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
-        if self.speculative is not None:
-            from optkit.runtime.speculative import parse_speculative
-
-            parse_speculative(self.speculative)
-            if self.num_speculative_tokens >= self.max_num_batched_tokens:
-                raise OptkitError(
-                    f"--num-speculative-tokens {self.num_speculative_tokens} leaves no room in "
-                    f"--max-num-batched-tokens {self.max_num_batched_tokens}: lower the first or raise the second"
-                )
 
 
 @dataclass
@@ -115,7 +75,7 @@ class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
         import torch
 
-        from optkit.modeldir import load_tokenizer
+        from optkit.modeldir import load_tokenizer, resolve_model_dir
         from optkit.models.loader import load_runtime_model
         from optkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
 
@@ -142,22 +102,16 @@ class LLMEngine:
             self.block_manager,
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size)
-        # CUDA graphs + compile cache hook (runtime/compile_cache.py): captures decode graphs on CUDA
-        from optkit.runtime.compile_cache import prepare_runner
-
-        self.model_path = model
-        self.cuda_graphs_note = prepare_runner(self)
+        # this machine's warm-up of the model (optkit compile), then the decode graphs (CUDA)
+        warmed = compile_cache.lookup(resolve_model_dir(model), config.device, config.compile_dir)
+        torch_compile = config.torch_compile or bool(warmed and warmed.record.get("torch_compile"))
+        self.cuda_graphs_note = self.runner.capture_decode_graphs(
+            config.max_num_seqs, self.max_model_len, config.enforce_eager, torch_compile
+        )
+        if warmed is not None:
+            self.cuda_graphs_note += f"; {warmed.note}"
         self.sampler = Sampler()
-        self.speculator = None
-        if config.speculative:
-            from optkit.runtime.proposers import make_proposer
-            from optkit.runtime.speculative import Speculator
-
-            proposer = make_proposer(
-                config.speculative, self.model, self.tokenizer, num_blocks, config.block_size,
-                config.enable_prefix_caching, getattr(torch, config.dtype), config.device,
-            )  # fmt: skip
-            self.speculator = Speculator(proposer, config.num_speculative_tokens)
+        self.decoding = make_decoding(config, self.model, self.tokenizer, num_blocks)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -189,8 +143,7 @@ class LLMEngine:
         if request is not None:
             self.scheduler.abort(request_id)
             self.sampler.forget(request.seq.seq_id)
-            if self.speculator is not None:
-                self.speculator.release(request.seq)
+            self.decoding.release(request.seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -198,31 +151,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One model step; an output for every request that got tokens or finished."""
         schedule = self.scheduler.schedule()
-        if self.speculator is not None:
-            for seq in schedule.preempted:
-                self.speculator.release(seq)
+        for seq in schedule.preempted:
+            self.decoding.release(seq)
         if not schedule.scheduled:
             return []
-        if self.speculator is not None:
-            seqs, finished = self._speculative_step(schedule)
-        else:
-            logits, seqs = self.runner.run(schedule.scheduled)
-            sampled = self.sampler(logits, seqs)
-            for seq, logprobs in zip(seqs, sampled.logprobs, strict=True):
-                if logprobs is not None:
-                    self.requests[seq.request_id].logprobs.append(logprobs)
-            tokens = {s.seq_id: t for s, t in zip(seqs, sampled.token_ids, strict=True)}
-            finished = self.scheduler.update(schedule, tokens)
-            self.num_generation_tokens += len(seqs)
-        outputs = [self._output(seq) for seq in seqs if not seq.is_finished]
-        outputs += [self._output(seq) for seq in finished]
-        return [o for o in outputs if o is not None]
-
-    def _speculative_step(self, schedule) -> tuple[list[Sequence], list[Sequence]]:
-        """Propose, run the target over tokens and proposals, verify, update."""
-        self.speculator.propose(schedule.scheduled)
+        self.decoding.propose(schedule.scheduled)
         logits, seqs = self.runner.run(schedule.scheduled)
-        tokens, logprobs = self.speculator.sample(logits, seqs, schedule.scheduled, self.sampler)
+        tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)
         before = [seq.num_output_tokens for seq in seqs]
         finished = self.scheduler.update(schedule, tokens)
         for seq, num_before in zip(seqs, before, strict=True):
@@ -230,7 +165,9 @@ class LLMEngine:
             self.num_generation_tokens += appended
             if seq.seq_id in logprobs:
                 self.requests[seq.request_id].logprobs += logprobs[seq.seq_id][:appended]
-        return seqs, finished
+        outputs = [self._output(seq) for seq in seqs if not seq.is_finished]
+        outputs += [self._output(seq) for seq in finished]
+        return [o for o in outputs if o is not None]
 
     def _output(self, seq: Sequence) -> RequestOutput | None:
         request = self.requests.get(seq.request_id)
@@ -254,8 +191,7 @@ class LLMEngine:
         if seq.is_finished:
             del self.requests[seq.request_id]
             self.sampler.forget(seq.seq_id)
-            if self.speculator is not None:
-                self.speculator.release(seq)
+            self.decoding.release(seq)
         return RequestOutput(
             request_id=seq.request_id,
             token_ids=new_tokens,
@@ -302,7 +238,7 @@ class LLMEngine:
             num_prefix_cache_hit_tokens=scheduler.num_prefix_cache_hit_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=scheduler.num_preemptions,
-            **(self.speculator.stats.engine_fields() if self.speculator is not None else {}),
+            **self.decoding.stats.engine_fields(),
         )
 
 

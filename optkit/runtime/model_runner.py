@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from optkit.errors import OptkitError
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, kv_cache_shape
+from optkit.runtime.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
 from optkit.runtime.scheduler import ScheduledSequence
 from optkit.runtime.sequence import Sequence
 
@@ -71,7 +73,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
         self.model = model
         self.block_size = block_size
-        self.graphs = None  # cuda_graphs.DecodeGraphs, set by cuda_graphs.attach_decode_graphs
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         dtype = _activation_dtype(model)
@@ -80,6 +82,26 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(model.config.num_hidden_layers)
         ]
+
+    def capture_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, enforce_eager: bool, torch_compile: bool = False
+    ) -> str:
+        """Captures the decode steps' CUDA graphs (runtime/cuda_graphs.py) when they can run, each
+        over a torch.compile'd forward with `torch_compile`; what was done, in words."""
+        forward = None
+        if torch_compile:
+            if self.device.type != "cuda":
+                raise OptkitError("--torch-compile needs --device cuda: on CPU the engine runs eagerly")
+            forward = torch.compile(self.model, dynamic=False)
+        reason = graphs_unavailable_reason(self.device, enforce_eager)
+        if reason is not None:
+            self.graphs = None
+            return f"CUDA graphs off: {reason}"
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len, self.block_size, forward)
+        graphs.capture()
+        self.graphs = graphs
+        buckets, seconds = graphs.buckets, graphs.capture_seconds
+        return f"CUDA graphs: {len(buckets)} decode buckets up to {buckets[-1]}, captured in {seconds:.1f} s"
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:

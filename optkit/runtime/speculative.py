@@ -160,7 +160,8 @@ class _Context:
 
 
 class Speculator:
-    """Fills the scheduled sequences' proposals, then turns the target's logits into accepted tokens."""
+    """Fills the scheduled sequences' proposals, then turns the target's logits into accepted tokens:
+    the engine's speculative `decoding.Decoding`."""
 
     def __init__(self, proposer, num_speculative_tokens: int):
         self.proposer = proposer  # proposers.NgramProposer or proposers.DraftModelProposer

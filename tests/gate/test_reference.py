@@ -5,7 +5,7 @@ from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.gate import evaluate as evaluate_module
 from optkit.gate.evaluate import evaluate
 from optkit.gate.metrics import full_kld, reference_from_logits, topk_kld
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.modeldir import load_tokenizer
 from optkit.quant.formats.load import load_model
 from optkit.quant.quantize import QuantizeOptions, quantize_model
@@ -40,12 +40,12 @@ def test_with_the_reference_cache_a_second_gate_does_not_load_the_base(tmp_path,
         return real_load(path, *args, **kwargs)
 
     monkeypatch.setattr(evaluate_module, "load_model", spy)
-    first = evaluate(tmp_path / "q", draft_dir, Thresholds(), max_windows=8, reference_cache=True)
+    first = evaluate(tmp_path / "q", draft_dir, GateOptions(max_windows=8, reference_cache=True))
     assert str(draft_dir) in loaded and first.eval_set["base_model_loaded"]
     loaded.clear()
-    second = evaluate(tmp_path / "q", draft_dir, Thresholds(), max_windows=8, reference_cache=True)
+    second = evaluate(tmp_path / "q", draft_dir, GateOptions(max_windows=8, reference_cache=True))
     assert loaded == [str(tmp_path / "q")] and not second.eval_set["base_model_loaded"]
     assert second.metrics == first.metrics
-    exact = evaluate(tmp_path / "q", draft_dir, Thresholds(), max_windows=8)
+    exact = evaluate(tmp_path / "q", draft_dir, GateOptions(max_windows=8))
     assert exact.metrics["ppl_base"] == first.metrics["ppl_base"]
     assert exact.metrics["kld_mean"] >= first.metrics["kld_mean"]

@@ -3,7 +3,7 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.modeldir import read_tensors
 from optkit.quant import awq
 from optkit.quant.awq_layer import AWQ_GROUPS
@@ -139,6 +139,6 @@ def test_awq_artifacts_fold_scales_and_read_back_in_both_formats(tmp_path, draft
     norm = "model.layers.0.input_layernorm.weight"
     assert not torch.equal(base[norm], artifact[norm])  # the scales were folded into the norm
     assert "model.layers.0.mlp.up_proj.qweight" in read_tensors(tmp_path / "awq")
-    metrics = [evaluate(tmp_path / n, draft_dir, Thresholds(), max_windows=8).metrics for n in ("ct", "awq")]
+    metrics = [evaluate(tmp_path / n, draft_dir, GateOptions(max_windows=8)).metrics for n in ("ct", "awq")]
     assert metrics[0] == metrics[1]
     assert metrics[0]["kld_mean"] < 0.05

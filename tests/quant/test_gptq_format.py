@@ -5,7 +5,7 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.modeldir import read_tensors
 from optkit.quant import formats
 from optkit.quant.calibrate import CalibrationOptions
@@ -70,7 +70,7 @@ def test_both_formats_give_the_same_gate_numbers(tmp_path, draft_dir):
     config = json.loads((tmp_path / "gq" / "config.json").read_text())["quantization_config"]
     assert (config["quant_method"], config["bits"], config["group_size"], config["sym"]) == ("gptq", 4, 64, True)
     assert "model.layers.0.mlp.up_proj.qweight" in read_tensors(tmp_path / "gq")
-    metrics = [evaluate(tmp_path / name, draft_dir, Thresholds(), max_windows=16).metrics for name in ("ct", "gq")]
+    metrics = [evaluate(tmp_path / name, draft_dir, GateOptions(max_windows=16)).metrics for name in ("ct", "gq")]
     assert metrics[0] == metrics[1]
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
@@ -13,7 +13,7 @@ GROUP_SIZE = 128  # the group size docs/results.md uses
 
 def quality(tmp_path, small_dir, name: str, **options) -> dict:
     quantize_model(small_dir, tmp_path / name, QuantizeOptions(**options))
-    return evaluate(tmp_path / name, small_dir, Thresholds()).metrics
+    return evaluate(tmp_path / name, small_dir, GateOptions()).metrics
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ import torch
 from safetensors import safe_open
 
 from optkit.gate.evaluate import evaluate
-from optkit.gate.thresholds import Thresholds
+from optkit.gate.options import GateOptions
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import CalibrationOptions
@@ -72,7 +72,7 @@ def test_w8a8_artifact_is_int8_on_disk_and_in_memory(tmp_path, draft_dir, activa
     model = load_model(tmp_path / "q")
     down = model.model.layers[0].mlp.down_proj
     assert isinstance(down, W8A8Linear) and torch.equal(down.weight_t.T, weight)
-    assert evaluate(tmp_path / "q", draft_dir, Thresholds(), max_windows=8).metrics["kld_mean"] < 0.01
+    assert evaluate(tmp_path / "q", draft_dir, GateOptions(max_windows=8)).metrics["kld_mean"] < 0.01
 
 
 def test_transformers_loads_the_w8a8_artifact(tmp_path, draft_dir):
@@ -95,7 +95,7 @@ def test_smoothquant_acceptance_on_small(tmp_path, small_dir, small_outliers_dir
     def ppl_increase(model, method: str) -> float:
         out = tmp_path / f"{method}-{model.name}"
         quantize_model(model, out, QuantizeOptions(method=method, weights=sq.W8_PER_CHANNEL))
-        return evaluate(out, model, Thresholds()).metrics["ppl_increase_pct"]
+        return evaluate(out, model, GateOptions()).metrics["ppl_increase_pct"]
 
     assert ppl_increase(small_dir, "smoothquant") <= 1.0
     smooth, plain = ppl_increase(small_outliers_dir, "smoothquant"), ppl_increase(small_outliers_dir, "w8a8")

@@ -39,7 +39,7 @@ def blocks_in_use(engine: LLMEngine) -> tuple[int, int]:
     """Blocks held by live sequences: the target's cache, and the draft's (0 when there is none)."""
     target = engine.block_manager
     target.check_invariants()
-    draft = getattr(engine.speculator.proposer, "block_manager", None) if engine.speculator else None
+    draft = getattr(getattr(engine.decoding, "proposer", None), "block_manager", None)
     if draft is not None:
         draft.check_invariants()
     held = target.num_blocks - target.num_free_blocks
@@ -169,7 +169,7 @@ def test_async_streams_with_speculation_and_a_consumer_that_leaves(draft_dir, he
 
     try:
         full, cut, other = asyncio.run(main())
-        draft_blocks = engine.engine.speculator.proposer.block_manager
+        draft_blocks = engine.engine.decoding.proposer.block_manager
         deadline = time.monotonic() + 10  # the abort reaches the engine thread through its inbox
         while (engine.stats().kv_cache_usage or draft_blocks.usage) and time.monotonic() < deadline:
             time.sleep(0.02)

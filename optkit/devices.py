@@ -1,0 +1,27 @@
+"""The one place that turns `--device` and `--dtype` into what torch runs on: every command that
+loads a model (quantize, generate, serve, bench, compile, optkit run's stages) asks here."""
+
+from optkit.errors import OptkitError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_device(device: str = "auto") -> str:
+    """ "auto" -> "cuda" when a CUDA device is available, else "cpu"; a CUDA device asked for on a
+    machine without one is a user error naming the flag."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise OptkitError(f"--device {device} asked for, but no CUDA device is available: use --device cpu")
+    return device
+
+
+def resolve_dtype(dtype: str | None, device: str) -> str:
+    """ "auto" (or None) -> bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
+    if dtype in (None, "auto"):
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype not in DTYPES:
+        raise OptkitError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return dtype

@@ -1,0 +1,80 @@
+"""The engine's settings, declared once (as vLLM's `EngineArgs`): `optkit generate`, `serve`, `bench`
+and `compile` build their engine flags from these fields (cli/options.py), and a recipe's
+`serve.engine:` section has the same keys (routing/config.py). Field names are the keys; the flag
+of `max_num_seqs` is `--max-num-seqs`.
+
+`EngineArgs` is what the user said, where device and dtype may be "auto"; `engine_config()`
+resolves them (optkit/devices.py, the one resolver) into the `EngineConfig` that `LLMEngine` runs
+with. An `EngineConfig` is an `EngineArgs` whose device and dtype are concrete (cpu, float32 unless
+told otherwise: what a test or a script gets when it builds one directly).
+"""
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from optkit.devices import DTYPES, resolve_device, resolve_dtype
+from optkit.errors import OptkitError
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = "auto"  # cpu, cuda, cuda:N; auto: cuda when available, else cpu
+    dtype: str = "auto"  # float32, bfloat16, float16; auto: bfloat16 on CUDA, float32 on CPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_blocks: int | None = None  # default: max_num_seqs full-length sequences, capped by memory
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024
+    speculative: str | None = None  # "ngram" or "draft:PATH" (runtime/speculative.py); None: off
+    num_speculative_tokens: int = 4  # proposals per decoding sequence and step
+    # CUDA graphs and the compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
+    torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
+    compile_dir: str | None = None  # the local compile cache (default: $OPTKIT_CACHE/compile; never a model dir)
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineArgs":
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_waiting", "num_speculative_tokens"):
+            if getattr(self, name) < 1:
+                raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.dtype not in (*DTYPES, "auto"):
+            raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.speculative is not None:
+            from optkit.runtime.speculative import parse_speculative
+
+            parse_speculative(self.speculative)
+            if self.num_speculative_tokens >= self.max_num_batched_tokens:
+                raise OptkitError(
+                    f"--num-speculative-tokens {self.num_speculative_tokens} leaves no room in "
+                    f"--max-num-batched-tokens {self.max_num_batched_tokens}: lower the first or raise the second"
+                )
+        return self
+
+    @classmethod
+    def from_cli_args(cls, **flags) -> "EngineArgs":
+        """The flags a command was given (None: not given, the field's default holds)."""
+        return cls(**given(flags))
+
+    def engine_config(self) -> "EngineConfig":
+        """These settings with device and dtype resolved: what LLMEngine runs with."""
+        device = resolve_device(self.device)
+        return EngineConfig(**{**self.model_dump(), "device": device, "dtype": resolve_dtype(self.dtype, device)})
+
+
+class EngineConfig(EngineArgs):
+    """EngineArgs resolved: a concrete device and dtype."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    @model_validator(mode="after")
+    def _resolved(self) -> "EngineConfig":
+        assert "auto" not in (self.device, self.dtype), "resolve EngineArgs with engine_config()"
+        return self
+
+
+def given(flags: dict) -> dict:
+    """The flags that were given: those not None."""
+    return {name: value for name, value in flags.items() if value is not None}
