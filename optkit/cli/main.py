@@ -27,7 +27,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("quantize", no_args_is_help=False)(quantize_cmd.quantize)
+app.command("quantize", no_args_is_help=False, cls=quantize_cmd.QuantizeCommand)(quantize_cmd.quantize)
 app.command("eval")(eval_cmd.eval_)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("verify")(verify_cmd.verify)

@@ -3,6 +3,7 @@
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand
 
 from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json
 
@@ -10,9 +11,7 @@ from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json
 def quantize(
     out: OutDir,
     model: Annotated[str, typer.Argument(help="Model directory or reference model name.")] = "small",
-    method: Annotated[
-        str, typer.Option(help="rtn, gptq, awq (weight-only) or w8a8, smoothquant, smoothquant+gptq (int8 W8A8).")
-    ] = "rtn",
+    method: Annotated[str, typer.Option(help="Quantization method (the registered ones are listed below).")] = "rtn",
     bits: Annotated[int | None, typer.Option(help="Weight bits: 2, 3, 4 or 8 [default: 4; W8A8: 8].")] = None,
     group_size: Annotated[
         int | None, typer.Option(help="Input columns per scale; -1 = per channel [default: 128; W8A8: -1].")
@@ -22,7 +21,7 @@ def quantize(
         list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")
     ] = None,
     format: Annotated[
-        str, typer.Option(help="Checkpoint format: compressed-tensors, gptq or awq.")
+        str, typer.Option(help="Checkpoint format (the registered ones are listed below).")
     ] = "compressed-tensors",
     calib: Annotated[
         str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")
@@ -47,48 +46,56 @@ def quantize(
     Example: optkit quantize small --method smoothquant --alpha auto --out out/w8a8
     """
     from optkit.errors import OptkitError
+    from optkit.quant import methods
     from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.formats import format_names
     from optkit.quant.gptq import GPTQOptions
-    from optkit.quant.quantize import FORMATS, METHODS, W8A8_METHODS, QuantizeOptions, quantize_model
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.quant.smoothquant_layer import SmoothQuantOptions
     from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
 
-    if method not in METHODS:
-        raise OptkitError(f"unknown --method {method!r}: choose one of {', '.join(METHODS)}")
-    w8a8 = method in W8A8_METHODS
-    if w8a8 and (bits not in (None, 8) or group_size not in (None, -1) or not symmetric):
+    if method not in methods.method_names():
+        raise OptkitError(f"unknown --method {method!r}: choose one of {', '.join(methods.method_names())}")
+    fixed = methods.resolve(method).fixed_weights
+    if fixed is not None and (
+        bits not in (None, fixed.bits) or group_size not in (None, fixed.group_size) or symmetric != fixed.symmetric
+    ):
         raise OptkitError(f"--method {method} quantizes to int8 per output channel: drop --bits/--group-size/--asym")
-    bits = bits if bits is not None else (8 if w8a8 else 4)
-    group_size = group_size if group_size is not None else (-1 if w8a8 else 128)
+    bits = bits if bits is not None else (fixed.bits if fixed else 4)
+    group_size = group_size if group_size is not None else (fixed.group_size if fixed else 128)
+    alpha_value: float | str = alpha
     if alpha != "auto":
         try:
-            alpha_value: float | str = float(alpha)
+            alpha_value = float(alpha)
         except ValueError:
-            alpha_value = -1.0
-        if not 0 <= alpha_value <= 1:
-            raise OptkitError(f"--alpha {alpha} is invalid: give a number in [0, 1] or auto")
-    else:
-        alpha_value = "auto"
-    if act_quant not in ("dynamic", "static"):
-        raise OptkitError(f"--act-quant {act_quant!r} is invalid: choose dynamic or static")
-    if format not in FORMATS:
-        raise OptkitError(f"unknown --format {format!r}: choose one of {', '.join(FORMATS)}")
+            pass  # SmoothQuantOptions names what it accepts
+    smoothquant = _options(
+        SmoothQuantOptions, {"alpha": "--alpha", "activations": "--act-quant"}, alpha=alpha_value, activations=act_quant
+    )
+    if format not in format_names():
+        raise OptkitError(f"unknown --format {format!r}: choose one of {', '.join(format_names())}")
     if bits not in SUPPORTED_BITS:
         raise OptkitError(f"--bits {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
     if group_size != -1 and group_size <= 0:
         raise OptkitError(f"--group-size {group_size} is invalid: give a positive size or -1 for per channel")
-    if not method.endswith("gptq") and (act_order or static_groups):
-        raise OptkitError("--act-order and --static-groups are GPTQ options: add --method gptq")
-    if damp < 0 or block_size < 1:
-        raise OptkitError("--damp must be ≥ 0 and --block-size ≥ 1")
-    options = QuantizeOptions(
+    gptq = _options(
+        GPTQOptions,
+        {"damp": "--damp", "block_size": "--block-size"},
+        damp=damp,
+        block_size=block_size,
+        act_order=act_order,
+        static_groups=static_groups,
+    )
+    options = _options(
+        QuantizeOptions,
+        {},
         method=method,
         format=format,
         ignore=ignore or [],
         weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
-        gptq=GPTQOptions(damp=damp, block_size=block_size, act_order=act_order, static_groups=static_groups),
+        gptq=gptq,
         calibration=CalibrationOptions(calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed),
-        smoothquant=SmoothQuantOptions(alpha=alpha_value, activations=act_quant),
+        smoothquant=smoothquant,
     )
     warn_if_unloadable(options)
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
@@ -97,7 +104,7 @@ def quantize(
         return
     layers = manifest["layers"]
     summary = f"mean rel. weight error {sum(x['rel_error'] for x in layers) / len(layers):.4f}"
-    if method == "gptq":
+    if all("rtn_loss" in x for x in layers):  # GPTQ's layers compare their output error with RTN's
         loss, rtn_loss = sum(x["loss"] for x in layers), sum(x["rtn_loss"] for x in layers)
         summary += f", output error {loss:.4g} (RTN {rtn_loss:.4g})"
     peak = manifest["peak_memory"]
@@ -114,10 +121,44 @@ def quantize(
 def warn_if_unloadable(options) -> None:
     """One line on stderr when the installed loaders cannot read what is about to be written."""
     from optkit.compat.matrix import ArtifactKind, check_installed_versions
-    from optkit.quant.quantize import W8A8_METHODS
 
     w = options.weights
-    kind = ArtifactKind(options.format, w.bits, w.symmetric, w8a8=options.method in W8A8_METHODS)
+    kind = ArtifactKind(options.format, w.bits, w.symmetric, w8a8=options.activations is not None)
     warning = check_installed_versions(kind)
     if warning:
         typer.echo(f"warning: {warning}", err=True)
+
+
+def _options(model, flags: dict[str, str], **values):
+    """`model(**values)`; a validation error becomes one line naming the flag (`--damp -1.0 is
+    invalid: must be ≥ 0`), or the options' own message when no flag sets the field."""
+    from pydantic import ValidationError
+
+    from optkit.errors import OptkitError
+
+    try:
+        return model(**values)
+    except ValidationError as e:
+        error = e.errors()[0]
+        message = error["msg"].removeprefix("Value error, ")
+        field = str(error["loc"][0]) if error["loc"] else None
+        if field in flags:
+            raise OptkitError(f"{flags[field]} {values[field]!r} is invalid: {message}") from None
+        where = ".".join(str(p) for p in error["loc"])
+        raise OptkitError(f"{where}: {message}" if where else message) from None
+
+
+class QuantizeCommand(TyperCommand):
+    """`optkit quantize --help` lists the registered methods and formats: read from the registries
+    when help is asked for (so plug-ins show, and other commands never import them)."""
+
+    def format_help(self, ctx, formatter):
+        from optkit.quant import methods
+        from optkit.quant.formats import format_names
+
+        for param in self.params:
+            if param.name == "method":
+                param.help = "Quantization method: " + ", ".join(methods.method_names()) + "."
+            if param.name == "format":
+                param.help = "Checkpoint format: " + ", ".join(format_names()) + "."
+        return super().format_help(ctx, formatter)

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.families import model_types
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = model_types(runtime=True)  # the families of quant/families/ that this runtime runs
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # transformers' defaults, for keys a config.json may leave out
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}

@@ -5,6 +5,7 @@ copy). Quantized layers stay quantized: weight-only ones as `W4A16Linear` (packe
 dequantized per matmul), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors only.
 """
 
+import importlib
 import json
 from pathlib import Path
 
@@ -16,9 +17,8 @@ from optkit.kernels.w4a16 import W4A16Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
 from optkit.models.llama import CausalLM
+from optkit.quant.families import family_for
 
-# quant_method -> the tensor suffix that marks a weight-only quantized layer
-_MARKERS = {"compressed-tensors": "weight_packed", "gptq": "qweight", "awq": "qweight"}
 # tensors a checkpoint may carry that the runtime recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -32,7 +32,7 @@ def load_runtime_model(
     config_dict = read_config(path)
     config = ModelConfig.from_hf(config_dict, _generation_config(path))
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = _runtime_class(config.model_type)(config)
     tensors = read_tensors(path)
     quant_config = config_dict.get("quantization_config")
     consumed = _install_quantized(model, tensors, quant_config, dtype, path) if quant_config else set()
@@ -57,6 +57,12 @@ def load_runtime_model(
     return model.to(device).eval().requires_grad_(False)
 
 
+def _runtime_class(model_type: str) -> type[CausalLM]:
+    """The runtime model its family names (quant/families/), e.g. optkit.models.llama:CausalLM."""
+    module, _, name = family_for(model_type).runtime.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def _generation_config(path: Path) -> dict | None:
     file = path / "generation_config.json"
     if not file.exists():
@@ -79,7 +85,7 @@ def _install_quantized(
         modules = fmt.w8a8_modules(tensors, quant_config)
         suffixes = ("weight", "weight_scale", "input_scale", "bias")
     else:
-        marker = _MARKERS[quant_config["quant_method"]]
+        marker = fmt.MARKER  # the tensor suffix that marks a weight-only quantized layer
         scheme = fmt.scheme_from_config(quant_config)
         prefixes = [k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}")]
         modules = {}

@@ -10,37 +10,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from optkit.errors import OptkitError
 from optkit.gate.options import GateOptions
+from optkit.quant import methods
 from optkit.quant.quantize import QuantizeOptions
 from optkit.routing.config import ServeOptions
 from optkit.yaml_files import read_yaml_mapping
 
 
-STAGE_KINDS = {"smoothquant": "smoothing", "rtn": "weights", "gptq": "weights", "awq": "weights", "w8a8": "weights"}
-
-
 def method_of_stages(stages: list[str]) -> str:
-    """The quantize method that a list of stages composes to, or a user error naming the stage.
-
-    SmoothQuant rewrites the weights (it folds scales into them), so it must come before the one
-    stage that quantizes the weights; two weight quantizers cannot both quantize the same weights."""
-    if not stages:
-        raise ValueError("stages is empty: list at least one of " + ", ".join(STAGE_KINDS))
-    for index, stage in enumerate(stages, 1):
-        if stage not in STAGE_KINDS:
-            raise ValueError(f"stage {index} {stage!r} is unknown: choose from {', '.join(STAGE_KINDS)}")
-    weights = [s for s in stages if STAGE_KINDS[s] == "weights"]
-    if len(weights) > 1:
-        raise ValueError(f"stages {weights} both quantize the weights: keep one")
-    if "smoothquant" in stages and weights and stages.index("smoothquant") > stages.index(weights[0]):
-        raise ValueError(
-            f"stage {stages.index('smoothquant') + 1} 'smoothquant' cannot follow the weight-only stage "
-            f"{weights[0]!r}: smoothing rewrites the weights, so it must come first"
-        )
-    if "smoothquant" in stages:
-        if weights and weights[0] not in ("gptq", "rtn", "w8a8"):
-            raise ValueError(f"stage {weights[0]!r} cannot follow 'smoothquant': use gptq or rtn for the int8 weights")
-        return "smoothquant+gptq" if weights == ["gptq"] else "smoothquant"
-    return weights[0]
+    """The quantize method that a list of stages composes to, or a user error naming the stage
+    (the rules are in quant/methods/: which stage smooths, which quantizes the weights)."""
+    return methods.compose(stages).name
 
 
 class CompileOptions(BaseModel):
@@ -76,14 +55,25 @@ class Recipe(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _stages_set_the_method(cls, data):
-        if isinstance(data, dict) and data.get("stages") is not None:
+        """`stages: [smoothquant, gptq]`, or the same list as `quantize.method`, sets the method."""
+        if not isinstance(data, dict):
+            return data
+        quantize = data.get("quantize")
+        if data.get("stages") is None and isinstance(quantize, dict) and isinstance(quantize.get("method"), list):
+            data = {
+                **data,
+                "stages": quantize["method"],
+                "quantize": {k: v for k, v in quantize.items() if k != "method"},
+            }
+        if data.get("stages") is not None:
             quantize = dict(data.get("quantize") or {})
             method = method_of_stages(list(data["stages"]))
             if quantize.get("method") not in (None, method):
                 raise ValueError(f"quantize.method {quantize['method']!r} contradicts stages {data['stages']}")
             quantize["method"] = method
-            if method in ("smoothquant", "smoothquant+gptq", "w8a8"):
-                quantize.setdefault("weights", {"bits": 8, "group_size": -1, "symmetric": True})
+            fixed = methods.resolve(method).fixed_weights
+            if fixed is not None:
+                quantize.setdefault("weights", fixed.model_dump())
             data = {**data, "quantize": quantize}
         return data
 

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
+from optkit.quant.families.llama import LLAMA
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
 from optkit.quant.rtn import rtn_quantize, weight_error
 from optkit.weights.quantized import QuantizedWeight
@@ -32,20 +33,16 @@ class AWQOptions(BaseModel):
     search_samples: int = 32  # calibration sequences used by the scale and clip searches
 
 
-# (operation whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
-AWQ_GROUPS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-    ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
-)
+# (operation whose output channels absorb 1/s, linears scaled by s, block whose output is compared):
+# the family's smoothing groups (quant/families/); these are Llama's
+AWQ_GROUPS = LLAMA.smoothing_groups
 BLOCKS = ("self_attn.", "mlp.")  # scale, then quantize, one block after the other
 QK = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ does not clip them: their errors meet in q·kᵀ
 
 
 def _awq_groups(work: LayerWork):
     """The smoothing groups that apply to this layer: present, all linears targeted, shapes fold."""
-    for previous, linears, block in AWQ_GROUPS:
+    for previous, linears, block in work.family.smoothing_groups:
         try:
             prev = work.layer.get_submodule(previous)
             modules = [work.layer.get_submodule(n) for n in linears]
@@ -111,7 +108,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         """Attention first, then the MLP: each block's scales are searched and folded, then its
         linears clipped and quantized, so the MLP's search sees the quantized attention."""
         groups = list(_awq_groups(work))
-        ordered = [n for group in sequential_groups(work.layer) for n in group if n in work.targets]
+        ordered = [n for group in sequential_groups(work.layer, work.family) for n in group if n in work.targets]
         results: dict[str, tuple[QuantizedWeight, dict]] = {}
         for block in BLOCKS:
             searched: dict[str, dict] = {}

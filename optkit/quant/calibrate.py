@@ -21,16 +21,10 @@ from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
+from optkit.quant.families import Family, family_for
 from optkit.quant.gptq import accumulate_hessian, empty_hessian
 from optkit.weights.quantized import QuantizedWeight
 
-# True-sequential order of a Llama-family decoder layer (Mistral and Qwen2 use the same names).
-SEQUENTIAL_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
 GATE_EVAL_SETS = ("heldout",)
 
 
@@ -135,6 +129,8 @@ class LayerWork:
     report: Callable[[str, dict], None]  # called once per quantized linear with its stats
     # modules whose full-precision parameters the method changed (AWQ folds scales into norms)
     updated: dict[str, torch.nn.Module] = field(default_factory=dict)
+    # the model's family (quant/families/): true-sequential order, smoothing groups
+    family: Family = field(default_factory=lambda: family_for("llama"))
 
     def forward(self, samples: torch.Tensor) -> torch.Tensor:
         out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=None)
@@ -249,10 +245,12 @@ def capture_inputs(
     return buffers
 
 
-def sequential_groups(layer: torch.nn.Module) -> list[list[str]]:
-    """The layer's linear modules in true-sequential order; unknown ones last, one per group."""
+def sequential_groups(layer: torch.nn.Module, family: Family | None = None) -> list[list[str]]:
+    """The layer's linear modules in its family's true-sequential order (default: Llama's);
+    unknown ones last, one per group."""
+    family = family or family_for("llama")
     linears = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
-    groups = [[n for n in group if n in linears] for group in SEQUENTIAL_GROUPS]
+    groups = [[n for n in group if n in linears] for group in family.sequential_groups]
     known = {n for group in groups for n in group}
     return [g for g in groups if g] + [[n] for n in linears if n not in known]
 
@@ -283,6 +281,7 @@ def calibrate_layerwise(
     leaves the layer holding its quantized weights; yields each layer's results as soon as it is
     done, so that the caller can write them out rather than hold the whole model's."""
     stream = LayerStream(model_path, device)
+    family = family_for(stream.config.model_type)
     with torch.inference_mode():
         hidden = stream.embed(tokens)
         rope = stream.position_embeddings(tokens.shape[1])
@@ -298,7 +297,7 @@ def calibrate_layerwise(
             with torch.inference_mode():
                 layer = stream.load_layer(index)
                 local_targets = {t.removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")}
-                work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report)
+                work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report, family=family)
                 result = LayerResult(prefix, {f"{prefix}.{n}": r for n, r in procedure(work).items()}, {})
                 for name, module in work.updated.items():
                     for param, value in module.named_parameters():

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.errors import OptkitError
 from optkit.quant.rtn import minmax_qparams
@@ -32,6 +32,20 @@ class GPTQOptions(BaseModel):
     act_order: bool = False  # quantize columns by descending H_ii (the most sensitive first)
     static_groups: bool = False  # group parameters from the unpermuted W: contiguous g_idx
     max_damp_retries: int = 6  # each retry multiplies the dampening by 10
+
+    @field_validator("damp")
+    @classmethod
+    def _damp_not_negative(cls, value: float) -> float:
+        if not value >= 0:
+            raise ValueError("must be ≥ 0")
+        return value
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be ≥ 1")
+        return value
 
 
 @dataclass

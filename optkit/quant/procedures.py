@@ -25,7 +25,7 @@ def gptq_procedure(scheme: WeightScheme, options: GPTQOptions) -> LayerProcedure
 
     def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
         results = {}
-        for group in sequential_groups(work.layer):
+        for group in sequential_groups(work.layer, work.family):
             group = [n for n in group if n in work.targets]
             if not group:
                 continue

@@ -9,10 +9,18 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from safetensors.torch import save_file
 
 from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256
@@ -22,65 +30,130 @@ from optkit.manifest import MANIFEST, write_manifest
 from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
-from optkit.quant import rtn
-from optkit.quant.awq_layer import AWQOptions, awq_procedure
-from optkit.quant.calibrate import (
-    CalibrationOptions,
-    LayerProcedure,
-    LayerResult,
-    calibrate_layerwise,
-    calibration_data,
-)
-from optkit.quant.formats import FORMATS, get_format
+from optkit.quant import methods, rtn
+from optkit.quant.awq_layer import AWQOptions
+from optkit.quant.calibrate import CalibrationOptions, LayerResult, calibrate_layerwise, calibration_data
+from optkit.quant.formats import format_names, get_format
 from optkit.quant.gptq import GPTQOptions
-from optkit.quant.procedures import gptq_procedure
-from optkit.quant.smoothquant import W8_PER_CHANNEL
-from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_procedure
+from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 from optkit.weights.schemes import WeightScheme
 
-Method = Literal["rtn", "gptq", "awq", "w8a8", "smoothquant", "smoothquant+gptq"]
-METHODS = get_args(Method)
-W8A8_METHODS = ("w8a8", "smoothquant", "smoothquant+gptq")
-
 
 class QuantizeOptions(BaseModel):
-    """Everything that decides the artifact's weights; the field names are the recipe keys."""
+    """Everything that decides the artifact's weights; the field names are the recipe keys.
+
+    `method` is a registered method (quant/methods/), a composition's canonical name
+    (`smoothquant+gptq`) or, in a recipe, the list of its stages (`[smoothquant, gptq]`). The
+    built-in methods' sections are declared here, as every optkit.json records them; a plug-in
+    method's section (`quantize.<its section>`) is validated by its own options model."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Method = "rtn"
+    method: str = "rtn"
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
-    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
+    format: str = "compressed-tensors"
     gptq: GPTQOptions = Field(default_factory=GPTQOptions)
     awq: AWQOptions = Field(default_factory=AWQOptions)
     smoothquant: SmoothQuantOptions = Field(default_factory=SmoothQuantOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    _plugin_sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _registered_method(cls, value):
+        if isinstance(value, list | tuple):
+            return methods.compose(value).name
+        return methods.resolve(value).name if isinstance(value, str) else value
+
+    @field_validator("format")
+    @classmethod
+    def _registered_format(cls, value: str) -> str:
+        if value not in format_names():
+            raise ValueError(f"unknown format {value!r}: choose one of {', '.join(format_names())}")
+        return value
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _plugin_method_sections(cls, data, handler):
+        """Validate the sections of plug-in methods with their own options models."""
+        if not isinstance(data, dict):
+            return handler(data)
+        registered = methods.registered_methods().values()
+        plugins = {m.section: m for m in registered if m.options and m.section not in cls.model_fields}
+        sections = {}
+        for key in [k for k in data if k in plugins]:
+            try:
+                sections[key] = plugins[key].options.model_validate(data[key] or {})
+            except ValidationError as e:
+                error = e.errors()[0]
+                where = ".".join(str(p) for p in (key, *error["loc"]))
+                raise ValueError(f"{where}: {error['msg'].removeprefix('Value error, ')}") from None
+        self = handler({k: v for k, v in data.items() if k not in plugins})
+        for stage in self.composition.stages:
+            if stage.section in plugins and stage.section not in sections:
+                sections[stage.section] = stage.options()
+        self._plugin_sections = sections
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_plugin_sections(self, handler):
+        data = handler(self)
+        if isinstance(data, dict):
+            data.update({k: v.model_dump() for k, v in self._plugin_sections.items()})
+        return data
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.method in W8A8_METHODS and self.weights != W8_PER_CHANNEL:
+        composition = self.composition
+        fixed = composition.fixed_weights
+        if fixed is not None and self.weights != fixed:
             raise ValueError(
-                f"{self.method} quantizes weights to int8 per output channel (bits 8, group_size -1, "
-                "symmetric): leave the weight scheme at that"
+                f"{self.method} quantizes weights to int{fixed.bits} per output channel (bits {fixed.bits}, "
+                f"group_size {fixed.group_size}, {'symmetric' if fixed.symmetric else 'asymmetric'}): "
+                "leave the weight scheme at that"
             )
-        if not self.method.endswith("gptq") and (self.gptq.act_order or self.gptq.static_groups):
-            raise ValueError("act_order and static_groups are GPTQ options: use them with method gptq")
+        for stage in composition.stages:
+            if stage.bits is not None and self.weights.bits not in stage.bits:
+                raise ValueError(
+                    f"{stage.name} quantizes to {', '.join(map(str, stage.bits))} bits, not {self.weights.bits}"
+                )
+        for method in methods.registered_methods().values():
+            if method.unused is not None and not composition.uses(method.name):
+                problem = method.unused(self.section(method))
+                if problem:
+                    raise ValueError(problem)
         return self
+
+    @property
+    def composition(self) -> methods.Composition:
+        return methods.resolve(self.method)
+
+    def section(self, method: methods.Method) -> BaseModel | None:
+        """The options of `method` (its recipe section)."""
+        if method.section is None:
+            return None
+        if method.section in type(self).model_fields:
+            return getattr(self, method.section)
+        return self._plugin_sections.get(method.section) or method.options()
 
     @property
     def activations(self) -> str | None:
         """None for weight-only methods; "dynamic" or "static" int8 activations for W8A8."""
-        return self.smoothquant.activations if self.method in W8A8_METHODS else None
+        for stage in self.composition.stages:
+            if stage.activations is not None:
+                return stage.activations(self)
+        return None
 
     @property
     def act_order(self) -> bool | str:
         """How the format must describe the column order: False, "group" (g_idx) or "weight"."""
-        if not self.method.endswith("gptq") or not self.gptq.act_order:
-            return False
-        return "weight" if self.gptq.static_groups else "group"
+        for stage in self.composition.stages:
+            if stage.act_order is not None:
+                return stage.act_order(self.section(stage))
+        return False
 
 
 def resolve_device(device: str) -> torch.device:
@@ -111,6 +184,12 @@ def quantize_model(
         [(t.name, t.in_features, t.out_features) for t in targets],
         options.activations,
     )
+    for stage in options.composition.stages:
+        if stage.formats is not None and options.format not in stage.formats:
+            raise OptkitError(
+                f"--method {stage.name} cannot be written as --format {options.format}: "
+                f"use --format {' or '.join(stage.formats)}"
+            )
 
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
@@ -190,9 +269,11 @@ def _quantize_weights(
 ) -> tuple[dict, Iterator[LayerResult]]:
     """The calibration record, and the quantized layers as they are done (each with its linears'
     (quantized weight, stats) and the full-precision tensors the method changed)."""
-    if options.method == "rtn":
+    composition = options.composition
+    if composition.quantize_weight is not None:
         no_calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
-        return no_calibration, _quantize_rtn(TensorReader(base), targets, options.weights)
+        layers = _quantize_data_free(TensorReader(base), targets, options.weights, composition)
+        return no_calibration, layers
     data = calibration_data(load_tokenizer(base), options.calibration)
     calibration = {
         "name": options.calibration.calib,
@@ -204,7 +285,7 @@ def _quantize_weights(
         base,
         data.tokens,
         {t.name for t in targets},
-        _procedure(options),
+        composition.procedure(options),
         device=resolve_device(device),
         batch_size=options.calibration.batch_size,
         label=f"{options.method} {options.weights.describe()}",
@@ -212,34 +293,26 @@ def _quantize_weights(
     return calibration, layers
 
 
-def _procedure(options: QuantizeOptions) -> LayerProcedure:
-    if options.method == "gptq":
-        return gptq_procedure(options.weights, options.gptq)
-    if options.method == "awq":
-        return awq_procedure(options.weights, options.awq)
-    smoothquant = options.smoothquant
-    if options.method == "w8a8":
-        smoothquant = smoothquant.model_copy(update={"smooth": False})
-    weights = "gptq" if options.method == "smoothquant+gptq" else "rtn"
-    return smoothquant_procedure(smoothquant, weights, options.gptq)
-
-
 def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
     """Scales are stored in the checkpoint's half dtype (bf16 for fp32 checkpoints)."""
     return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
-def _quantize_rtn(reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme) -> Iterator[LayerResult]:
-    """One result per linear: RTN needs no calibration, so each weight is read, rounded and let go."""
+def _quantize_data_free(
+    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme, composition: methods.Composition
+) -> Iterator[LayerResult]:
+    """One result per linear: RTN (or another data-free method) needs no calibration, so each
+    weight is read, quantized and let go."""
+    quantize_weight = composition.quantize_weight
     with progress_bar() as bar:
-        task = bar.add_task(f"rtn {scheme.describe()}", total=len(targets), info="")
+        task = bar.add_task(f"{composition.name} {scheme.describe()}", total=len(targets), info="")
         for target in targets:
             weight = reader.get(f"{target.name}.weight")
             if not torch.isfinite(weight).all():
                 raise OptkitError(
                     f"{target.name}: the weight contains NaN or inf: repair the checkpoint before quantizing"
                 )
-            qw = rtn.rtn_quantize(weight, scheme, scale_dtype=_scale_dtype(weight))
+            qw = quantize_weight(weight, scheme, scale_dtype=_scale_dtype(weight))
             stats = rtn.weight_error(weight, qw.dequantize())
             bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
             yield LayerResult(target.name, {target.name: (qw, stats)}, {})
@@ -253,4 +326,4 @@ def _copy_side_files(base: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-__all__ = ["FORMATS", "METHODS", "QuantizeOptions", "quantize_model"]
+__all__ = ["QuantizeOptions", "quantize_model"]

@@ -5,11 +5,12 @@ calibrated per-tensor input scale when activations are static (the math is in sm
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.kernels.w8a8 import INT8_MAX
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
+from optkit.quant.families.llama import LLAMA
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
 from optkit.quant.rtn import rtn_quantize, weight_error
@@ -27,12 +28,23 @@ class SmoothQuantOptions(BaseModel):
     activations: Literal["dynamic", "static"] = "dynamic"  # per-token at run time, or one calibrated scale
     search_samples: int = 32
 
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha_in_unit_interval(cls, value):
+        if value == "auto":
+            return value
+        try:
+            alpha = float(value)
+        except (TypeError, ValueError):
+            alpha = -1.0
+        if isinstance(value, bool) or not 0 <= alpha <= 1:
+            raise ValueError("give a number in [0, 1] or auto")
+        return value
 
-# (norm whose output channels absorb 1/s, linears it feeds, block whose output "auto" compares)
-SMOOTHING_GROUPS = (
-    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-)
+
+# (norm whose output channels absorb 1/s, linears it feeds, block whose output "auto" compares):
+# the family's norm-fed smoothing groups (quant/families/); these are Llama's
+SMOOTHING_GROUPS = LLAMA.norm_groups
 
 
 def _input_absmax(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
@@ -77,7 +89,7 @@ def smoothquant_procedure(
 
     def smooth(work: LayerWork) -> dict[str, dict]:
         searched: dict[str, dict] = {}
-        for previous, linears, block in SMOOTHING_GROUPS:
+        for previous, linears, block in work.family.norm_groups:
             if not all(n in work.targets for n in linears):
                 continue
             act_absmax = _input_absmax(work, [linears[0]])[linears[0]]
@@ -91,7 +103,7 @@ def smoothquant_procedure(
     def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
         searched = smooth(work) if options.smooth else {}
         results = {}
-        for group in sequential_groups(work.layer):
+        for group in sequential_groups(work.layer, work.family):
             group = [n for n in group if n in work.targets]
             if not group:
                 continue

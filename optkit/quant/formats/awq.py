@@ -18,8 +18,13 @@ from optkit.weights.schemes import WeightScheme
 
 NAME = "awq"
 SUFFIXES = ("qweight", "qzeros", "scales")
+MARKER = "qweight"  # the suffix that marks a quantized linear
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column held by nibble i of each int32
 OFFSET = 8  # signed 4-bit q in [-8, 7] <-> unsigned [0, 15]
+
+
+def detect(quant_config: dict) -> bool:
+    return quant_config.get("quant_method") == NAME
 
 
 def check(

@@ -28,6 +28,11 @@ NAME = "compressed-tensors"
 FORMAT = "pack-quantized"
 W8A8_FORMAT = "int-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+MARKER = "weight_packed"  # the suffix that marks a quantized linear
+
+
+def detect(quant_config: dict) -> bool:
+    return quant_config.get("quant_method") == NAME
 
 
 def check(

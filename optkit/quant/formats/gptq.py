@@ -20,6 +20,11 @@ from optkit.weights.schemes import WeightScheme
 
 NAME = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+MARKER = "qweight"  # the suffix that marks a quantized linear
+
+
+def detect(quant_config: dict) -> bool:
+    return quant_config.get("quant_method") == NAME
 
 
 def check(

@@ -1,0 +1,74 @@
+"""Model families, found by `model_type`: what quantization needs to know of a decoder layer
+(the linears in true-sequential order, the smoothing groups) and which runtime module runs it.
+
+Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family`, imported in
+`_BUILTIN` below. A model_type no family claims is calibrated with Llama's names (only the names
+its layers have count; other linears go last, one at a time), and the runtime refuses it.
+"""
+
+import importlib
+from dataclasses import dataclass
+
+# (module whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
+SmoothingGroup = tuple[str, tuple[str, ...], str]
+
+
+@dataclass(frozen=True)
+class Family:
+    """sequential_groups: local linear names of one decoder layer, grouped in the order calibration
+    quantizes them (each group's inputs come from the already-quantized groups before it).
+    smoothing_groups: which norm or linear precedes which linears (AWQ uses all of them; SmoothQuant
+    the norm-fed ones, `norm_groups`). runtime: "module:class" of the runtime model (optkit/models/),
+    named as text so quant/ never imports the runtime."""
+
+    name: str
+    model_types: tuple[str, ...]
+    sequential_groups: tuple[tuple[str, ...], ...]
+    smoothing_groups: tuple[SmoothingGroup, ...] = ()
+    runtime: str | None = None
+
+    @property
+    def norm_groups(self) -> tuple[SmoothingGroup, ...]:
+        """The smoothing groups fed by a norm (not by another linear of the layer)."""
+        linears = {n for group in self.sequential_groups for n in group}
+        return tuple(g for g in self.smoothing_groups if g[0] not in linears)
+
+
+_FALLBACK = "llama"
+_REGISTRY: dict[str, Family] = {}
+_BUILTIN = ("llama",)
+_loaded = False
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for name in _BUILTIN:
+            importlib.import_module(f"optkit.quant.families.{name}")
+
+
+def register_family(family: Family) -> Family:
+    _load_builtin()
+    taken = [t for t in family.model_types if t in _REGISTRY]
+    if taken:
+        raise ValueError(f"model_type {taken[0]!r} already belongs to family {_REGISTRY[taken[0]].name!r}")
+    _REGISTRY.update(dict.fromkeys(family.model_types, family))
+    return family
+
+
+def unregister_family(family: Family) -> None:
+    for model_type in family.model_types:
+        if _REGISTRY.get(model_type) is family:
+            del _REGISTRY[model_type]
+
+
+def family_for(model_type: str | None) -> Family:
+    _load_builtin()
+    return _REGISTRY.get(model_type) or _REGISTRY[_FALLBACK]
+
+
+def model_types(runtime: bool = False) -> tuple[str, ...]:
+    """Every registered model_type (with `runtime`, those the optkit runtime runs)."""
+    _load_builtin()
+    return tuple(t for t, f in _REGISTRY.items() if f.runtime or not runtime)

@@ -1,0 +1,8 @@
+"""Round to nearest: each weight on its own, no calibration data (the math is in quant/rtn.py)."""
+
+from optkit.quant.methods import Method, register_method
+from optkit.quant.rtn import rtn_quantize
+
+RTN = register_method(
+    Method(name="rtn", summary="round to nearest, no calibration (weight-only)", quantize_weight=rtn_quantize)
+)
