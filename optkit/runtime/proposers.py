@@ -11,8 +11,10 @@ masses, or a greedy request), and forgets a sequence on `release` (finished or p
 """
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -25,6 +27,20 @@ from optkit.runtime.sequence import Sequence, SequenceStatus
 Proposal = tuple[list[int], torch.Tensor | None]  # token ids d_1..d_n, their q [n, V] or None
 
 NGRAM_MIN, NGRAM_MAX = 1, 4
+
+
+class Proposer(Protocol):
+    """What speculative decoding needs of a proposer (see the module doc)."""
+
+    name: str
+
+    def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
+        """Per (sequence, k): up to k proposed token ids and their q [n, V] (None: point masses)."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forget `seq` (finished or preempted): free whatever the proposer holds for it."""
+
+
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator must not replay the target's random stream
 
 
@@ -202,6 +218,22 @@ class DraftModelProposer:
             self._generators.pop(seq.seq_id, None)
 
 
+# --speculative KIND[:ARG] -> factory(ARG, target, tokenizer, num_blocks, block_size,
+# enable_prefix_caching, dtype, device) -> Proposer
+ProposerFactory = Callable[..., Proposer]
+PROPOSERS: dict[str, ProposerFactory] = {}
+
+
+def register_proposer(kind: str, factory: ProposerFactory) -> None:
+    if kind in PROPOSERS:
+        raise ValueError(f"proposer {kind!r} is already registered")
+    PROPOSERS[kind] = factory
+
+
+def unregister_proposer(kind: str) -> None:
+    PROPOSERS.pop(kind, None)
+
+
 def make_proposer(
     spec: str,
     target,
@@ -211,16 +243,23 @@ def make_proposer(
     enable_prefix_caching: bool,
     dtype: torch.dtype,
     device: str,
-):
-    """The proposer `--speculative` names ('ngram' or 'draft:PATH'). A draft gets as many KV blocks
-    as the target (its blocks are smaller when the model is)."""
-    from optkit.modeldir import load_tokenizer
-    from optkit.models.loader import load_runtime_model
+) -> Proposer:
+    """The proposer `--speculative` names ('ngram' or 'draft:PATH'), from `PROPOSERS`."""
     from optkit.runtime.speculative import parse_speculative
 
     kind, path = parse_speculative(spec)
-    if kind == "ngram":
-        return NgramProposer()
+    return PROPOSERS[kind](path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device)
+
+
+def _ngram(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device) -> Proposer:
+    return NgramProposer()
+
+
+def _draft(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device) -> Proposer:
+    """A draft model with the target's tokenizer; as many KV blocks as the target."""
+    from optkit.modeldir import load_tokenizer
+    from optkit.models.loader import load_runtime_model
+
     model = load_runtime_model(path, dtype=dtype, device=device)
     name = Path(str(path)).name
     if model.config.vocab_size != target.config.vocab_size:
@@ -231,3 +270,7 @@ def make_proposer(
     if load_tokenizer(path).get_vocab() != tokenizer.get_vocab():
         raise OptkitError(f"--speculative draft:{path}: {name}'s tokenizer is not the target's: use one that is")
     return DraftModelProposer(model, num_blocks, block_size, enable_prefix_caching)
+
+
+register_proposer("ngram", _ngram)
+register_proposer("draft", _draft)
