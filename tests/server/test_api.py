@@ -14,18 +14,6 @@ from tests.server.fake_engine import FakeEngine
 KEY = "sk-test"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from optkit.modeldir import load_tokenizer
-
-    return load_tokenizer("small")
-
-
-@pytest.fixture
-def engine(tokenizer) -> FakeEngine:
-    return FakeEngine(tokenizer)
-
-
 @pytest.fixture
 def client(engine) -> TestClient:
     return TestClient(build_app(engine, api_key=None), raise_server_exceptions=False)

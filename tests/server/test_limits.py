@@ -18,18 +18,6 @@ from tests.server.test_api import KEY, assert_error
 CAP = 4096
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from optkit.modeldir import load_tokenizer
-
-    return load_tokenizer("small")
-
-
-@pytest.fixture
-def engine(tokenizer) -> FakeEngine:
-    return FakeEngine(tokenizer)
-
-
 @pytest.fixture
 def client(engine) -> TestClient:
     return TestClient(build_app(engine, None, limits=Limits(max_request_bytes=CAP)), raise_server_exceptions=False)

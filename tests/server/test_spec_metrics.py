@@ -3,7 +3,6 @@ the proposer's acceptance (and nothing when speculation is off)."""
 
 import dataclasses
 
-import pytest
 from starlette.testclient import TestClient
 
 from optkit.server.app import build_app
@@ -22,13 +21,6 @@ class SpeculatingEngine(FakeEngine):
             spec_acceptance_rate=0.75,
             spec_mean_accepted_tokens=3.0,
         )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from optkit.modeldir import load_tokenizer
-
-    return load_tokenizer("small")
 
 
 def samples(client: TestClient) -> dict[str, float]:

@@ -6,8 +6,9 @@ Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family
 its layers have count; other linears go last, one at a time), and the runtime refuses it.
 """
 
-import importlib
 from dataclasses import dataclass
+
+from optkit.quant.plugins import import_once
 
 # (module whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
 SmoothingGroup = tuple[str, tuple[str, ...], str]
@@ -37,15 +38,7 @@ class Family:
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
 _BUILTIN = ("llama",)
-_loaded = False
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for name in _BUILTIN:
-            importlib.import_module(f"optkit.quant.families.{name}")
+_load_builtin = import_once(__name__, _BUILTIN)
 
 
 def register_family(family: Family) -> Family:

@@ -8,7 +8,6 @@ the name recorded in optkit.json). Adding a method: one module that calls `regis
 its import in `_BUILTIN` below (or, from outside optkit, a call to `register_method`).
 """
 
-import importlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from optkit.quant.plugins import import_once
 from optkit.weights.schemes import WeightScheme
 
 # options (the whole QuantizeOptions), the stage that follows a smoothing stage (or None) -> procedure
@@ -65,15 +65,7 @@ class Method:
 
 _REGISTRY: dict[str, Method] = {}
 _BUILTIN = ("rtn", "gptq", "awq", "w8a8", "smoothquant")  # registration order is --help's order
-_loaded = False
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for name in _BUILTIN:
-            importlib.import_module(f"optkit.quant.methods.{name}")
+_load_builtin = import_once(__name__, _BUILTIN)
 
 
 def register_method(method: Method) -> Method:
