@@ -18,7 +18,7 @@ from optkit.server.errors import error_response
 
 MIB = 1 << 20
 MIN_MAX_REQUEST_BYTES = 4 * MIB
-BYTES_PER_CONTEXT_TOKEN = 32  # room for a context-filling prompt of \uXXXX-escaped characters
+BYTES_PER_CONTEXT_TOKEN = 32  # room for a context-filling prompt of JSON-escaped characters (6 bytes each)
 BODY_TIMEOUT_S = 30.0
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
