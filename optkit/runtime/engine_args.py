@@ -42,7 +42,7 @@ class EngineArgs(BaseModel):
         if self.dtype not in (*DTYPES, "auto"):
             raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.speculative is not None:
-            from optkit.runtime.speculative import parse_speculative
+            from optkit.runtime.proposers import parse_speculative
 
             parse_speculative(self.speculative)
             if self.num_speculative_tokens >= self.max_num_batched_tokens:

@@ -221,17 +221,36 @@ class DraftModelProposer:
 # --speculative KIND[:ARG] -> factory(ARG, target, tokenizer, num_blocks, block_size,
 # enable_prefix_caching, dtype, device) -> Proposer
 ProposerFactory = Callable[..., Proposer]
-PROPOSERS: dict[str, ProposerFactory] = {}
 
 
-def register_proposer(kind: str, factory: ProposerFactory) -> None:
+@dataclass(frozen=True)
+class ProposerKind:
+    factory: ProposerFactory
+    takes_arg: bool  # KIND:ARG (e.g. draft:PATH) or KIND alone
+    usage: str  # how --speculative names it, for the error that lists the kinds
+
+
+PROPOSERS: dict[str, ProposerKind] = {}
+
+
+def register_proposer(kind: str, factory: ProposerFactory, *, takes_arg: bool = False, usage: str = "") -> None:
     if kind in PROPOSERS:
         raise ValueError(f"proposer {kind!r} is already registered")
-    PROPOSERS[kind] = factory
+    PROPOSERS[kind] = ProposerKind(factory, takes_arg, usage or repr(kind))
 
 
 def unregister_proposer(kind: str) -> None:
     PROPOSERS.pop(kind, None)
+
+
+def parse_speculative(value: str) -> tuple[str, str | None]:
+    """`--speculative` -> (kind, argument): 'ngram' -> ('ngram', None), 'draft:PATH' -> ('draft', PATH)."""
+    kind, _, arg = value.partition(":")
+    registered = PROPOSERS.get(kind)
+    if registered is not None and registered.takes_arg == bool(arg):
+        return kind, arg or None
+    kinds = " or ".join(k.usage for k in PROPOSERS.values())
+    raise OptkitError(f"unknown --speculative {value!r}: use {kinds}")
 
 
 def make_proposer(
@@ -244,11 +263,10 @@ def make_proposer(
     dtype: torch.dtype,
     device: str,
 ) -> Proposer:
-    """The proposer `--speculative` names ('ngram' or 'draft:PATH'), from `PROPOSERS`."""
-    from optkit.runtime.speculative import parse_speculative
-
-    kind, path = parse_speculative(spec)
-    return PROPOSERS[kind](path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device)
+    """The proposer `--speculative` names (e.g. 'ngram' or 'draft:PATH'), from `PROPOSERS`."""
+    kind, arg = parse_speculative(spec)
+    factory = PROPOSERS[kind].factory
+    return factory(arg, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device)
 
 
 def _ngram(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device) -> Proposer:
@@ -272,5 +290,7 @@ def _draft(path, target, tokenizer, num_blocks, block_size, enable_prefix_cachin
     return DraftModelProposer(model, num_blocks, block_size, enable_prefix_caching)
 
 
-register_proposer("ngram", _ngram)
-register_proposer("draft", _draft)
+register_proposer("ngram", _ngram, usage="'ngram' (prompt lookup)")
+register_proposer(
+    "draft", _draft, takes_arg=True, usage="'draft:PATH' (a model with the target's tokenizer, e.g. draft:draft)"
+)

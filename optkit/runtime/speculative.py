@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import torch
 
-from optkit.errors import OptkitError
 from optkit.runtime.sampler import (
     Sampler,
     TokenLogprobs,
@@ -54,19 +53,6 @@ from optkit.runtime.scheduler import ScheduledSequence
 from optkit.runtime.sequence import Sequence
 
 PROPOSERS = ("ngram", "draft:PATH")
-
-
-def parse_speculative(value: str) -> tuple[str, str | None]:
-    """`--speculative` -> (kind, draft model path): 'ngram' -> ('ngram', None), 'draft:PATH' -> ('draft', PATH)."""
-    kind, _, path = value.partition(":")
-    if kind == "ngram" and not path:
-        return "ngram", None
-    if kind == "draft" and path:
-        return "draft", path
-    raise OptkitError(
-        f"unknown --speculative {value!r}: use 'ngram' (prompt lookup) or 'draft:PATH' "
-        "(a model with the target's tokenizer, e.g. draft:draft)"
-    )
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
