@@ -1,8 +1,10 @@
 """The runtime's model configuration, read from a Hugging Face config.json dict.
 
 Supported: model_type llama, mistral, qwen2, qwen3 (qwen3 adds an RMSNorm on each query and key
-head). RoPE frequencies follow transformers' `modeling_rope_utils` formula for formula, so
-positions rotate exactly as in the transformers model.
+head), granite (Llama with embedding, residual, attention and logit multipliers) and olmo2 (norms on
+each sublayer's output instead of its input, RMSNorms over the whole q and k). RoPE frequencies
+follow transformers' `modeling_rope_utils` formula for formula, so positions rotate exactly as in
+the transformers model.
 """
 
 import math
@@ -16,7 +18,14 @@ from optkit.quant.families import model_types
 MODEL_TYPES = model_types(runtime=True)  # the families of quant/families/ that this runtime runs
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # transformers' defaults, for keys a config.json may leave out
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
+_DEFAULT_MAX_POSITIONS = {
+    "llama": 2048,
+    "mistral": 4096 * 32,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "granite": 2048,
+    "olmo2": 2048,
+}
 _DEFAULT_RMS_EPS = 1e-6
 _DEFAULT_THETA = 10000.0
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -38,7 +47,15 @@ class ModelConfig:
     qkv_bias: bool = False  # q/k/v projections have a bias (qwen2; llama/qwen3 with attention_bias)
     o_bias: bool = False  # o_proj has a bias (llama/qwen3 with attention_bias)
     mlp_bias: bool = False  # gate/up/down have a bias (llama with mlp_bias)
-    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (qwen3)
+    # RMSNorm on q and k before RoPE: "head" over each head (qwen3), "full" over all heads at once (olmo2)
+    qk_norm: str | None = None
+    post_norms: bool = False  # norms on each sublayer's output before the residual add, none on its input (olmo2)
+    norm_weight_in_float32: bool = False  # the norm weight multiplies before the cast back (olmo2)
+    # granite: h = embed·embedding_multiplier; h += sublayer·residual_multiplier; logits / logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the attention scale; None: 1/√head_dim
+    logits_scaling: float = 1.0
     eos_token_ids: list[int] = field(default_factory=list)
     # standardized as transformers does: always rope_type and rope_theta, plus the type's own keys
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": _DEFAULT_THETA})
@@ -68,6 +85,7 @@ class ModelConfig:
         default_head_dim = 128 if model_type == "qwen3" else config["hidden_size"] // heads
         max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
         attention_bias = bool(config.get("attention_bias", False))
+        granite = model_type == "granite"
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -80,10 +98,16 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", _DEFAULT_RMS_EPS),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-            o_bias=model_type in ("llama", "qwen3") and attention_bias,
-            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", "granite", "olmo2") and attention_bias),
+            o_bias=model_type in ("llama", "qwen3", "granite", "olmo2") and attention_bias,
+            mlp_bias=model_type in ("llama", "granite") and bool(config.get("mlp_bias", False)),
+            qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
+            post_norms=model_type == "olmo2",
+            norm_weight_in_float32=model_type == "olmo2",
+            embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
+            attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else None,
+            logits_scaling=float(config.get("logits_scaling", 1.0)) if granite else 1.0,
             eos_token_ids=_eos_token_ids(config, generation_config or {}),
             rope_parameters=standardize_rope(config, max_positions),
         )

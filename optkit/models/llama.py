@@ -1,6 +1,7 @@
-"""The runtime's decoder (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE, grouped-query attention over
-the paged KV cache, SwiGLU MLP. Module names follow transformers (`model.layers.{i}.self_attn.q_proj`
-...), so checkpoints load by key and quantized layers keep their names.
+"""The runtime's decoder (Llama, Mistral, Qwen2, Qwen3, Granite, OLMo 2): RMSNorm, RoPE, grouped-query
+attention over the paged KV cache, SwiGLU MLP; the families' differences are ModelConfig fields.
+Module names follow transformers (`model.layers.{i}.self_attn.q_proj` ...), so checkpoints load by
+key and quantized layers keep their names.
 
 A step runs T packed tokens (docs/runtime.md): input_ids and positions are [T], no batch dim.
 """
@@ -31,17 +32,25 @@ def allocate_kv_caches(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, weight_in_float32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.weight_in_float32 = weight_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm)
+        # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
+        # after it (Olmo2RMSNorm)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_float32:
+            return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def make_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
+    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_weight_in_float32)
 
 
 def rope_cos_sin(
@@ -65,24 +74,29 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":
+            self.q_norm, self.k_norm = make_norm(config, self.head_dim), make_norm(config, self.head_dim)
+        elif config.qk_norm == "full":  # over the whole projected q and k, before the split into heads
+            self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
-        q = self.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)  # q: [T, Hq, D]
-        k = self.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
+        q, k = self.q_proj(h), self.k_proj(h)  # q: [T, Hq·D], k: [T, Hkv·D]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # q: [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
         v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
@@ -104,16 +118,30 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norms (h += sublayer(norm(h))), or with `post_norms` (OLMo 2) h += norm(sublayer(h)): there
+    post_attention_layernorm normalizes the attention's output, post_feedforward_layernorm the MLP's."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norms = config.post_norms
+        self.residual_multiplier = config.residual_multiplier
+        if not config.post_norms:
+            self.input_layernorm = make_norm(config)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config)
         self.mlp = MLP(config)
+        if config.post_norms:
+            self.post_feedforward_layernorm = make_norm(config)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
+        if self.post_norms:
+            h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, kv_cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
+        if self.residual_multiplier != 1.0:  # Granite
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache) * self.residual_multiplier
+            return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -123,7 +151,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = make_norm(config)
 
 
 class CausalLM(nn.Module):
@@ -150,6 +178,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm."""
         h = self.model.embed_tokens(input_ids)  # h: [T, hidden]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            h = h * self.config.embedding_multiplier
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, D]
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, meta, kv_cache)
@@ -158,5 +188,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite, in the model's dtype as transformers divides
+            logits = logits / self.config.logits_scaling
+        return logits.float()

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
+from optkit.quant.families import log_unsmoothable
 from optkit.quant.families.llama import LLAMA
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
 from optkit.quant.rtn import rtn_quantize, weight_error
@@ -107,6 +108,8 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
     def procedure(work: LayerWork) -> dict[str, tuple[QuantizedWeight, dict]]:
         """Attention first, then the MLP: each block's scales are searched and folded, then its
         linears clipped and quantized, so the MLP's search sees the quantized attention."""
+        if work.prefix.endswith(".layers.0"):  # said once, on the first layer
+            log_unsmoothable(work.family, "AWQ")
         groups = list(_awq_groups(work))
         ordered = [n for group in sequential_groups(work.layer, work.family) for n in group if n in work.targets]
         results: dict[str, tuple[QuantizedWeight, dict]] = {}

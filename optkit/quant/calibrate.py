@@ -86,7 +86,7 @@ class LayerStream:
         return f"{self.prefix}.layers.{index}"
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[N, L] token ids -> [N, L, hidden] fp32 on the CPU.
+        """[N, L] token ids -> [N, L, hidden] fp32 on the CPU: the first decoder layer's inputs.
 
         Rows are looked up in the stored dtype and widened sample by sample into the cache,
         so no fp32 copy of the embedding matrix is made (widening is exact)."""
@@ -94,6 +94,9 @@ class LayerStream:
         hidden = torch.empty(*tokens.shape, weight.shape[1], dtype=torch.float32)
         for sample, ids in zip(hidden, tokens, strict=True):
             sample.copy_(torch.nn.functional.embedding(ids, weight))
+        scale = family_for(self.config.model_type).embedding_scale
+        if scale is not None:  # the model scales its embeddings before the first layer (Granite)
+            hidden.mul_(scale(self.config))
         return hidden
 
     def position_embeddings(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from optkit.kernels.w8a8 import INT8_MAX
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
+from optkit.quant.families import log_unsmoothable
 from optkit.quant.families.llama import LLAMA
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
 from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
@@ -88,6 +89,8 @@ def smoothquant_procedure(
         return best_alpha
 
     def smooth(work: LayerWork) -> dict[str, dict]:
+        if work.prefix.endswith(".layers.0"):  # said once, on the first layer
+            log_unsmoothable(work.family, "SmoothQuant")
         searched: dict[str, dict] = {}
         for previous, linears, block in work.family.norm_groups:
             if not all(n in work.targets for n in linears):

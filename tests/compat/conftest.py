@@ -27,6 +27,14 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", sliding_window=None),
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", head_dim=32, attention_bias=True),
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0625,
+        logits_scaling=0.125,  # below 1: sharper logits, so that a KLD gate means something
+    ),
+    "olmo2": dict(model_type="olmo2", num_key_value_heads=4),  # no GQA: AWQ's v → o fold applies
 }
 
 
@@ -42,7 +50,7 @@ def family_dir(tmp_path_factory, draft_dir):
 
         torch.manual_seed(0)
         spec = dict(FAMILIES[name])
-        config = AutoConfig.for_model(spec.pop("model_type"), **TINY, **spec)
+        config = AutoConfig.for_model(spec.pop("model_type"), **{**TINY, **spec})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         with torch.no_grad():
             for key, param in model.named_parameters():

@@ -22,6 +22,7 @@ from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme
+from tests.compat.conftest import FAMILIES
 
 CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 # The layout, not the numbers, decides loading: AWQ's searches cut short (same tensors, same config)
@@ -178,7 +179,7 @@ FAMILY_CELLS = {
 
 
 def _family_cells():
-    for family in ("llama", "mistral", "qwen2", "qwen3"):
+    for family in FAMILIES:
         for name, cell in FAMILY_CELLS.items():
             yield pytest.param(family, *cell, id=f"{family}-{name}")
 

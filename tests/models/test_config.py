@@ -41,6 +41,22 @@ def test_qwen2_and_qwen3():
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 128  # transformers' Qwen3 default
 
 
+def test_granite_and_olmo2_and_llama_defaults():
+    granite = ModelConfig.from_hf(
+        {"model_type": "granite", **BASE, "embedding_multiplier": 12, "residual_multiplier": 0.22,
+         "attention_multiplier": 0.0078125, "logits_scaling": 8, "attention_bias": True, "mlp_bias": True}
+    )  # fmt: skip
+    assert (granite.embedding_multiplier, granite.residual_multiplier) == (12.0, 0.22)
+    assert (granite.attention_multiplier, granite.logits_scaling) == (0.0078125, 8.0)
+    assert granite.qkv_bias and granite.o_bias and granite.mlp_bias and not granite.post_norms
+    olmo2 = ModelConfig.from_hf({"model_type": "olmo2", **BASE, "attention_bias": True})
+    assert olmo2.qk_norm == "full" and olmo2.post_norms and olmo2.norm_weight_in_float32
+    assert olmo2.qkv_bias and olmo2.o_bias and not olmo2.mlp_bias and olmo2.attention_multiplier is None
+    plain = ModelConfig.from_hf(llama(embedding_multiplier=12, logits_scaling=8))  # granite's keys count only there
+    assert (plain.embedding_multiplier, plain.logits_scaling, plain.attention_multiplier) == (1.0, 1.0, None)
+    assert ModelConfig.from_hf({"model_type": "qwen3", **BASE}).qk_norm == "head"
+
+
 def test_eos_tokens_merge_the_generation_config():
     config = ModelConfig.from_hf(llama(eos_token_id=2), {"eos_token_id": [2, 9]})
     assert config.eos_token_ids == [2, 9]

@@ -6,6 +6,8 @@ Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family
 its layers have count; other linears go last, one at a time), and the runtime refuses it.
 """
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from optkit.quant.plugins import import_once
@@ -20,13 +22,18 @@ class Family:
     quantizes them (each group's inputs come from the already-quantized groups before it).
     smoothing_groups: which norm or linear precedes which linears (AWQ uses all of them; SmoothQuant
     the norm-fed ones, `norm_groups`). runtime: "module:class" of the runtime model (optkit/models/),
-    named as text so quant/ never imports the runtime."""
+    named as text so quant/ never imports the runtime. unsmoothable: linears no norm or linear of the
+    layer precedes in a way a scale folds into, with the reason (AWQ/SmoothQuant skip them and say so).
+    embedding_scale: the factor the model multiplies its embeddings by, from the transformers config
+    (calibration feeds the first layer what the model would)."""
 
     name: str
     model_types: tuple[str, ...]
     sequential_groups: tuple[tuple[str, ...], ...]
     smoothing_groups: tuple[SmoothingGroup, ...] = ()
     runtime: str | None = None
+    unsmoothable: tuple[tuple[tuple[str, ...], str], ...] = ()
+    embedding_scale: Callable[[object], float] | None = None
 
     @property
     def norm_groups(self) -> tuple[SmoothingGroup, ...]:
@@ -35,9 +42,18 @@ class Family:
         return tuple(g for g in self.smoothing_groups if g[0] not in linears)
 
 
+log = logging.getLogger(__name__)
+
+
+def log_unsmoothable(family: Family, method: str) -> None:
+    """One log line per group of linears that `method` (AWQ, SmoothQuant) cannot smooth."""
+    for linears, reason in family.unsmoothable:
+        log.warning("%s: %s leaves %s unsmoothed: %s", family.name, method, ", ".join(linears), reason)
+
+
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
-_BUILTIN = ("llama",)
+_BUILTIN = ("llama", "granite", "olmo2")
 _load_builtin = import_once(__name__, _BUILTIN)
 
 
