@@ -22,7 +22,7 @@ from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme
-from tests.compat.conftest import FAMILIES
+from tests.tiny_families import FAMILIES
 
 CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 # The layout, not the numbers, decides loading: AWQ's searches cut short (same tensors, same config)

@@ -1,8 +1,7 @@
 """Granite 3 and OLMo 2 (quant/families/) through quantize, verify and the runtime, on tiny random
-models whose multipliers and norms bind (tests/compat/conftest.py FAMILIES)."""
+models whose multipliers and norms bind (tests/tiny_families.py)."""
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
-from tests.compat.conftest import FAMILIES, TINY
 from tests.models.paged import run_paged, whole_prefills
+from tests.tiny_families import TINY, save_tiny_family
 
 CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 FAMILY_NAMES = ("granite", "olmo2")
@@ -25,21 +24,7 @@ def family_model(tmp_path_factory, draft_dir):
 
     def make(name: str):
         if name not in made:
-            from transformers import AutoConfig, AutoModelForCausalLM
-
-            torch.manual_seed(0)
-            spec = dict(FAMILIES[name])
-            config = AutoConfig.for_model(spec.pop("model_type"), **{**TINY, **spec})
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-            with torch.no_grad():
-                for key, param in model.named_parameters():
-                    if key.endswith("bias") or "norm" in key:
-                        param.add_(torch.randn_like(param) * 0.1)
-            out = tmp_path_factory.mktemp("families") / name
-            model.save_pretrained(out)
-            for file in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy(draft_dir / file, out / file)
-            made[name] = out
+            made[name] = save_tiny_family(name, tmp_path_factory.mktemp("families") / name, draft_dir)
         return made[name]
 
     return make
