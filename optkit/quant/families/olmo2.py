@@ -7,6 +7,7 @@ up → down remain (v → o only where v's width equals o's input, without group
 """
 
 from optkit.quant.families import Family, register_family
+from optkit.quant.families.llama import LLAMA_LAYOUT
 
 _NO_NORM = "OLMo 2 has no norm on the sublayer's input to fold a scale into"
 
@@ -14,12 +15,7 @@ OLMO2 = register_family(
     Family(
         name="olmo2",
         model_types=("olmo2",),
-        sequential_groups=(
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            ("self_attn.o_proj",),
-            ("mlp.gate_proj", "mlp.up_proj"),
-            ("mlp.down_proj",),
-        ),
+        sequential_groups=LLAMA_LAYOUT.sequential_groups,  # the same linears, in the same order
         smoothing_groups=(
             ("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
             ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
