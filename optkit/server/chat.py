@@ -35,8 +35,3 @@ def chat_prompt_text(tokenizer, messages: list[ChatMessage]) -> tuple[str, bool]
     except Exception as e:  # jinja's TemplateError, or raise_exception() inside the template
         raise ValueError(f"the model's chat template rejected the messages: {e}") from e
     return text, False
-
-
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    text, add_special_tokens = chat_prompt_text(tokenizer, messages)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
