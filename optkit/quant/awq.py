@@ -22,7 +22,7 @@ from optkit.weights.schemes import WeightScheme
 def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Quantize and dequantize W ([out, in]) with min/max group parameters."""
     scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
-    return dequantize(quantize(w, scale, zero_point, scheme), scale, zero_point)
+    return dequantize(quantize(w, scale, zero_point, scheme), scale, zero_point, qmin=scheme.qmin)
 
 
 def activation_magnitude(x: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.errors import OptkitError
-from optkit.quant.rtn import minmax_qparams
+from optkit.quant.rtn import from_grid, minmax_qparams, round_to_grid
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
+from optkit.weights.stored import has_float_zero, scale_dtype_for
 
 
 class GPTQOptions(BaseModel):
@@ -174,8 +175,10 @@ def gptq_quantize(
         group_of_position = perm // group_size
     else:
         group_of_position = torch.arange(in_features, device=W.device) // group_size
+    scale_dtype = scale_dtype_for(scheme, scale_dtype)  # a format may fix how scales are stored
+    zero_dtype = scale_dtype if has_float_zero(scheme) else torch.int8
     scale = torch.empty(out_features, num_groups, dtype=scale_dtype, device=W.device)
-    zero_point = torch.zeros(out_features, num_groups, dtype=torch.int8, device=W.device)
+    zero_point = torch.zeros(out_features, num_groups, dtype=zero_dtype, device=W.device)
     if fixed_params is not None:
         scale[:], zero_point[:] = fixed_params
     Q = torch.zeros_like(W, dtype=torch.int8)
@@ -195,10 +198,10 @@ def gptq_quantize(
             if fixed_params is None and column % group_size == 0:
                 s, z = minmax_qparams(W1[:, i : i + group_size], scheme, scale_dtype)
                 scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
-            s, z = scale[:, g].float(), zero_point[:, g].float()
-            q = torch.clamp(torch.round(W1[:, i] / s) + z, scheme.qmin, scheme.qmax)
+            s, z = scale[:, g], zero_point[:, g]
+            q = round_to_grid(W1[:, i], s, z, scheme)
             Q[:, column] = q.to(torch.int8)
-            err = (W1[:, i] - (q - z) * s) / Hinv1[i, i]
+            err = (W1[:, i] - from_grid(q, s, z, scheme)) / Hinv1[i, i]
             W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # eq. 3 within the block
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's deferred update of all later columns

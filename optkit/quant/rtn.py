@@ -9,6 +9,7 @@ import torch
 
 from optkit.weights.quantized import QuantizedWeight, grouped
 from optkit.weights.schemes import WeightScheme
+from optkit.weights.stored import has_float_zero, scale_dtype_for
 
 
 def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,10 +29,19 @@ def minmax_qparams(
 
     Symmetric: s = max|w| / ((2^b - 1) / 2), z = 0. Asymmetric: s = (max - min) / (2^b - 1),
     z = qmin - round(min / s). The scale is rounded to `scale_dtype` first, so q is computed
-    with exactly the scale a loader will read back.
+    with exactly the scale a loader will read back. A scheme whose format fixes the stored dtype
+    (weights/stored.py) overrides `scale_dtype`; with a float zero point the group's own range is
+    used (no need to contain 0) and z is its minimum m, rounded like the scale.
     """
-    lo, hi = quantized_range(grouped(w.float(), scheme.group_size_for(w.shape[1])), scheme.symmetric)
+    scale_dtype = scale_dtype_for(scheme, scale_dtype)
+    g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
     levels = (1 << scheme.bits) - 1
+    if has_float_zero(scheme):
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = (hi - lo) / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype)
+        return scale, lo.to(scale_dtype)
+    lo, hi = quantized_range(g, scheme.symmetric)
     if scheme.symmetric:
         scale = hi / (levels / 2)
     else:
@@ -45,11 +55,26 @@ def minmax_qparams(
     return scale, zero_point
 
 
+def round_to_grid(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """The integer nearest to w on the grid of (s, z), broadcast elementwise, as float:
+    q = clamp(round(w / s) + z, qmin, qmax); with a float zero point (the minimum m),
+    q = clamp(round((w − m) / s), 0, 2^b − 1) + qmin."""
+    if z.is_floating_point():
+        return torch.clamp(torch.round((w - z.float()) / s.float()), 0, scheme.qmax - scheme.qmin) + scheme.qmin
+    return torch.clamp(torch.round(w / s.float()) + z.float(), scheme.qmin, scheme.qmax)
+
+
+def from_grid(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
+    """Ŵ for q on the grid of (s, z), elementwise: (q − z)·s, or (q − qmin)·s + m with a float zero point."""
+    if z.is_floating_point():
+        return (q - scheme.qmin) * s.float() + z.float()
+    return (q - z.float()) * s.float()
+
+
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
-    """q = clamp(round(w / s) + z, qmin, qmax), as int8 [out, in]."""
+    """q = clamp(round(w / s) + z, qmin, qmax) (see `round_to_grid`), as int8 [out, in]."""
     group_size = w.shape[1] // scale.shape[1]
-    q = torch.round(grouped(w.float(), group_size) / scale.float().unsqueeze(-1))
-    q = (q + zero_point.float().unsqueeze(-1)).clamp(scheme.qmin, scheme.qmax)
+    q = round_to_grid(grouped(w.float(), group_size), scale.unsqueeze(-1), zero_point.unsqueeze(-1), scheme)
     return q.reshape(w.shape).to(torch.int8)
 
 

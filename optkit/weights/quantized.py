@@ -23,7 +23,7 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.q, self.scale, self.zero_point, self.g_idx).to(dtype)
+        return dequantize(self.q, self.scale, self.zero_point, self.g_idx, self.scheme.qmin).to(dtype)
 
 
 def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -32,9 +32,14 @@ def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, g_idx: torch.Tensor | None = None
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, g_idx: torch.Tensor | None = None, qmin: int = 0
 ) -> torch.Tensor:
-    """Ŵ = (q - z) * s, in float32 [out, in]."""
+    """Ŵ = (q - z) * s, in float32 [out, in]. A floating-point zero_point is a stored minimum m
+    (weights/stored.py): Ŵ = (q - qmin) * s + m."""
+    if zero_point.is_floating_point():
+        group_size = q.shape[1] // scale.shape[1]
+        columns = g_idx.long() if g_idx is not None else torch.arange(q.shape[1], device=q.device) // group_size
+        return (q.float() - qmin) * scale.float()[:, columns] + zero_point.float()[:, columns]
     if g_idx is not None:
         columns = g_idx.long()
         return (q.float() - zero_point.float()[:, columns]) * scale.float()[:, columns]
