@@ -1,9 +1,29 @@
 """What a gate checks and what it evaluates on: `optkit eval`'s flags and a recipe's `gate:` section
 (field names are the keys)."""
 
-from pydantic import ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optkit.gate.thresholds import Thresholds
+
+
+class RepairOptions(BaseModel):
+    """`gate.repair`: when the gate fails, raise the precision of the layers that cause the most KLD
+    per byte (pipeline/repair.py) until it passes, the size budget is spent or the evaluations are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_size_mb: float | None = Field(default=None, gt=0)  # model.safetensors, MiB; None: no budget
+    precisions: list[int] = Field(default_factory=lambda: [8, 16], min_length=1)  # 8 bits, 16 = full precision
+    max_evaluations: int = Field(default=8, ge=1)  # gate evaluations of repaired candidates
+    windows: int = Field(default=8, ge=1)  # attribution windows (held-out calibration text)
+    exact_swaps: int = Field(default=3, ge=0)  # exact swaps that calibrate the estimate
+
+    @field_validator("precisions")
+    @classmethod
+    def _known_precisions(cls, value: list[int]) -> list[int]:
+        if not set(value) <= {8, 16}:
+            raise ValueError(f"precisions are 8 (bits) and 16 (full precision), got {value}")
+        return sorted(set(value))
 
 
 class GateOptions(Thresholds):
@@ -25,3 +45,4 @@ class GateOptions(Thresholds):
     task: str | None = None  # multiple-choice task for accuracy and min_recovery (e.g. next_line)
     reference_cache: bool = False  # cache the base's top-k log-probs: reruns never load the base
     top_k: int = 256
+    repair: RepairOptions | None = None  # absent: a failing gate is a verdict, nothing more

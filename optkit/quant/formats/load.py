@@ -8,6 +8,7 @@ import torch
 from optkit.errors import OptkitError
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.quant.formats import reader_for
+from optkit.quant.formats.mixed import dequantized_state_dict
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -42,7 +43,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     if int8_modules:
         state = {k: v for k, v in tensors.items() if not in_int8_module(k)}
     else:
-        state = fmt.dequantized_state_dict(tensors, quant_config, dtype)
+        state = dequantized_state_dict(fmt, tensors, quant_config, dtype)  # per-layer schemes when mixed
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not in_int8_module(k)]
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()

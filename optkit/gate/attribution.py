@@ -1,0 +1,185 @@
+"""Per-layer sensitivity: how much of an artifact's KL divergence each quantized linear causes.
+
+The exact answer for layer l swaps its quantized weight Ŵ_l back to the base's W_l, everything else
+left quantized, and measures the drop of the mean KLD: one forward pass per layer. The estimate
+costs one backward pass for all layers. With ΔW = Ŵ − W (all layers) and g_l = ∂KLD/∂W_l taken at
+the artifact's weights, a first-order Taylor step from Ŵ towards W_l gives
+
+  drop_l ≈ ⟨g_l, Ŵ_l − W_l⟩                                  (to full precision)
+  drop_l(8 bits) ≈ ⟨g_l, Ŵ_l − W8_l⟩   W8_l = RTN 8-bit of W_l  (to 8 bits, same gradient)
+
+Since KLD(W + ΔW) ≈ ½ ΔWᵀ F ΔW (F: the Fisher matrix at the base, where the KLD and its gradient
+vanish), g ≈ F ΔW, so ⟨g_l, ΔW_l⟩ = ΔW_lᵀ F_ll ΔW_l + Σ_k≠l ΔW_lᵀ F_lk ΔW_k: the layer's own
+quadratic term plus its interaction with the other layers' errors. The exact drop is that minus
+½ ΔW_lᵀ F_ll ΔW_l, so the raw score overestimates; a few exact swaps of the top layers give the
+scale that turns the scores into nats (`scale`, least squares through the origin).
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from optkit.data.eval_sets import load_text_set
+from optkit.data.holdout import sampled_starts, uncovered_windows
+from optkit.data.packing import tokenize_stream
+from optkit.errors import OptkitError
+from optkit.manifest import read_manifest
+from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
+from optkit.progress import progress_bar
+from optkit.quant.formats import reader_for
+from optkit.quant.formats.load import load_model
+from optkit.quant.rtn import rtn_quantize
+from optkit.weights.schemes import WeightScheme
+
+
+@dataclass
+class LayerSensitivity:
+    name: str
+    first_order: float  # ⟨g, Ŵ − W⟩, raw
+    estimate: float  # scale · first_order: estimated KLD drop (nats) with this layer in full precision
+    estimate_8bit: float | None = None  # the same with this layer at 8 bits
+    exact: float | None = None  # measured drop, when this layer was swapped
+
+    def to_json(self, kld: float) -> dict:
+        return {**self.__dict__, "share": self.estimate / kld if kld > 0 else 0.0}
+
+
+@dataclass
+class Attribution:
+    kld: float  # the artifact's mean KLD on the attribution windows
+    source: str  # where the windows come from
+    tokens: int
+    scale: float
+    layers: list[LayerSensitivity] = field(default_factory=list)  # most damaging first
+
+    @property
+    def spearman(self) -> float | None:
+        """Rank correlation of the estimate with the exact swaps, when every layer was swapped."""
+        if len(self.layers) < 2 or any(layer.exact is None for layer in self.layers):
+            return None
+        return spearman([x.first_order for x in self.layers], [x.exact for x in self.layers])
+
+    def to_json(self) -> dict:
+        return {
+            "kld": self.kld,
+            "source": self.source,
+            "tokens": self.tokens,
+            "scale": self.scale,
+            "spearman": self.spearman,
+            "exact_swaps": sum(x.exact is not None for x in self.layers),
+            "layers": [x.to_json(self.kld) for x in self.layers],
+        }
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+
+    def ranks(values: list[float]) -> torch.Tensor:
+        x = torch.tensor(values, dtype=torch.float64)
+        order = x.argsort()
+        r = torch.empty_like(x)
+        r[order] = torch.arange(len(values), dtype=torch.float64)
+        for value in x.unique():  # ties share their mean rank
+            tied = x == value
+            r[tied] = r[tied].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return (ra @ rb / (ra.norm() * rb.norm()).clamp(min=1e-12)).item()
+
+
+def attribution_windows(base_dir: Path, manifest: dict, seq_len: int, count: int) -> tuple[torch.Tensor, str]:
+    """Windows of the artifact's calibration set that calibration did not read (the whole `calib`
+    set for a data-free method): data the gate's eval set and the calibration never saw."""
+    calibration = manifest.get("calibration") or {}
+    name = calibration.get("name") or "calib"
+    texts = load_text_set(name, flag="--calib").texts
+    tokenizer = load_tokenizer(base_dir)
+    stream = torch.cat([tokenize_stream(tokenizer, [text]) for text in texts])
+    num_samples, taken_len = calibration.get("num_samples") or 0, calibration.get("seq_len") or 0
+    seed = (manifest.get("options") or {}).get("calibration", {}).get("seed", 0)
+    taken = sampled_starts(stream.numel(), taken_len, num_samples, seed) if num_samples else torch.zeros(0)
+    windows = uncovered_windows(stream, taken.long(), taken_len, seq_len, count, name=name)
+    return windows, f"{name} (windows calibration did not read)"
+
+
+def _kld_sum(base_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of KL(P_base ‖ P): base_logp [B, T-1, V], logits [B, T, V]."""
+    log_q = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return (base_logp.exp() * (base_logp - log_q)).sum()
+
+
+def attribute(
+    artifact: str | Path,
+    baseline: str | Path,
+    *,
+    windows: int = 8,
+    seq_len: int = 256,
+    exact: int = 3,
+    batch_size: int = 4,
+) -> Attribution:
+    """Rank the artifact's quantized linears by the KLD each causes (module doc). `exact`: how many
+    of the top layers are swapped exactly to set the scale (-1: every layer, for benchmarks)."""
+    artifact_dir, base_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
+    manifest = read_manifest(artifact_dir)
+    if manifest is None or not manifest.get("layers"):
+        raise OptkitError(f"{artifact_dir} has no optkit.json with per-layer records: attribute an optkit artifact")
+    quant_config = read_config(artifact_dir).get("quantization_config") or {}
+    is_w8a8 = getattr(reader_for(quant_config, str(artifact_dir)), "is_w8a8", None)
+    if is_w8a8 and is_w8a8(quant_config):
+        raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
+    tokens, source = attribution_windows(base_dir, manifest, seq_len, windows)
+    scheme = WeightScheme.model_validate(manifest["options"]["weights"])
+    precision = manifest.get("precision_overrides", {})
+    names = [layer["name"] for layer in manifest["layers"] if precision.get(layer["name"], scheme.bits) < 16]
+
+    base_model, model = load_model(base_dir), load_model(artifact_dir)
+    model.requires_grad_(False)
+    linears = {name: model.get_submodule(name).weight for name in names}
+    for weight in linears.values():
+        weight.requires_grad_(True)
+    batches = [tokens[i : i + batch_size] for i in range(0, len(tokens), batch_size)]
+    count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
+    with torch.no_grad():
+        base_logp = [torch.log_softmax(base_model(b).logits[:, :-1].float(), dim=-1) for b in batches]
+    total = 0.0
+    for batch, reference in zip(batches, base_logp, strict=True):  # one backward pass for every layer
+        loss = _kld_sum(reference, model(batch).logits) / count
+        loss.backward()
+        total += loss.item()
+
+    def mean_kld() -> float:
+        with torch.no_grad():
+            return sum(_kld_sum(r, model(b).logits).item() for b, r in zip(batches, base_logp, strict=True)) / count
+
+    layers = []
+    with torch.no_grad():
+        for name, weight in linears.items():
+            original = base_model.get_submodule(name).weight.float()
+            first_order = (weight.grad * (weight - original)).sum().item()
+            eight = None
+            if precision.get(name, scheme.bits) < 8 and getattr(scheme, "type", "int") == "int":
+                w8 = rtn_quantize(original, scheme.model_copy(update={"bits": 8})).dequantize()
+                eight = (weight.grad * (weight - w8)).sum().item()
+            layers.append(LayerSensitivity(name, first_order, first_order, eight))
+        layers.sort(key=lambda x: x.first_order, reverse=True)
+        swaps = layers if exact < 0 else layers[:exact]
+        with progress_bar() as bar:
+            task = bar.add_task("exact swaps", total=len(swaps), info="")
+            for layer in swaps:
+                weight = linears[layer.name]
+                saved = weight.detach().clone()
+                weight.copy_(base_model.get_submodule(layer.name).weight)
+                layer.exact = total - mean_kld()
+                weight.copy_(saved)
+                bar.update(task, advance=1, info=layer.name)
+    fo = torch.tensor([x.first_order for x in swaps], dtype=torch.float64)
+    ex = torch.tensor([x.exact for x in swaps], dtype=torch.float64)
+    scale = (fo @ ex / (fo @ fo)).item() if swaps and (fo @ fo) > 0 else 1.0
+    for layer in layers:
+        layer.estimate = scale * layer.first_order
+        if layer.estimate_8bit is not None:
+            layer.estimate_8bit *= scale
+    return Attribution(total, source, count, scale, layers)

@@ -1,0 +1,257 @@
+"""The gate repairs what it rejects: raise the precision of the layers that cause the most KLD per
+byte until the gate passes, the size budget is spent or the evaluations are.
+
+1. Attribute the failing artifact (gate/attribution.py, on calibration text neither the calibration
+   nor the gate read): each linear's estimated KLD drop at 8 bits and in full precision.
+2. Group the linears as vLLM fuses them (q/k/v, gate/up) and order the moves (unit, 4 → 8 → 16
+   bits) by estimated drop per extra byte; a unit's next move is eligible once its previous one is
+   taken, and a level whose next step pays more per byte is skipped (the lower convex hull).
+3. Take moves until the predicted KLD on the gate's set is under the target with a 10% margin
+   (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
+   the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails, refit
+   the rescaling to what the gate measured and take more moves; every evaluation is a step in the
+   manifest.
+"""
+
+import heapq
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from optkit.errors import OptkitError
+from optkit.gate.attribution import Attribution, attribute
+from optkit.gate.evaluate import GateResult, evaluate
+from optkit.gate.options import GateOptions, RepairOptions
+from optkit.manifest import read_manifest, write_manifest
+from optkit.modeldir import weight_files
+from optkit.quant.formats.mixed import FULL_PRECISION, check_mixed, fused_units
+from optkit.quant.mixed_artifact import WEIGHTS, artifact_scheme, layer_bytes, write_mixed_artifact
+from optkit.safetensors_stream import lazy_tensors_in
+
+MARGIN = 0.9  # aim this far under the target: the prediction is an estimate
+
+
+@dataclass
+class Move:
+    unit: list[str]
+    bits: int
+    gain: float  # estimated KLD drop on the attribution set, nats
+    extra_bytes: int
+
+
+@dataclass
+class RepairOutcome:
+    passed: bool
+    artifact: Path  # the artifact that passed, or the closest one
+    gate: GateResult
+    steps: list[dict] = field(default_factory=list)
+    attribution: Attribution | None = None
+    reason: str | None = None
+    raised: dict[str, int] = field(default_factory=dict)
+
+
+def size_mb(artifact: Path) -> float:
+    return (artifact / WEIGHTS).stat().st_size / 2**20
+
+
+def _step(index: int, raised: dict[str, int], result: GateResult, artifact: Path, changed: list[str]) -> dict:
+    m = result.metrics
+    return {
+        "step": index,
+        "changed": changed,
+        "raised": dict(sorted(raised.items())),
+        "kld_mean": m["kld_mean"],
+        "ppl_increase_pct": m["ppl_increase_pct"],
+        "top1_pct": m["top1_pct"],
+        "size_mb": round(size_mb(artifact), 4),
+        "passed": result.passed,
+    }
+
+
+def plan_moves(attribution: Attribution, manifest: dict, base: Path, precisions: list[int]) -> list[Move]:
+    """Every move worth making, best estimated KLD drop per extra byte first (module doc, 2)."""
+    scheme = artifact_scheme(manifest)
+    shapes = {layer["name"]: layer["shape"] for layer in manifest["layers"]}
+    current = manifest.get("precision_overrides", {})
+    itemsize = {}
+    for file in weight_files(base):
+        itemsize.update({k: t.dtype.itemsize for k, t in lazy_tensors_in(file).items()})
+    by_name = {layer.name: layer for layer in attribution.layers}
+    heap, ladders = [], []
+    for unit in fused_units([layer.name for layer in attribution.layers]):
+        start = min(current.get(n, scheme.bits) for n in unit)
+        levels = [(start, 0.0, 0)]
+        for bits in (b for b in precisions if b > start):
+            if bits < FULL_PRECISION and any(by_name[n].estimate_8bit is None for n in unit):
+                continue
+            gain = sum(by_name[n].estimate if bits >= FULL_PRECISION else by_name[n].estimate_8bit for n in unit)
+            extra = sum(
+                layer_bytes(shapes[n], bits, scheme, itemsize.get(f"{n}.weight", 2))
+                - layer_bytes(shapes[n], current.get(n, scheme.bits), scheme, itemsize.get(f"{n}.weight", 2))
+                for n in unit
+            )
+            while len(levels) > 1 and _ratio(levels[-2], levels[-1]) <= _ratio(levels[-1], (bits, gain, extra)):
+                levels.pop()  # the step after it pays more per byte: go straight past it
+            levels.append((bits, gain, extra))
+        ladders.append((unit, levels))
+        _push(heap, len(ladders) - 1, 1, levels)
+    moves = []
+    while heap:
+        _, index, level = heapq.heappop(heap)
+        unit, levels = ladders[index]
+        (_, gain0, bytes0), (bits, gain1, bytes1) = levels[level - 1], levels[level]
+        moves.append(Move(unit, bits, gain1 - gain0, bytes1 - bytes0))
+        _push(heap, index, level + 1, levels)
+    return moves
+
+
+def _ratio(low: tuple, high: tuple) -> float:
+    return (high[1] - low[1]) / max(high[2] - low[2], 1)
+
+
+def _push(heap: list, index: int, level: int, levels: list) -> None:
+    if level < len(levels) and levels[level][1] - levels[level - 1][1] > 0:
+        heapq.heappush(heap, (-_ratio(levels[level - 1], levels[level]), index, level))
+
+
+def target_kld(gate: GateOptions, result: GateResult) -> float:
+    """The KLD to aim for: `max_kld`, or `max_ppl_increase` turned into KLD at the measured ratio."""
+    targets = []
+    if gate.max_kld is not None:
+        targets.append(gate.max_kld)
+    m = result.metrics
+    if gate.max_ppl_increase is not None and m["ppl_increase_pct"] > 0:
+        targets.append(m["kld_mean"] * gate.max_ppl_increase / m["ppl_increase_pct"])
+    if not targets:
+        raise OptkitError("repair aims at a KLD or perplexity threshold: set gate.max_kld or gate.max_ppl_increase")
+    return min(targets)
+
+
+def repair(
+    artifact: Path, base: Path, gate: GateOptions, work: Path, *, initial: GateResult | None = None, log=None
+) -> RepairOutcome:
+    """Gate `artifact`; if it fails, repair it into `work/step-N` directories (module doc). The
+    outcome names the artifact that passed or, failing that, the one with the lowest KLD; its
+    optkit.json holds the whole record."""
+    log = log or (lambda line: None)
+    options = gate.repair or RepairOptions()
+    manifest = read_manifest(artifact)
+    if manifest is None:
+        raise OptkitError(f"{artifact} has no optkit.json: repair starts from an optkit artifact")
+    check_mixed(manifest["format"])
+    result = initial or evaluate(artifact, base, gate)
+    steps = [_step(0, {}, result, artifact, [])]
+    if result.passed:
+        return RepairOutcome(True, artifact, result, steps)
+    target = target_kld(gate, result)
+    attribution = attribute(artifact, base, windows=options.windows, seq_len=gate.seq_len, exact=options.exact_swaps)
+    moves = plan_moves(attribution, manifest, base, options.precisions)
+    budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
+    start_bytes = (artifact / WEIGHTS).stat().st_size
+    rescale = result.metrics["kld_mean"] / max(attribution.kld, 1e-12)  # attribution set -> gate set
+    best = (result.metrics["kld_mean"], artifact, result, {})
+    taken: list[Move] = []
+    reason = None
+    for evaluation in range(1, options.max_evaluations + 1):
+        room = budget - start_bytes
+        chosen, over_budget = _extend(taken, moves, steps[0]["kld_mean"], rescale, MARGIN * target, room)
+        if len(chosen) == len(taken):
+            reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
+            break
+        raised = _raised(chosen)
+        changed = sorted(set(raised) - set(_raised(taken)))
+        taken = chosen
+        out = work / f"step-{evaluation}"
+        shutil.rmtree(out, ignore_errors=True)
+        write_mixed_artifact(artifact, base, raised, out, {})
+        result = evaluate(out, base, gate)
+        steps.append(_step(evaluation, raised, result, out, changed))
+        log(
+            f"repair step {evaluation}: raised {len(raised)} linears, KLD {result.metrics['kld_mean']:.5f} "
+            f"(target {target:g}), {steps[-1]['size_mb']:.2f} MB: {'pass' if result.passed else 'fail'}"
+        )
+        if result.metrics["kld_mean"] < best[0] or result.passed:
+            best = (result.metrics["kld_mean"], out, result, raised)
+        if result.passed:
+            break
+        if result.metrics["kld_mean"] <= target:  # another threshold failed: aim lower
+            target = 0.8 * result.metrics["kld_mean"]
+        gained = sum(m.gain for m in taken)
+        if gained > 0:  # refit: the rescaling that explains what the gate measured
+            rescale = max((steps[0]["kld_mean"] - result.metrics["kld_mean"]) / gained, 1e-3)
+    else:
+        reason = f"{options.max_evaluations} gate evaluations (max_evaluations) did not reach it"
+    _, chosen_dir, chosen_result, raised = best
+    passed = chosen_result.passed
+    if not passed and reason is None:
+        reason = "no layer left to raise"
+    record = {
+        "repair": {
+            "target_kld": target,
+            "thresholds": {k: getattr(gate, k) for k in ("max_kld", "max_ppl_increase", "min_top1", "min_recovery")},
+            "options": options.model_dump(),
+            "attribution": attribution.to_json(),
+            "steps": steps,
+            "result": "passed" if passed else f"failed: {reason}",
+            "chosen_step": next(s["step"] for s in steps if s["raised"] == dict(sorted(raised.items()))),
+        },
+        "gate": chosen_result.to_json(),
+    }
+    if chosen_dir == artifact:  # nothing better than the uniform artifact: copy it to hold the record
+        chosen_dir = work / "step-0"
+        shutil.rmtree(chosen_dir, ignore_errors=True)
+        shutil.copytree(artifact, chosen_dir)
+    fields = {k: v for k, v in read_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
+    write_manifest(chosen_dir, {**fields, **record})
+    if not passed:
+        reason = (
+            f"repair could not reach KLD {target:g}: {reason}; closest KLD {chosen_result.metrics['kld_mean']:.5f} "
+            f"at {size_mb(chosen_dir):.2f} MB"
+        )
+    return RepairOutcome(passed, chosen_dir, chosen_result, steps, attribution, None if passed else reason, raised)
+
+
+def _extend(
+    taken: list[Move], moves: list[Move], kld: float, rescale: float, aim: float, room: float
+) -> tuple[list[Move], bool]:
+    """`taken` plus the next moves in order until the predicted KLD is under `aim`, within `room`
+    extra bytes; whether a move was passed over for the budget. A unit passed over takes no later
+    move (its next level builds on the one passed over)."""
+    chosen, passed_over = list(taken), set()
+    for move in moves:
+        if _predict(kld, rescale, chosen) <= aim:
+            break
+        if move in chosen or tuple(move.unit) in passed_over:
+            continue
+        if sum(m.extra_bytes for m in chosen) + move.extra_bytes > room:
+            passed_over.add(tuple(move.unit))
+            continue
+        chosen.append(move)
+    return chosen, bool(passed_over)
+
+
+def _predict(kld: float, rescale: float, moves: list[Move]) -> float:
+    return kld - rescale * sum(m.gain for m in moves)
+
+
+def _raised(moves: list[Move]) -> dict[str, int]:
+    raised: dict[str, int] = {}
+    for move in moves:
+        for name in move.unit:
+            raised[name] = max(raised.get(name, 0), move.bits)
+    return raised
+
+
+def publish(source: Path, out: Path) -> None:
+    """Move a finished artifact directory to `out`, replacing what is there in one rename."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / out.name)
+        os.replace(source, out)
+        shutil.rmtree(trash)
+    else:
+        os.replace(source, out)
