@@ -10,6 +10,10 @@ query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attend
 same for each group of short chunks of one length (speculative decoding's verification: 1 + k
 tokens per sequence), and runs one causal SDPA per longer chunk. `paged_attention_reference` loops
 over every token.
+A sliding `window` W (Mistral, Gemma's local layers) hides the keys more than W - 1 positions before
+the query (query p sees keys p - W + 1 .. p, as transformers' sliding_window_overlay); `softcap` c
+(Gemma 2) replaces each score s by c·tanh(s / c) before the mask and softmax, so SDPA gives way to
+an explicit softmax in float32 there, as in transformers' eager attention.
 On CUDA, `write_kv` and `paged_attention` run the Triton kernels of optkit/kernels/triton when
 triton imports and the layout suits them (optkit.kernels.triton.use_triton); the code below is the
 path everywhere else.
@@ -31,6 +35,22 @@ class _DecodeGroup:
     rows: torch.Tensor | slice  # rows of q: long [Bd], or a slice when they are 0..Bd-1
     block_tables: torch.Tensor  # long [Bd, nb]: only the blocks the longest of them uses
     key_mask: torch.Tensor  # bool [Bd, 1, 1, nb * block_size]: True where the key is in the context
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.key_mask
+        if window not in self._windowed:
+            self._windowed[window] = _window_mask(self.key_mask, window)
+        return self._windowed[window]
+
+
+def _window_mask(key_mask: torch.Tensor, window: int) -> torch.Tensor:
+    """key_mask [..., L] (each row a prefix: the n keys a query sees, itself last) narrowed to its
+    last `window` keys."""
+    visible = key_mask.sum(dim=-1, keepdim=True)  # [..., 1]: n = the query's position + 1
+    positions = torch.arange(key_mask.shape[-1], device=key_mask.device)
+    return key_mask & (positions >= visible - window)
 
 
 _GROUPED_MAX_QUERY = 32  # chunks up to this long are attended in groups of equal length
@@ -43,13 +63,16 @@ class _ShortGroup:
     rows: torch.Tensor  # long [Bs, Lq]: the rows of q of each sequence's chunk
     block_tables: torch.Tensor  # long [Bs, nb]
     key_mask: torch.Tensor  # bool [Bs, 1, Lq, nb * block_size]: query i of b sees keys < context_b - Lq + 1 + i
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # per query heads per KV head
+    # per (query heads per KV head, window)
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def mask_for(self, group: int) -> torch.Tensor:
-        """key_mask with each query row repeated for the G query heads of a KV head: [Bs, 1, Lq * G, L]."""
-        if group not in self._masks:
-            self._masks[group] = self.key_mask.repeat_interleave(group, dim=2)
-        return self._masks[group]
+    def mask_for(self, group: int, window: int | None = None) -> torch.Tensor:
+        """key_mask (narrowed to the window) with each query row repeated for the G query heads of a
+        KV head: [Bs, 1, Lq * G, L]."""
+        if (group, window) not in self._masks:
+            mask = self.key_mask if window is None else _window_mask(self.key_mask, window)
+            self._masks[group, window] = mask.repeat_interleave(group, dim=2)
+        return self._masks[group, window]
 
 
 @dataclass
@@ -166,7 +189,14 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D]; Hq a multiple of the cache's Hkv (grouped-query attention)."""
     num_tokens, q_heads, dim = q.shape
@@ -177,25 +207,48 @@ def paged_attention(
         from optkit.kernels.triton import paged_attention as kernels
 
         if kernels.unsupported_reason(q, k_cache, v_cache, meta) is None:
-            return kernels.paged_attention(q, k_cache, v_cache, meta, scale)
+            return kernels.paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     plan = meta.plan(block_size)
     out = torch.empty_like(q)
     if plan.decode is not None:
-        out[plan.decode.rows] = _decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale)
+        decode = _decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale, window, softcap)
+        out[plan.decode.rows] = decode
     for group in plan.short:
         rows = group.rows.flatten()
-        out[rows] = _short_attention(q[rows], k_cache, v_cache, group, scale)
+        out[rows] = _short_attention(q[rows], k_cache, v_cache, group, scale, window, softcap)
     for b, start, query_len in plan.chunks:
         context_len = meta.context_lens_list[b]
-        table = meta.block_tables[b, : math.ceil(context_len / block_size)].long()
-        k = k_cache[table].flatten(0, 1)[:context_len]  # [S, Hkv, D]
-        v = v_cache[table].flatten(0, 1)[:context_len]
-        out[start : start + query_len] = _chunk_attention(q[start : start + query_len], k, v, scale)
+        # with a window, only the keys some query of the chunk sees: from context_len - Lq - W + 1
+        first = 0 if window is None else max(0, context_len - query_len - window + 1) // block_size * block_size
+        table = meta.block_tables[b, first // block_size : math.ceil(context_len / block_size)].long()
+        k = k_cache[table].flatten(0, 1)[: context_len - first]  # [S, Hkv, D]: positions first..context_len-1
+        v = v_cache[table].flatten(0, 1)[: context_len - first]
+        out[start : start + query_len] = _chunk_attention(q[start : start + query_len], k, v, scale, window, softcap)
     return out
 
 
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """SDPA over [..., Lq, D] queries and [..., S, D] keys (mask: bool, True = attend), or with
+    `softcap` transformers' eager attention: scores capped, masked, softmax in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [Bd, Hq, D], one token per sequence -> [Bd, Hq, D]."""
     batch, q_heads, dim = q.shape
@@ -205,12 +258,18 @@ def _decode_attention(
     # The Hq / Hkv query heads that share a KV head become that head's "queries": one token has
     # no causal structure, so no repeat of K and V is needed.
     q = q.view(batch, kv_heads, q_heads // kv_heads, dim)  # [Bd, Hkv, G, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.key_mask, scale=scale)
+    out = _sdpa(q, k, v, group.mask(window), scale, softcap)
     return out.reshape(batch, q_heads, dim)
 
 
 def _short_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _ShortGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _ShortGroup,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [Bs * Lq, Hq, D], Lq tokens per sequence -> [Bs * Lq, Hq, D]."""
     batch, query_len = group.rows.shape
@@ -222,26 +281,48 @@ def _short_attention(
     # As for decodes, the query heads sharing a KV head become rows of that head: (token i, head g).
     q = q.view(batch, query_len, kv_heads, heads_per_kv, dim).transpose(1, 2)  # [Bs, Hkv, Lq, G, D]
     q = q.reshape(batch, kv_heads, query_len * heads_per_kv, dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask_for(heads_per_kv), scale=scale)
+    out = _sdpa(q, k, v, group.mask_for(heads_per_kv, window), scale, softcap)
     out = out.view(batch, kv_heads, query_len, heads_per_kv, dim).transpose(1, 2)  # [Bs, Lq, Hkv, G, D]
     return out.reshape(batch * query_len, q_heads, dim)
 
 
-def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The last Lq tokens of a sequence whose S keys are all given. q [Lq, Hq, D]; k, v [S, Hkv, D]."""
+def _chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The last Lq tokens of a sequence whose last S keys are given (all of them, or those of its
+    window). q [Lq, Hq, D]; k, v [S, Hkv, D]."""
     query_len, context_len = q.shape[0], k.shape[0]
     q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # heads first
-    if query_len == context_len:
+    if query_len == context_len and window is None and softcap is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # query i sits at position S - Lq + i and sees keys 0..S - Lq + i
-        mask = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device)
-        mask = mask.tril(diagonal=context_len - query_len)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # query i sits at key index S - Lq + i and sees keys S - Lq + i - W + 1 .. S - Lq + i
+        ones = torch.ones(query_len, context_len, dtype=torch.bool, device=q.device)
+        mask = ones.tril(diagonal=context_len - query_len)
+        if window is not None:
+            mask &= ones.triu(diagonal=context_len - query_len - window + 1)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            group = q.shape[0] // k.shape[0]
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            out = _sdpa(q, k, v, mask, scale, softcap)
     return out.transpose(0, 1)
 
 
 def paged_attention_reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same, one token at a time, slot by slot, with an explicit softmax in float64."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -252,9 +333,12 @@ def paged_attention_reference(
     for b, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
         for i in range(query_len):
             position = context_len - query_len + i
-            slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(position + 1)]
+            first = 0 if window is None else max(0, position - window + 1)
+            slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(first, position + 1)]
             k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [p + 1, Hq, D]
             v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
             scores = torch.einsum("hd,thd->ht", q[starts[b] + i].double(), k) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             out[starts[b] + i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
     return out

@@ -25,7 +25,39 @@ _DEFAULT_MAX_POSITIONS = {
     "qwen3": 32768,
     "granite": 2048,
     "olmo2": 2048,
+    "gemma2": 8192,
+    "gemma3_text": 131072,
 }
+# Gemma: transformers' config defaults for the keys a config.json may leave out (Gemma2Config, Gemma3TextConfig)
+_GEMMA_DEFAULTS = {
+    "gemma2": dict(
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        tie_word_embeddings=True,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+    ),
+}
+SLIDING, FULL = "sliding_attention", "full_attention"
 _DEFAULT_RMS_EPS = 1e-6
 _DEFAULT_THETA = 10000.0
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -56,6 +88,21 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # the attention scale; None: 1/√head_dim
     logits_scaling: float = 1.0
+    # Gemma: norms scale by (1 + weight), in float32; sandwich norms (input_layernorm and a norm on the
+    # attention's output, pre_ and post_feedforward_layernorm); the embedding multiplier rounded to the
+    # model dtype first; GELU-tanh MLP; tanh soft-capping of attention scores and of the final logits
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    round_embedding_multiplier: bool = False
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # sliding-window attention: layer i attends to the last `sliding_window` positions (its own
+    # included) when layer_types[i] is "sliding_attention"; () means every layer is full attention
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    # RoPE of the sliding layers where it differs from the full ones (Gemma 3's local base)
+    local_rope_parameters: dict | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # standardized as transformers does: always rope_type and rope_theta, plus the type's own keys
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": _DEFAULT_THETA})
@@ -71,6 +118,12 @@ class ModelConfig:
     def from_hf(cls, config: dict, generation_config: dict | None = None) -> "ModelConfig":
         """From config.json (and, optionally, generation_config.json, which may add EOS tokens)."""
         model_type = config.get("model_type")
+        if model_type == "gemma3":  # Gemma3ForConditionalGeneration: the runtime runs its language model
+            text = config.get("text_config") or {}
+            eos = config.get("eos_token_id", text.get("eos_token_id", 1))
+            config = {**text, "model_type": "gemma3", "eos_token_id": eos}
+        if model_type in _GEMMA_DEFAULTS or model_type == "gemma3":
+            config = {**_GEMMA_DEFAULTS["gemma2" if model_type == "gemma2" else "gemma3_text"], **config}
         if model_type not in MODEL_TYPES:
             raise OptkitError(
                 f"model_type {model_type!r} is not supported by the runtime: it runs {', '.join(MODEL_TYPES)}"
@@ -78,15 +131,18 @@ class ModelConfig:
         missing = [key for key in _REQUIRED if key not in config]
         if missing:
             raise OptkitError(f"config.json lacks {', '.join(missing)}: re-save the model with save_pretrained")
-        if config.get("hidden_act", "silu") != "silu":
+        gemma = _gemma_fields(config, model_type) if model_type in ("gemma2", "gemma3_text", "gemma3") else {}
+        if not gemma and config.get("hidden_act", "silu") != "silu":
             raise OptkitError(f"hidden_act {config['hidden_act']!r} is not supported: the runtime runs silu MLPs")
-        _check_sliding_window(config, model_type)
+        sliding = {} if gemma else _sliding_window(config, model_type)
         heads = config["num_attention_heads"]
         default_head_dim = 128 if model_type == "qwen3" else config["hidden_size"] // heads
-        max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
+        max_positions = config.get(
+            "max_position_embeddings", _DEFAULT_MAX_POSITIONS["gemma3_text" if model_type == "gemma3" else model_type]
+        )
         attention_bias = bool(config.get("attention_bias", False))
         granite = model_type == "granite"
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -98,10 +154,10 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", _DEFAULT_RMS_EPS),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_position_embeddings=max_positions,
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", "granite", "olmo2") and attention_bias),
-            o_bias=model_type in ("llama", "qwen3", "granite", "olmo2") and attention_bias,
+            qkv_bias=model_type == "qwen2" or (model_type in _ATTENTION_BIAS and attention_bias),
+            o_bias=model_type in _ATTENTION_BIAS and attention_bias,
             mlp_bias=model_type in ("llama", "granite") and bool(config.get("mlp_bias", False)),
-            qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type),
+            qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "gemma3": "head"}.get(model_type),
             post_norms=model_type == "olmo2",
             norm_weight_in_float32=model_type == "olmo2",
             embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
@@ -109,20 +165,102 @@ class ModelConfig:
             attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else None,
             logits_scaling=float(config.get("logits_scaling", 1.0)) if granite else 1.0,
             eos_token_ids=_eos_token_ids(config, generation_config or {}),
-            rope_parameters=standardize_rope(config, max_positions),
         )
+        fields.update(sliding)
+        fields.update(gemma)
+        if gemma and model_type != "gemma2":
+            fields.update(_gemma_rope(config, max_positions))
+        else:
+            fields["rope_parameters"] = standardize_rope(config, max_positions)
+        return cls(**fields)
 
     def rope_frequencies(self) -> tuple[torch.Tensor, float]:
         """(inv_freq float32 [head_dim / 2] on the CPU, attention scaling of cos and sin)."""
         return rope_frequencies(self.rope_parameters, self.head_dim, self.max_position_embeddings)
 
+    def local_rope_frequencies(self) -> tuple[torch.Tensor, float]:
+        """rope_frequencies of the sliding layers (Gemma 3's local base; the same elsewhere)."""
+        if self.local_rope_parameters is None:
+            return self.rope_frequencies()
+        return rope_frequencies(self.local_rope_parameters, self.head_dim, self.max_position_embeddings)
 
-def _check_sliding_window(config: dict, model_type: str) -> None:
-    """Sliding-window attention is not implemented; refuse it wherever transformers would use it."""
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to every position before it)."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """Every layer has a window: KV blocks that leave it are never read again (docs/runtime.md)."""
+        return all(self.window(i) is not None for i in range(self.num_hidden_layers))
+
+
+_ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3_text", "gemma3")
+
+
+def _gemma_fields(config: dict, model_type: str) -> dict:
+    """The ModelConfig fields of Gemma 2 and 3 (their modeling files in transformers)."""
+    if config.get("use_bidirectional_attention"):
+        raise OptkitError(f"{model_type} with use_bidirectional_attention: the runtime runs causal language models")
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise OptkitError(f"hidden_activation {act!r} is not supported: the runtime runs Gemma with gelu_pytorch_tanh")
+    layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:  # as the config classes derive them
+        pattern = 2 if model_type == "gemma2" else config.get("sliding_window_pattern", 6)
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    if len(layer_types) != layers or set(layer_types) - {SLIDING, FULL}:
+        raise OptkitError(f"layer_types {layer_types} does not name {layers} sliding/full layers: fix config.json")
+    window = config.get("sliding_window")
+    return dict(
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        norm_weight_in_float32=True,
+        embedding_multiplier=config["hidden_size"] ** 0.5,
+        round_embedding_multiplier=True,
+        attention_multiplier=config["query_pre_attn_scalar"] ** -0.5,
+        hidden_act="gelu_pytorch_tanh",
+        # Gemma 3's attention in transformers passes no softcap: its attn_logit_softcapping is unused
+        attn_logit_softcapping=config.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        # Gemma3ForConditionalGeneration's head applies no final soft-cap (Gemma3ForCausalLM's does)
+        final_logit_softcapping=config.get("final_logit_softcapping") if model_type != "gemma3" else None,
+        sliding_window=window if window and SLIDING in layer_types else None,
+        layer_types=tuple(layer_types),
+    )
+
+
+def _gemma_rope(config: dict, max_positions: int) -> dict:
+    """Gemma 3 rotates its sliding layers with a local base (rope_local_base_freq, or transformers 5's
+    rope_parameters per layer type); `rope_scaling` applies to the full layers only."""
+    rope = config.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        full, local = (
+            {"rope_parameters": dict(rope.get(FULL) or {})},
+            {"rope_parameters": dict(rope.get(SLIDING) or {})},
+        )
+        full["rope_parameters"].setdefault("rope_theta", 1_000_000.0)
+        local["rope_parameters"].setdefault("rope_theta", 10_000.0)
+    else:
+        full = {"rope_scaling": config.get("rope_scaling"), "rope_parameters": rope or None}
+        full["rope_theta"] = config.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return {
+        "rope_parameters": standardize_rope(full, max_positions),
+        "local_rope_parameters": standardize_rope(local, max_positions),
+    }
+
+
+def _sliding_window(config: dict, model_type: str) -> dict:
+    """Mistral's window (every layer slides); refuse the windows of the others (not implemented)."""
     max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
     if model_type == "mistral":
         window = config.get("sliding_window", 4096)
-    elif model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, on some layers
+        return {"sliding_window": window} if window is not None and window < max_positions else {}
+    if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, on some layers
         window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
         layer_types = config.get("layer_types")
         if layer_types is not None:
@@ -135,8 +273,9 @@ def _check_sliding_window(config: dict, model_type: str) -> None:
     if window is not None and window < max_positions:
         raise OptkitError(
             f"{model_type} with sliding_window {window} (< max_position_embeddings {max_positions}): "
-            "the runtime has no sliding-window attention; use a model with full attention"
+            "the runtime has no sliding-window attention for it; use a model with full attention"
         )
+    return {}
 
 
 def _eos_token_ids(config: dict, generation_config: dict) -> list[int]:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
-from optkit.models.config import ModelConfig
+from optkit.models.config import SLIDING, ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, Hkv, D]
 
@@ -32,11 +32,12 @@ def allocate_kv_caches(
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, weight_in_float32: bool = False):
+    def __init__(self, size: int, eps: float, weight_in_float32: bool = False, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.weight_in_float32 = weight_in_float32
+        self.offset = offset  # Gemma scales by (1 + weight), in float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
@@ -44,13 +45,17 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         if self.weight_in_float32:
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
 
 def make_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
-    return RMSNorm(size or config.hidden_size, config.rms_norm_eps, config.norm_weight_in_float32)
+    return RMSNorm(
+        size or config.hidden_size, config.rms_norm_eps, config.norm_weight_in_float32, config.norm_weight_offset
+    )
 
 
 def rope_cos_sin(
@@ -70,8 +75,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
+        self.window, self.softcap = config.window(layer), config.attn_logit_softcapping  # Gemma, Mistral
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5 if config.attention_multiplier is None else config.attention_multiplier
@@ -101,7 +107,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -112,30 +118,41 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma: GeGLU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))  # SwiGLU (GeGLU)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norms (h += sublayer(norm(h))), or with `post_norms` (OLMo 2) h += norm(sublayer(h)): there
-    post_attention_layernorm normalizes the attention's output, post_feedforward_layernorm the MLP's."""
+    post_attention_layernorm normalizes the attention's output, post_feedforward_layernorm the MLP's.
+    With `sandwich_norms` (Gemma) both: h += post_attention_layernorm(attn(input_layernorm(h))), then
+    h += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int = 0):
         super().__init__()
         self.post_norms = config.post_norms
+        self.sandwich_norms = config.sandwich_norms
         self.residual_multiplier = config.residual_multiplier
         if not config.post_norms:
             self.input_layernorm = make_norm(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = make_norm(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config)
         self.mlp = MLP(config)
-        if config.post_norms:
+        if config.post_norms or config.sandwich_norms:
             self.post_feedforward_layernorm = make_norm(config)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
+        if self.sandwich_norms:
+            h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         if self.post_norms:
             h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, kv_cache))
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -150,7 +167,7 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config)
 
 
@@ -165,6 +182,12 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
         inv_freq, self.attention_scaling = config.rope_frequencies()  # on the CPU even under a meta device
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Gemma 3 rotates its sliding layers with another base: those layers take the local cos/sin
+        self.local_rope = [layer_type == SLIDING for layer_type in config.layer_types]
+        if config.local_rope_parameters is None or not any(self.local_rope):
+            self.local_rope = []
+        local_inv_freq, self.local_attention_scaling = config.local_rope_frequencies()
+        self.register_buffer("local_inv_freq", local_inv_freq, persistent=False)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -178,10 +201,16 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm."""
         h = self.model.embed_tokens(input_ids)  # h: [T, hidden]
-        if self.config.embedding_multiplier != 1.0:  # Granite
+        if self.config.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
+        elif self.config.embedding_multiplier != 1.0:  # Granite
             h = h * self.config.embedding_multiplier
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, D]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        rope = [(cos, sin)] * len(self.model.layers)
+        if self.local_rope:
+            local = rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype)
+            rope = [local if is_local else (cos, sin) for is_local in self.local_rope]
+        for layer, kv_cache, (cos, sin) in zip(self.model.layers, kv_caches, rope, strict=True):
             h = layer(h, cos, sin, meta, kv_cache)
         return self.model.norm(h)
 
@@ -193,4 +222,7 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite, in the model's dtype as transformers divides
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2: cap·tanh(logits / cap), in the model's dtype as transformers
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()

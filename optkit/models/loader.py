@@ -7,6 +7,7 @@ dequantized per matmul), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors o
 
 import importlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from optkit.quant.families import family_for
 
 # tensors a checkpoint may carry that the runtime recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+log = logging.getLogger(__name__)
 
 
 def load_runtime_model(
@@ -33,7 +35,7 @@ def load_runtime_model(
     config = ModelConfig.from_hf(config_dict, _generation_config(path))
     with torch.device("meta"):
         model = _runtime_class(config.model_type)(config)
-    tensors = read_tensors(path)
+    tensors = _runtime_view(read_tensors(path), config.model_type)
     quant_config = config_dict.get("quantization_config")
     consumed = _install_quantized(model, tensors, quant_config, dtype, path) if quant_config else set()
     state = {
@@ -57,6 +59,28 @@ def load_runtime_model(
     return model.to(device).eval().requires_grad_(False)
 
 
+def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the runtime's names: its family's renames (Gemma 3's
+    language_model.model.* -> model.*), without the parts the runtime leaves out (said in one line)."""
+    family = family_for(model_type)
+    if not family.runtime_renames and family.outside_runtime is None:
+        return tensors
+    prefixes, reason = family.outside_runtime or ((), "")
+    left_out = sorted({p for key in tensors for p in prefixes if key.startswith(p)})
+    if left_out:
+        log.info("%s: leaves %s out of the runtime: %s", family.name, ", ".join(p + "*" for p in left_out), reason)
+    view = {}
+    for key, tensor in tensors.items():
+        if key.startswith(prefixes):
+            continue
+        for stored, runtime in family.runtime_renames:
+            if key.startswith(stored):
+                key = runtime + key.removeprefix(stored)
+                break
+        view[key] = tensor
+    return view
+
+
 def _runtime_class(model_type: str) -> type[CausalLM]:
     """The runtime model its family names (quant/families/), e.g. optkit.models.llama:CausalLM."""
     module, _, name = family_for(model_type).runtime.partition(":")
@@ -78,7 +102,6 @@ def _install_quantized(
 ) -> set[str]:
     """Swap each quantized linear of the checkpoint into `model`; returns the tensor keys used."""
     from optkit.quant.formats import reader_for
-    from optkit.quant.formats.mixed import layer_schemes
 
     fmt = reader_for(quant_config, str(path))
     is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
@@ -87,12 +110,12 @@ def _install_quantized(
         suffixes = ("weight", "weight_scale", "input_scale", "bias")
     else:
         marker = fmt.MARKER  # the tensor suffix that marks a weight-only quantized layer
+        scheme = fmt.scheme_from_config(quant_config)
         prefixes = [k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}")]
-        schemes = layer_schemes(fmt, quant_config, prefixes)  # one scheme, or each layer's when mixed
         modules = {}
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
-            qw = fmt.decompress(prefix, tensors, schemes[prefix])
+            qw = fmt.decompress(prefix, tensors, scheme)
             modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}

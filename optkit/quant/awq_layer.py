@@ -73,7 +73,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
                 best = {"loss": loss, "alpha": alpha, "duo_scaling": use_duo, "s": s}
         for module, w in zip(modules, originals, strict=True):
             module.weight.copy_(w)
-        fold_scale(work.layer, previous, linears, best.pop("s"))
+        fold_scale(work.layer, previous, linears, best.pop("s"), work.family.norm_weight_offset)
         return best
 
     def quantize_linears(work: LayerWork, names: list[str], searched: dict[str, dict]) -> dict:

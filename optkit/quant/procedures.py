@@ -50,12 +50,19 @@ def gptq_procedure(scheme: WeightScheme, options: GPTQOptions) -> LayerProcedure
     return procedure
 
 
-def fold_scale(layer: torch.nn.Module, previous: str, linears: tuple[str, ...], s: torch.Tensor) -> None:
-    """W_i ← W_i diag(s) for each linear, and the previous operation's output channels ← / s."""
+def fold_scale(
+    layer: torch.nn.Module, previous: str, linears: tuple[str, ...], s: torch.Tensor, norm_offset: float = 0.0
+) -> None:
+    """W_i ← W_i diag(s) for each linear, and the previous operation's output channels ← / s. A norm
+    that scales by (norm_offset + w) (Gemma's 1 + w) gets w ← (norm_offset + w)/s − norm_offset."""
     prev = layer.get_submodule(previous)
     if isinstance(prev, torch.nn.Linear):
         prev.weight.div_(s.view(-1, 1))
         if prev.bias is not None:
+            prev.bias.div_(s)
+    elif norm_offset:  # y = norm(x) · (offset + weight)
+        prev.weight.copy_((prev.weight + norm_offset) / s - norm_offset)
+        if getattr(prev, "bias", None) is not None:
             prev.bias.div_(s)
     else:  # RMSNorm / LayerNorm: y = norm(x) * weight
         prev.weight.div_(s)

@@ -98,7 +98,8 @@ def smoothquant_procedure(
             act_absmax = _input_absmax(work, [linears[0]])[linears[0]]
             alpha = search_alpha(work, linears, block, act_absmax) if options.alpha == "auto" else options.alpha
             originals = [work.layer.get_submodule(n).weight.detach() for n in linears]
-            fold_scale(work.layer, previous, linears, sq.smoothing_scales(act_absmax, originals, alpha))
+            scales = sq.smoothing_scales(act_absmax, originals, alpha)
+            fold_scale(work.layer, previous, linears, scales, work.family.norm_weight_offset)
             work.updated[previous] = work.layer.get_submodule(previous)
             searched.update(dict.fromkeys(linears, {"alpha": alpha}))
         return searched

@@ -24,10 +24,14 @@ def test_llama():
 def test_mistral_and_its_sliding_window():
     config = ModelConfig.from_hf({"model_type": "mistral", **BASE, "sliding_window": None, "eos_token_id": 2})
     assert config.num_key_value_heads == 4 and config.eos_token_ids == [2]
-    with pytest.raises(OptkitError, match="sliding_window 4096"):
-        ModelConfig.from_hf({"model_type": "mistral", **BASE, "sliding_window": 4096})
+    # every layer slides (tests/models/test_gemma.py runs it against transformers)
+    windowed = ModelConfig.from_hf({"model_type": "mistral", **BASE, "sliding_window": 64})
+    assert windowed.window(0) == windowed.window(1) == 64 and windowed.all_layers_slide
     # a window at least the model's longest context never takes effect
-    ModelConfig.from_hf({"model_type": "mistral", **BASE, "sliding_window": 512, "max_position_embeddings": 512})
+    config = ModelConfig.from_hf(
+        {"model_type": "mistral", **BASE, "sliding_window": 512, "max_position_embeddings": 512}
+    )
+    assert config.window(0) is None and not config.all_layers_slide
 
 
 def test_qwen2_and_qwen3():

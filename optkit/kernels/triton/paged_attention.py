@@ -14,6 +14,11 @@ query_start_loc[b]:query_start_loc[b + 1] of q and sit at positions context_len 
   rows = BLOCK_Q tokens × G heads, found from query_start_loc by binary search on the device (no
   host-built index, nothing to sync). Flash-attention-2 over the cached prefix and the causal part.
 
+A sliding window W (WINDOW > 0) hides keys at or before a row's position − W and starts each walk at
+the window's first tile; a tile may then hold no key of some row, so its softmax state stays
+(m = −inf, denom = 0) rather than turning NaN. A soft-cap c (SOFTCAP > 0) replaces each score s by
+c·tanh(s / c), with tanh(x) = 1 − 2 / (e^{2x} + 1).
+
 Every program walks the sequence's keys in tiles of BLOCK_N tokens with an online softmax in base 2
 (scores pre-multiplied by log2 e), looking each token's block up in the block table, so any
 cache block size works. All lengths are read on the device: a captured CUDA graph stays correct
@@ -46,12 +51,13 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_kt
 @triton.jit
 def _attend_tile(
     q, m, denom, acc, rows_pos, b_table_ptr, k_cache_ptr, v_cache_ptr, kvh, start, end,
-    stride_kb, stride_ks, stride_kh, scale_log2,
+    stride_kb, stride_ks, stride_kh, scale_log2, window, softcap_log2,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys start .. start + BLOCK_N - 1 (those below `end`).
-    q [R, Dp]; m, denom [R]; acc [R, Dp] fp32; rows_pos [R]: the last key each row sees (when CAUSAL)."""
+    q [R, Dp]; m, denom [R]; acc [R, Dp] fp32; rows_pos [R]: the last key each row sees (when CAUSAL
+    or HAS_WINDOW); with HAS_WINDOW only keys after rows_pos - window; softcap_log2 = c·log2 e."""
     pos = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM_PAD)
     valid = pos < end
@@ -60,13 +66,21 @@ def _attend_tile(
     kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
     k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [R, N]
+    if HAS_SOFTCAP:  # s is score·log2 e: c·tanh(score / c)·log2 e
+        x = s / softcap_log2
+        s = (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * softcap_log2
     if CAUSAL:
         s = tl.where(pos[None, :] <= rows_pos[:, None], s, float("-inf"))
     else:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))  # finite: every row sees at least one key of its first tile
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m - m_new)
+    if HAS_WINDOW:
+        s = tl.where(pos[None, :] > rows_pos[:, None] - window, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))  # finite without a window: every row sees a key of its first tile
+    m_safe = m_new
+    if HAS_WINDOW:  # a row with no key yet keeps m = -inf, denom = 0, acc = 0
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
     v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, denom * alpha + tl.sum(p, 1), acc
@@ -75,18 +89,24 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    query_start_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    query_start_ptr, scale_log2, window, softcap_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(query_start_ptr + b)  # b itself, unless some sequence has no new token
     if tl.load(query_start_ptr + b + 1) == row:
         return
     context_len = tl.load(context_lens_ptr + b)
-    num_tiles = tl.cdiv(context_len, BLOCK_N)
+    first_tile = 0
+    if HAS_WINDOW:  # the tiles from the one holding the window's first key
+        first_tile = tl.maximum(context_len - window, 0) // BLOCK_N
+    num_tiles = tl.cdiv(context_len, BLOCK_N) - first_tile
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first, last = split * per_split, tl.minimum((split + 1) * per_split, num_tiles)
+    first = first_tile + split * per_split
+    last = first_tile + tl.minimum((split + 1) * per_split, num_tiles)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -96,11 +116,12 @@ def _decode_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    rows_pos = tl.zeros([GROUP_PAD], tl.int32) + context_len - 1  # every row is the last token
     for tile in range(first, last):
         m, denom, acc = _attend_tile(
-            q, m, denom, acc, m, block_tables_ptr + b * stride_bt, k_cache_ptr, v_cache_ptr, kvh,  # rows_pos: unused
-            tile * BLOCK_N, context_len, stride_kb, stride_ks, stride_kh, scale_log2,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, PRECISION,
+            q, m, denom, acc, rows_pos, block_tables_ptr + b * stride_bt, k_cache_ptr, v_cache_ptr, kvh,
+            tile * BLOCK_N, context_len, stride_kb, stride_ks, stride_kh, scale_log2, window, softcap_log2,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, False, PRECISION, HAS_WINDOW, HAS_SOFTCAP,
         )  # fmt: skip
     if NUM_SPLITS == 1:
         out = acc / denom[:, None]
@@ -138,9 +159,11 @@ def _merge_splits_kernel(
 @triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
-    num_seqs, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    num_seqs, scale_log2, window, softcap_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     pid, kvh = tl.program_id(0), tl.program_id(1)
     # Sequence b owns the tiles first(b) .. first(b) + cdiv(Lq_b, BLOCK_Q) - 1, first(b) =
@@ -175,11 +198,14 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # from the tile holding the first key the tile's first row sees
+        lo = tl.maximum(prefix + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, end, BLOCK_N):
         m, denom, acc = _attend_tile(
             q, m, denom, acc, rows_pos, block_tables_ptr + b * stride_bt, k_cache_ptr, v_cache_ptr, kvh,
-            start, end, stride_kb, stride_ks, stride_kh, scale_log2,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, PRECISION,
+            start, end, stride_kb, stride_ks, stride_kh, scale_log2, window, softcap_log2,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, PRECISION, HAS_WINDOW, HAS_SOFTCAP,
         )  # fmt: skip
     out = acc / denom[:, None]
     tl.store(
@@ -238,8 +264,11 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] -> [T, Hq, D]. `num_splits` (decode) and `block_n` override the heuristics (tests, tuning)."""
+    """q [T, Hq, D] -> [T, Hq, D]. `num_splits` (decode) and `block_n` override the heuristics (tests,
+    tuning); `window` and `softcap` as in optkit.kernels.paged_attention."""
     reason = unsupported_reason(q, k_cache, v_cache, meta)
     assert reason is None, reason
     num_tokens, q_heads, dim = q.shape
@@ -259,12 +288,14 @@ def paged_attention(
     )  # fmt: skip
     tables, context_lens = meta.block_tables, meta.context_lens
     scale_log2 = scale * LOG2E
+    flags = dict(HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None)
+    window_arg, softcap_log2 = window or 0, (softcap or 1.0) * LOG2E
 
     if meta.max_query_len == 1:  # decode only: one query row per sequence
         group_pad = max(16, next_pow2(group))
         if num_splits is None:  # enough programs for two waves, each split at least 4 tiles long
             programs = num_seqs * kv_heads
-            tiles = math.ceil(meta.max_context_len / block_n)
+            tiles = math.ceil(min(meta.max_context_len, window or meta.max_context_len) / block_n)
             num_splits = min(math.ceil(2 * num_sms(q.device) / programs), tiles // 4, 32)
         num_splits = next_pow2(max(1, num_splits))  # the merge kernel reads the splits as one power-of-2 tile
         part_acc = part_ml = out  # unused placeholders when there is one split
@@ -273,9 +304,9 @@ def paged_attention(
             part_ml = torch.empty(num_seqs, q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
         _decode_kernel[(num_seqs, kv_heads, num_splits)](
             out, part_acc, part_ml, q, k_cache, v_cache, tables, context_lens, meta.query_start_loc, scale_log2,
-            *strides,
+            window_arg, softcap_log2, *strides,
             BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad,
-            BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision, num_warps=4, num_stages=2,
+            BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=precision, num_warps=4, num_stages=2, **flags,
         )  # fmt: skip
         if num_splits > 1:
             _merge_splits_kernel[(num_seqs, q_heads)](
@@ -288,8 +319,9 @@ def paged_attention(
     block_q = block_m // group
     grid = (num_tokens // block_q + num_seqs, kv_heads)
     _prefill_kernel[grid](
-        out, q, k_cache, v_cache, tables, meta.context_lens, meta.query_start_loc, num_seqs, scale_log2, *strides,
+        out, q, k_cache, v_cache, tables, meta.context_lens, meta.query_start_loc, num_seqs, scale_log2,
+        window_arg, softcap_log2, *strides,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=dim, HEAD_DIM_PAD=dim_pad, BLOCK_M=block_m, BLOCK_Q=block_q,
-        BLOCK_N=block_n, PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=precision, num_warps=4, num_stages=2, **flags,
     )  # fmt: skip
     return out

@@ -34,6 +34,12 @@ class Family:
     runtime: str | None = None
     unsmoothable: tuple[tuple[tuple[str, ...], str], ...] = ()
     embedding_scale: Callable[[object], float] | None = None
+    # the norms scale by (offset + weight) (Gemma: 1): a smoothing scale s folds as w ← (offset + w)/s − offset
+    norm_weight_offset: float = 0.0
+    # (checkpoint prefix, runtime prefix) where they differ, and checkpoint prefixes the runtime leaves
+    # out, with the reason (Gemma 3's vision tower): the runtime model's view of the checkpoint
+    runtime_renames: tuple[tuple[str, str], ...] = ()
+    outside_runtime: tuple[tuple[str, ...], str] | None = None
 
     @property
     def norm_groups(self) -> tuple[SmoothingGroup, ...]:
@@ -53,7 +59,7 @@ def log_unsmoothable(family: Family, method: str) -> None:
 
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
-_BUILTIN = ("llama", "granite", "olmo2")
+_BUILTIN = ("llama", "granite", "olmo2", "gemma")
 _load_builtin = import_once(__name__, _BUILTIN)
 
 
