@@ -24,6 +24,8 @@ from optkit.gate.tasks import accuracy, encode_task, load_task
 from optkit.gate.thresholds import Check, check
 from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
+from optkit.quant.formats.gguf_read import is_gguf
+from optkit.quant.formats.gguf_read import read_config as read_gguf_config
 from optkit.quant.formats.load import load_model
 
 
@@ -61,7 +63,9 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
     eval_set, seq_len, max_windows = options.eval_set, options.seq_len, options.max_windows
     reference_cache, top_k, task = options.reference_cache, options.top_k, options.task
     start = time.perf_counter()
-    artifact_dir, baseline_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
+    gguf_file = is_gguf(artifact)  # a .gguf is evaluated by llama.cpp, everything else by transformers
+    artifact_dir = Path(artifact) if gguf_file else resolve_model_dir(artifact)
+    baseline_dir = resolve_model_dir(baseline)
     texts = load_text_set(eval_set)
     tokenizer = load_tokenizer(baseline_dir)
     if seq_len < 2:
@@ -73,7 +77,8 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
             "give more text or a smaller --seq-len"
         )
 
-    base_vocab, artifact_vocab = read_config(baseline_dir)["vocab_size"], read_config(artifact_dir)["vocab_size"]
+    base_vocab = read_config(baseline_dir)["vocab_size"]
+    artifact_vocab = (read_gguf_config if gguf_file else read_config)(artifact_dir)["vocab_size"]
     if base_vocab != artifact_vocab:
         raise OptkitError(
             f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
@@ -81,7 +86,7 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
         )
     key = reference_key(baseline_dir, windows, top_k) if reference_cache else None
     reference = load_reference(key) if key else None
-    artifact_model = load_model(artifact_dir)
+    artifact_model = _gguf_model(artifact_dir, seq_len) if gguf_file else load_model(artifact_dir)
     base_model = load_model(baseline_dir) if reference is None else None
     stats = TokenStats()
     parts = []
@@ -132,3 +137,11 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
         kld_histogram=kld_histogram(stats),
         wall_time_s=round(time.perf_counter() - start, 3),
     )
+
+
+def _gguf_model(path: Path, seq_len: int):
+    """llama.cpp with a context long enough for the windows and the task's questions."""
+    from optkit.gate.llama_cpp import LlamaCppModel
+
+    context = read_gguf_config(path)["max_position_embeddings"] or 2048
+    return LlamaCppModel(path, n_ctx=max(seq_len, min(context, 2048)))

@@ -162,9 +162,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def quantize_model(
-    model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool = False, device: str = "auto"
+    model: str | Path,
+    out: Path,
+    options: QuantizeOptions,
+    *,
+    overwrite: bool = False,
+    device: str = "auto",
+    _staging: bool = False,
 ) -> dict:
     """Quantize `model` into `out` and return the manifest written there."""
+    if getattr(get_format(options.format), "write_file", None) is not None and not _staging:
+        return _quantize_to_file(model, Path(out), options, overwrite=overwrite, device=device)
     start = time.perf_counter()
     check_output_dir(out, overwrite)
     base = resolve_model_dir(model)
@@ -190,12 +198,16 @@ def quantize_model(
                 f"--method {stage.name} cannot be written as --format {options.format}: "
                 f"use --format {' or '.join(stage.formats)}"
             )
+    if getattr(fmt, "check_model", None) is not None:  # what the format cannot hold, before calibrating
+        fmt.check_model(config_dict, base)
+    constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
+    work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
 
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         with PeakMemory() as peak:
-            calibration, layer_results = _quantize_weights(base, targets, options, device)
-            stats = _write_weights(base, tmp, fmt, options, layer_results)
+            calibration, layer_results = _quantize_weights(base, targets, work, device)
+            stats = _write_weights(base, tmp, fmt, work, layer_results)
         layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in targets]
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights, options.act_order, ignored + ["lm_head"], options.activations
@@ -216,6 +228,23 @@ def quantize_model(
                 "wall_time_s": round(time.perf_counter() - start, 3),
             },
         )
+    return manifest
+
+
+def _quantize_to_file(model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool, device: str) -> dict:
+    """One-file formats (GGUF): the artifact is staged in a hidden directory beside `out` (removed
+    afterwards, on failure too), then the format writes `out` from it (temporary name, renamed)."""
+    fmt = get_format(options.format)
+    if out.suffix != fmt.SUFFIX or out.is_dir():
+        raise OptkitError(f"--format {fmt.NAME} writes one file: give --out NAME{fmt.SUFFIX}")
+    if out.exists() and not overwrite:
+        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another --out")
+    stage = out.with_name(f".{out.name}.stage")
+    try:
+        manifest = quantize_model(model, stage, options, overwrite=True, device=device, _staging=True)
+        fmt.write_file(stage, out, manifest)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return manifest
 
 

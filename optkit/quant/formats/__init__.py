@@ -124,3 +124,4 @@ def reader_for(quant_config: dict, where: str) -> CheckpointFormat:
 register_format("compressed-tensors", "optkit.quant.formats.compressed_tensors")
 register_format("gptq", "optkit.quant.formats.gptq")
 register_format("awq", "optkit.quant.formats.awq")
+register_format("gguf", "optkit.quant.formats.gguf")

@@ -1,0 +1,217 @@
+"""GGUF, llama.cpp's single-file format: `--format gguf` writes one `.gguf`.
+
+The weights are ggml's legacy block types (weights/gguf_blocks.py), chosen by the scheme:
+  symmetric 4-bit g32 -> Q4_0    asymmetric 4-bit g32 -> Q4_1    symmetric 8-bit g32 -> Q8_0
+`constrain` hands the methods a StoredScheme (fp16 scales; Q4_1's fp16 minimum m as a float zero
+point), so RTN, GPTQ and AWQ round onto exactly what the blocks hold. Tensors optkit leaves in full
+precision (embeddings, lm_head, ignored layers) keep their dtype (BF16/F16/F32), 1-D ones are F32, as
+llama.cpp's converter writes them; the metadata is the converter's (quant/formats/gguf_metadata.py).
+
+The quantizer stages an artifact directory whose quantized linears are `P.gguf_blocks` (uint8 rows of
+blocks, the Protocol's compress/decompress), then `write_file` turns it into the .gguf, written to a
+temporary name and renamed into place. llama.cpp runs the file (`runtime`); `read_file` gives it back
+as a Hugging Face config and a dequantized state dict for optkit's own runtime and the tests.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from optkit.errors import OptkitError
+from optkit.quant.formats import gguf_metadata as meta
+from optkit.quant.formats.common import dequantize_layers
+from optkit.weights import gguf_blocks
+from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
+from optkit.weights.stored import StoredScheme
+
+NAME = "gguf"
+MARKER = "gguf_blocks"
+SUFFIXES = ("gguf_blocks",)
+SUFFIX = ".gguf"  # what `optkit eval` and the runtime recognise as a GGUF file
+runtime = "llama.cpp"
+FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+
+
+def block_type(scheme: WeightScheme) -> str:
+    if scheme.group_size != gguf_blocks.BLOCK or getattr(scheme, "type", "int") != "int":
+        raise OptkitError(
+            f"--format gguf stores integer blocks of {gguf_blocks.BLOCK} columns (Q4_0, Q4_1, Q8_0): "
+            f"use --group-size {gguf_blocks.BLOCK} with --bits 4 or 8"
+        )
+    if scheme.bits == 4:
+        return "Q4_0" if scheme.symmetric else "Q4_1"
+    if scheme.bits == 8 and scheme.symmetric:
+        return "Q8_0"
+    if scheme.bits == 8:
+        raise OptkitError("--format gguf: 8-bit blocks (Q8_0) are symmetric: use --sym")
+    raise OptkitError(f"--format gguf has no {scheme.bits}-bit block type optkit writes: use --bits 4 or 8")
+
+
+def detect(quant_config: dict) -> bool:
+    return quant_config.get("quant_method") == NAME
+
+
+def check(
+    scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
+) -> None:
+    if activations is not None:
+        raise OptkitError("--format gguf stores weight-only quantization: W8A8 needs --format compressed-tensors")
+    block_type(scheme)
+    if act_order == "group":
+        raise OptkitError("--format gguf keeps each block's 32 columns together: with --act-order add --static-groups")
+    for name, in_features, out_features in layers:
+        if in_features % gguf_blocks.BLOCK:
+            raise OptkitError(
+                f"{name} ({out_features}×{in_features}): GGUF blocks need input widths divisible by "
+                f"{gguf_blocks.BLOCK}: use --format compressed-tensors"
+            )
+
+
+def check_model(config: dict, model_dir: Path) -> None:
+    """Before any calibration: what the file could not hold (architecture, RoPE, tokenizer)."""
+    meta.architecture(config)
+    rope_type = meta.rope_parameters(config).get("rope_type", "default")
+    if rope_type not in ("default", "linear", "llama3"):
+        raise OptkitError(
+            f"--format gguf: RoPE scaling {rope_type!r} is not written yet: use --format compressed-tensors"
+        )
+    tokenizer_json = model_dir / "tokenizer.json"
+    if tokenizer_json.is_file():
+        meta.pre_tokenizer(json.loads(tokenizer_json.read_text(encoding="utf-8")), tokenizer_json)
+
+
+def constrain(scheme: WeightScheme) -> StoredScheme:
+    """The scheme the methods quantize onto: fp16 scales, and Q4_1's fp16 minimum as a float zero point."""
+    block_type(scheme)
+    return StoredScheme(**scheme.model_dump(), float_zero=not scheme.symmetric)
+
+
+def quantization_config(
+    scheme: WeightScheme, act_order: bool | str, ignore: list[str], activations: str | None = None
+) -> dict:
+    return {"quant_method": NAME, "type": block_type(scheme), "bits": scheme.bits, "group_size": scheme.group_size,
+            "sym": scheme.symmetric, "modules_to_not_convert": ignore}  # fmt: skip
+
+
+def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
+    if qw.g_idx is not None:
+        raise OptkitError(f"{prefix}: GGUF blocks keep columns in order: use --static-groups with --act-order")
+    qtype = block_type(qw.scheme)
+    if qw.scale.dtype != torch.float16 or (qtype == "Q4_1" and qw.zero_point.dtype != torch.float16):
+        raise OptkitError(f"{prefix}: GGUF blocks store fp16 scales: quantize with --format gguf from the start")
+    return {f"{prefix}.{MARKER}": gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if qtype == "Q4_1" else None)}
+
+
+def scheme_from_config(quant_config: dict) -> StoredScheme:
+    return StoredScheme(
+        bits=quant_config["bits"],
+        group_size=quant_config["group_size"],
+        symmetric=quant_config["sym"],
+        float_zero=not quant_config["sym"],
+    )
+
+
+def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:
+    data = tensors[f"{prefix}.{MARKER}"]
+    qtype = block_type(scheme)
+    cols = data.shape[1] // gguf_blocks.BLOCK_BYTES[qtype] * gguf_blocks.BLOCK
+    q, d, m = gguf_blocks.unpack(qtype, data, cols)
+    zero = m if m is not None else torch.zeros(d.shape, dtype=torch.int8)
+    return QuantizedWeight(q, d, zero, scheme)
+
+
+def dequantized_state_dict(
+    tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    scheme = scheme_from_config(quant_config)
+    return dequantize_layers(tensors, MARKER, SUFFIXES, lambda prefix: decompress(prefix, tensors, scheme), dtype)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, "object"]:
+    """A full-precision tensor as llama.cpp's converter stores it: (array, raw GGML type)."""
+    from gguf import GGMLQuantizationType as T
+
+    if tensor.ndim == 1 or tensor.dtype == torch.float32:
+        return tensor.float().numpy(), T.F32
+    if tensor.dtype == torch.float16:
+        return tensor.numpy(), T.F16
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.uint8).numpy(), T.BF16
+    raise OptkitError(f"--format gguf: cannot store a {tensor.dtype} tensor")
+
+
+def write_file(staged: Path, out: Path, manifest: dict) -> None:
+    """The .gguf for a staged artifact directory: written as `.NAME.tmp-PID`, renamed to `out`."""
+    import gguf
+
+    from optkit.modeldir import TensorReader, read_config
+
+    config = read_config(staged)
+    arch = meta.architecture(config)
+    quant_config = config["quantization_config"]
+    qtype = quant_config["type"]
+    reader = TensorReader(staged)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(tmp, arch)
+    try:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(Path(manifest["base_model"]["path"]).name)
+        writer.add_quantized_by("optkit")
+        writer.add_file_type(FILE_TYPES[qtype])
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        meta.add_hyperparameters(writer, config)
+        meta.add_tokenizer(writer, staged, config)
+        writer.add_string("optkit.manifest", json.dumps({k: v for k, v in manifest.items() if k != "files"}))
+
+        plan = []  # (GGUF name, HF key, raw type) in file order
+        for key in reader.keys():
+            if key.endswith(f".{MARKER}"):
+                hf, raw = key.removesuffix(f".{MARKER}") + ".weight", gguf.GGMLQuantizationType[qtype]
+            elif key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.get("tie_word_embeddings")):
+                continue
+            else:
+                hf, raw = key, None
+            plan.append((meta.gguf_name(hf), key, hf, raw))
+        plan.sort(key=lambda p: _file_order(p[0]))
+
+        def array(key: str, hf: str, raw) -> tuple[np.ndarray, object]:
+            tensor = reader.get(key)
+            heads = meta.qk_heads(config, hf)
+            if heads is not None:
+                tensor = meta.permute_qk(tensor, heads)
+            if raw is not None:
+                return tensor.numpy(), raw
+            return _tensor_bytes(tensor)
+
+        rope_factors = None  # Llama 3.1's RoPE scaling, as the converter's generate_extra_tensors
+        if meta.rope_parameters(config).get("rope_type") == "llama3":
+            rope_factors = meta.llama3_rope_factors(config).numpy()
+            writer.add_tensor_info("rope_freqs.weight", rope_factors.shape, rope_factors.dtype, rope_factors.nbytes)
+        for name, key, hf, raw in plan:  # shapes and sizes first: one tensor in memory at a time below
+            data, data_raw = array(key, hf, raw)
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=data_raw)
+            del data
+        writer.write_header_to_file(tmp)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if rope_factors is not None:
+            writer.write_tensor_data(rope_factors)
+        for _, key, hf, raw in plan:
+            writer.write_tensor_data(np.ascontiguousarray(array(key, hf, raw)[0]))
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _file_order(name: str) -> tuple:
+    """token_embd, then blk.0.*, blk.1.*, ..., then output_norm and output (the converter's order)."""
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name.startswith("token_embd") else 2, 0, name)

@@ -1,0 +1,213 @@
+"""What llama.cpp's converter (convert_hf_to_gguf.py: TextModel, LlamaModel, Qwen2Model, Qwen3Model)
+writes besides the tensors, for the families both support: the architecture's hyperparameters, the
+tensor names, Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat
+template. Read from config.json and the tokenizer files (JSON only; nothing is executed)."""
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from optkit.errors import OptkitError
+
+# model_type -> GGUF architecture (Mistral converts as Llama)
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# HF tensor name (after "model.layers.N.") -> GGUF name (after "blk.N."); the same table reads files back
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+# tokenizer.json's pre-tokenizer -> llama.cpp's `tokenizer.ggml.pre` (src/llama-vocab.cpp): the GPT-2
+# split is ByteLevel's own regex; Llama 3 and Qwen2 split with these regexes before a plain ByteLevel
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
+
+
+def architecture(config: dict) -> str:
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise OptkitError(
+            f"--format gguf writes {', '.join(sorted(ARCHITECTURES))} models, not {model_type!r}: "
+            "use --format compressed-tensors"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def gguf_name(hf_name: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight."""
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
+        return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}.{suffix}"
+    raise OptkitError(f"{hf_name}: llama.cpp has no tensor of that name: use --format compressed-tensors")
+
+
+def hf_name(name: str) -> str:
+    """Inverse of `gguf_name`."""
+    stem, _, suffix = name.rpartition(".")
+    for hf, gg in GLOBAL_TENSORS.items():
+        if stem == gg:
+            return f"{hf}.{suffix}"
+    parts = stem.split(".", 2)
+    inverse = {v: k for k, v in LAYER_TENSORS.items()}
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in inverse:
+        return f"model.layers.{parts[1]}.{inverse[parts[2]]}.{suffix}"
+    raise OptkitError(f"GGUF tensor {name!r} is not one optkit reads")
+
+
+def permute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Llama's q/k rows from Hugging Face's rotate-half order to GGML's interleaved RoPE order
+    (LlamaModel.permute): per head, rows [r0..r_{h/2}, r_{h/2}..] -> pairs (r_i, r_{i+h/2}).
+    rows: [heads·head_dim, ...] (weights, packed blocks or biases: rows move whole)."""
+    shape = rows.shape
+    return rows.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def unpermute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def qk_heads(config: dict, hf: str) -> int | None:
+    """The head count Llama's permutation uses for this tensor, or None (no permutation)."""
+    if architecture(config) != "llama":
+        return None  # Qwen2/3 run NEOX RoPE in llama.cpp: Hugging Face's order as it is
+    if ".self_attn.q_proj." in hf:
+        return config["num_attention_heads"]
+    if ".self_attn.k_proj." in hf:
+        return config.get("num_key_value_heads") or config["num_attention_heads"]
+    return None
+
+
+def rope_parameters(config: dict) -> dict:
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return {"rope_theta": config.get("rope_theta", 10000.0), **params}
+
+
+def llama3_rope_factors(config: dict) -> torch.Tensor:
+    """Llama 3.1's frequency divisors, one per rotary pair (llama.cpp reads them as `rope_freqs`):
+    1 for short wavelengths, `factor` for long ones, smoothly in between."""
+    p = rope_parameters(config)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    factor, low, high = p.get("factor", 8.0), p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_context = p.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelen < old_context / high, 1.0, torch.where(wavelen > old_context / low, factor, mid))
+    return factors.to(torch.float32)
+
+
+def add_hyperparameters(writer, config: dict) -> None:
+    """TextModel.set_gguf_parameters and LlamaModel's additions, for what these families use."""
+    import gguf
+
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = rope_parameters(config)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type not in ("default", "llama3"):  # llama3: the rope_freqs tensor
+        raise OptkitError(
+            f"--format gguf: RoPE scaling {rope_type!r} is not written yet: use --format compressed-tensors"
+        )
+    if config.get("head_dim") is not None:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if architecture(config) == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        writer.add_rope_dimension_count(head_dim)
+
+
+def pre_tokenizer(tokenizer_json: dict, where: Path) -> str:
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
+        regex = steps[0].get("pattern", {}).get("Regex")
+        if regex in PRE_TOKENIZERS and not steps[1].get("use_regex", True):
+            return PRE_TOKENIZERS[regex]
+    raise OptkitError(
+        f"{where}: llama.cpp splits text as GPT-2, Llama 3 or Qwen2 byte-level BPE, and this tokenizer's "
+        "pre-tokenizer is none of them: use --format compressed-tensors"
+    )
+
+
+def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
+    """A byte-level BPE vocabulary as `_set_vocab_gpt2` writes it: tokens in byte-to-unicode form,
+    their types (control for special added tokens), the merges, special ids, add-BOS/EOS as
+    transformers' tokenizer does it, and the chat template."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        raise OptkitError(f"{model_dir} has no tokenizer.json: --format gguf needs a byte-level BPE tokenizer")
+    tokenizer_json = json.loads(file.read_text(encoding="utf-8"))
+    if tokenizer_json.get("model", {}).get("type") != "BPE" or tokenizer_json["model"].get("byte_fallback"):
+        raise OptkitError(
+            f"{file}: --format gguf writes byte-level BPE tokenizers (GPT-2, Llama 3, Qwen); a SentencePiece-style "
+            "vocabulary is not written yet: use --format compressed-tensors"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab_size = config["vocab_size"]
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    added = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json, file))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    # what transformers does when asked to add special tokens, whatever the files' flags say
+    with_special = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    special.add_special_token["bos"] = len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
+    special.add_special_token["eos"] = len(with_special) > len(plain) and with_special[-1] == tokenizer.eos_token_id
+    special.add_special_token.pop("sep", None)
+    if special.chat_template is None and getattr(tokenizer, "chat_template", None):
+        special.chat_template = tokenizer.chat_template
+    special.add_to_gguf(writer, quiet=True)

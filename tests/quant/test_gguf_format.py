@@ -1,0 +1,118 @@
+"""`--format gguf` without llama.cpp: the file holds exactly the weights the methods chose, in the
+block type the scheme names, with the metadata llama.cpp's converter writes for each family."""
+
+import json
+
+import gguf
+import pytest
+import torch
+from optkit.modeldir import read_tensors
+from optkit.quant.formats import gguf as gguf_format
+from optkit.quant.formats.gguf_metadata import gguf_name
+from optkit.quant.formats.gguf_read import read_file, write_model_dir
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.rtn import rtn_quantize
+from optkit.weights.schemes import WeightScheme
+from tests.tiny_families import save_tiny_family
+
+SMALL_DIR = __import__("optkit.modeldir", fromlist=["BUNDLED_DIR"]).BUNDLED_DIR / "small"
+TYPES = {"Q4_0": (4, True), "Q4_1": (4, False), "Q8_0": (8, True)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny_family(name, root / name, SMALL_DIR) for name in ("llama", "mistral", "qwen2", "qwen3")}
+
+
+def _quantize(model, out, bits=4, sym=True, method="rtn"):
+    scheme = WeightScheme(bits=bits, group_size=32, symmetric=sym)
+    calibration = {"num_samples": 8, "seq_len": 64}
+    options = QuantizeOptions(method=method, weights=scheme, format="gguf", calibration=calibration)
+    return quantize_model(model, out, options)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gguf_holds_exactly_the_rtn_weights_in_the_schemes_block_type(tiny, tmp_path, qtype):
+    bits, sym = TYPES[qtype]
+    out = tmp_path / "m.gguf"
+    _quantize(tiny["llama"], out, bits, sym)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == qtype
+    assert types["token_embd.weight"] == "F32" and types["blk.0.attn_norm.weight"] == "F32"
+    assert reader.fields["general.file_type"].contents() == gguf_format.FILE_TYPES[qtype]
+    base = read_tensors(tiny["llama"])
+    _, state = read_file(out)
+    assert set(state) == set(base)
+    stored = gguf_format.constrain(WeightScheme(bits=bits, group_size=32, symmetric=sym))
+    for key, weight in base.items():
+        if key.endswith("_proj.weight"):  # q/k rows went through Llama's permutation and back
+            assert torch.equal(state[key], rtn_quantize(weight, stored).dequantize()), key
+        else:
+            assert torch.equal(state[key], weight.float()), key
+    assert not list(tmp_path.glob(".*")), "the staging directory and temporary file are gone"
+
+
+@pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+def test_each_family_is_written_as_llama_cpps_converter_names_it(tiny, tmp_path, family, arch):
+    out = tmp_path / f"{family}.gguf"
+    _quantize(tiny[family], out)
+    reader = gguf.GGUFReader(out)
+    assert reader.fields["general.architecture"].contents() == arch
+    names = {t.name for t in reader.tensors}
+    expected_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 2)
+    for key in read_tensors(tiny[family]):  # optkit's names agree with gguf-py's own table
+        if key == "lm_head.weight" and family == "qwen2":
+            continue  # tied: llama.cpp reads token_embd
+        stem, _, suffix = key.rpartition(".")
+        assert gguf_name(key) == f"{expected_map.get_name(stem)}.{suffix}" and gguf_name(key) in names
+    fields = reader.fields
+    assert fields[f"{arch}.attention.head_count_kv"].contents() == 2
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+    assert (f"{arch}.vocab_size" in fields) == (arch == "llama")  # LlamaModel adds it, Qwen2Model does not
+    config, state = read_file(out)
+    runtime_dir = write_model_dir(out, tmp_path / "back")
+    assert json.loads((runtime_dir / "config.json").read_text())["model_type"] == config["model_type"]
+    if family == "qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in state and "model.layers.0.self_attn.q_proj.bias" in state
+
+
+def test_tokenizer_and_chat_template_are_written_as_the_converter_does(tmp_path):
+    model = tmp_path / "chat"
+    save_tiny_family("llama", model, SMALL_DIR)
+    template = "{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    out = tmp_path / "chat.gguf"
+    _quantize(model, out)
+    fields = gguf.GGUFReader(out).fields
+    vocab = json.loads((SMALL_DIR / "tokenizer.json").read_text())
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 4096 and all(tokens[i] == t for t, i in vocab["model"]["vocab"].items())
+    assert len(fields["tokenizer.ggml.merges"].contents()) == len(vocab["model"]["merges"])
+    assert fields["tokenizer.ggml.token_type"].contents()[0] == gguf.TokenType.CONTROL  # <|endoftext|>
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 0
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is False  # transformers adds none either
+    assert fields["tokenizer.chat_template"].contents() == template
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--group-size", "128"], "use --group-size 32"),
+        (["--bits", "8", "--asym"], "Q8_0) are symmetric: use --sym"),
+        (["--bits", "3"], "no 3-bit block type"),
+        (["--method", "gptq", "--act-order"], "with --act-order add --static-groups"),
+        (["--out-name", "model"], "writes one file: give --out NAME.gguf"),
+    ],
+)
+def test_what_gguf_cannot_hold_is_refused_in_one_line_before_any_work(run_cli, tmp_path, flags, message):
+    out = tmp_path / ("model" if "--out-name" in flags else "m.gguf")
+    flags = [f for f in flags if f not in ("--out-name", "model")]
+    code, _, err = run_cli("quantize", "small", "--format", "gguf", "--group-size", "32", *flags, "--out", out)
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not list(tmp_path.iterdir())
