@@ -47,8 +47,36 @@ def gate_table(result: GateResult) -> Table:
     return table
 
 
-def write_report(result: GateResult, path: Path) -> None:
+def write_report(result: GateResult, path: Path, extra: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    tmp.write_text(json.dumps(result.to_json() | (extra or {}), indent=2) + "\n")
     tmp.replace(path)
+
+
+def attribution_table(attribution: dict, limit: int | None = 20) -> Table:
+    """The layers that cause the most KLD, from `Attribution.to_json()`: estimated drop of the mean
+    KLD with the layer in full precision (and at 8 bits), its share, and the exact swap where run."""
+    exact = attribution["exact_swaps"]
+    caption = f"estimate scaled by {exact} exact swap{'s' if exact != 1 else ''} (×{attribution['scale']:.3f})"
+    if attribution.get("spearman") is not None:
+        caption += f"; Spearman vs exact swaps {attribution['spearman']:.3f}"
+    table = Table(
+        title=f"per-layer sensitivity: KLD {attribution['kld']:.5f} on {attribution['tokens']:,} tokens "
+        f"of {attribution['source']}",
+        caption=caption,
+    )
+    for column in ("#", "layer", "KLD drop, full precision", "share %", "KLD drop, 8 bits", "exact swap"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    layers = attribution["layers"] if limit is None else attribution["layers"][:limit]
+    for rank, layer in enumerate(layers, 1):
+        eight = layer.get("estimate_8bit")
+        table.add_row(
+            str(rank),
+            layer["name"],
+            f"{layer['estimate']:.5f}",
+            f"{100 * layer['share']:.1f}",
+            "" if eight is None else f"{eight:.5f}",
+            "" if layer.get("exact") is None else f"{layer['exact']:.5f}",
+        )
+    return table

@@ -255,3 +255,33 @@ def publish(source: Path, out: Path) -> None:
         shutil.rmtree(trash)
     else:
         os.replace(source, out)
+
+
+def quantize_and_repair(
+    model: str | Path, out: Path, options, gate: GateOptions, *, overwrite: bool = False, device: str = "auto", log=None
+) -> RepairOutcome:
+    """`optkit quantize --target-kld`: quantize into a work directory beside `out`, gate, repair;
+    the artifact that passes goes to `out`, else the closest to `out.rejected` (never to `out`)."""
+    from optkit.artifacts import check_output_dir
+    from optkit.modeldir import resolve_model_dir
+    from optkit.quant.quantize import quantize_model
+
+    check_output_dir(out, overwrite)
+    check_mixed(options.format)
+    base = resolve_model_dir(model)
+    work = out.parent / f".{out.name}.repair"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        quantize_model(base, work / "uniform", options, overwrite=True, device=device)
+        outcome = repair(work / "uniform", base, gate, work, log=log)
+        if outcome.artifact == work / "uniform":  # passed as it was: record the gate all the same
+            fields = {k: v for k, v in read_manifest(outcome.artifact).items() if k not in ("files", "created")}
+            record = {"steps": outcome.steps, "result": "passed without repair"}
+            write_manifest(outcome.artifact, {**fields, "repair": record, "gate": outcome.gate.to_json()})
+        destination = out if outcome.passed else out.with_name(f"{out.name}.rejected")
+        publish(outcome.artifact, destination)
+        outcome.artifact = destination
+        return outcome
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

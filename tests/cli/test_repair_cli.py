@@ -1,0 +1,41 @@
+"""`optkit quantize --target-kld`: exit 0 with the repaired artifact at --out; exit 1 with one line
+when the budget cannot reach the target, the closest artifact beside --out as NAME.rejected."""
+
+import json
+
+from optkit.manifest import read_manifest
+
+
+def test_budget_exhaustion_exits_1_and_writes_the_closest_beside_the_output(run_cli, tmp_path):
+    out = tmp_path / "draft-w4"
+    code, _, err = run_cli(
+        "quantize", "draft", "--out", out, "--target-kld", "1e-6", "--max-size-mb", "1.3", "--gate-windows", "2"
+    )
+    assert code == 1
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "size budget (1.3 MB) is spent" in lines[0], err
+    assert not out.exists()  # never at the release path
+    rejected = tmp_path / "draft-w4.rejected"
+    manifest = read_manifest(rejected)
+    assert manifest["repair"]["result"].startswith("failed: the size budget")
+    steps = manifest["repair"]["steps"]
+    assert len(steps) >= 2 and all(s["size_mb"] <= 1.3 for s in steps)
+    assert manifest["gate"]["verdict"] == "fail"
+    assert (rejected / "model.safetensors").stat().st_size <= 1.3 * 2**20
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work directory left
+
+
+def test_a_format_without_per_layer_precision_is_refused_before_quantizing(run_cli, tmp_path):
+    code, _, err = run_cli("quantize", "draft", "--out", tmp_path / "a", "--format", "awq", "--target-kld", "0.01")
+    assert code == 2 and "--format awq has no per-layer precision" in err
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_target_the_uniform_artifact_meets_is_released_as_it_is(run_cli, tmp_path):
+    out = tmp_path / "w8"
+    code, _, _ = run_cli("quantize", "draft", "--bits", "8", "--out", out, "--target-kld", "0.01", "--gate-windows", "2")
+    assert code == 0
+    manifest = read_manifest(out)
+    assert manifest["repair"]["result"] == "passed without repair"
+    assert "precision_overrides" not in manifest
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].keys() == {"group_0"}

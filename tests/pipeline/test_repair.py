@@ -1,0 +1,73 @@
+"""Repair (pipeline/repair.py): the gate raises the precision of the layers that cause the most KLD
+until it passes, and writes an artifact every reader loads."""
+
+import json
+
+import pytest
+
+from optkit.gate.options import GateOptions, RepairOptions
+from optkit.manifest import read_manifest
+from optkit.pipeline.repair import repair, size_mb
+
+WINDOWS = 4  # gate windows of 256 tokens: enough to separate 4-bit draft from its repairs
+
+
+@pytest.fixture(scope="module")
+def uniform_w4(tmp_path_factory, draft_dir):
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path_factory.mktemp("repair") / "w4"
+    quantize_model(draft_dir, out, QuantizeOptions())
+    return out
+
+
+def gate(max_kld: float, **repair_options) -> GateOptions:
+    return GateOptions(max_kld=max_kld, max_windows=WINDOWS, repair=RepairOptions(windows=4, **repair_options))
+
+
+def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, tmp_path):
+    from optkit.compat.transformers_load import check_transformers_load
+    from optkit.gate.evaluate import evaluate
+
+    options = gate(0.006)
+    uniform = evaluate(uniform_w4, draft_dir, options)
+    assert not uniform.passed  # uniform 4-bit draft: KLD ~0.011
+    outcome = repair(uniform_w4, draft_dir, options, tmp_path, initial=uniform)
+    assert outcome.passed and outcome.gate.metrics["kld_mean"] <= 0.006
+    assert 0 < len(outcome.raised) < 14 and set(outcome.raised.values()) <= {8, 16}
+    assert size_mb(outcome.artifact) < 1.5 * size_mb(uniform_w4)
+    manifest = read_manifest(outcome.artifact)
+    steps = manifest["repair"]["steps"]
+    assert steps[0]["passed"] is False and steps[-1]["passed"] is True
+    for step in steps[1:]:
+        assert step["changed"] and step["kld_mean"] > 0 and step["size_mb"] > 0
+    assert manifest["precision_overrides"] == outcome.raised
+    assert manifest["repair"]["attribution"]["layers"][0]["estimate"] > 0
+    # a mixed-scheme artifact as every reader loads it: transformers (compressed-tensors) = runtime
+    config = json.loads((outcome.artifact / "config.json").read_text())["quantization_config"]
+    assert len(config["config_groups"]) > 1 or len(config["ignore"]) > 1
+    check = check_transformers_load(outcome.artifact)
+    assert check.ok, check.problems
+    # and the gate, re-run from the files, agrees with what repair measured
+    again = evaluate(outcome.artifact, draft_dir, options)
+    assert again.metrics["kld_mean"] == pytest.approx(outcome.gate.metrics["kld_mean"], rel=1e-4)
+
+
+def test_max_evaluations_is_honoured(uniform_w4, draft_dir, tmp_path, monkeypatch):
+    import optkit.pipeline.repair as module
+
+    calls = []
+    real = module.evaluate
+    monkeypatch.setattr(module, "evaluate", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    outcome = repair(uniform_w4, draft_dir, gate(1e-9, precisions=[8], max_evaluations=1), tmp_path)
+    assert not outcome.passed and "max_evaluations" in outcome.reason
+    assert len(calls) == 2  # the uniform artifact's gate and one repaired candidate
+    assert len(read_manifest(outcome.artifact)["repair"]["steps"]) == 2
+
+
+def test_awq_artifacts_are_refused_in_one_line(draft_dir, tmp_path):
+    from optkit.errors import OptkitError
+    from optkit.quant.formats.mixed import check_mixed
+
+    with pytest.raises(OptkitError, match="--format awq has no per-layer precision"):
+        check_mixed("awq")
