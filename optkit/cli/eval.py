@@ -32,6 +32,15 @@ def eval_(
     ] = False,
     top_k: Annotated[int, typer.Option(help="With --reference-cache: log-probs kept per token.")] = 256,
     report: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    attribute: Annotated[
+        bool, typer.Option("--attribute", help="Also rank the quantized layers by the KLD each causes.")
+    ] = False,
+    attribute_windows: Annotated[
+        int, typer.Option(help="--attribute: windows of held-out calibration text.", min=1)
+    ] = 8,
+    exact_swaps: Annotated[
+        int, typer.Option(help="--attribute: top layers swapped exactly to scale the estimate; -1: all.", min=-1)
+    ] = 3,
     json_output: JsonFlag = False,
 ) -> None:
     """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
@@ -39,6 +48,8 @@ def eval_(
     Exit codes: 0 all thresholds hold, 1 a threshold is crossed, 2 bad input or an unusable file.
 
     Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
+
+    Example: optkit eval out/small-w4 --baseline small --attribute  (which layers cause the KLD)
     """
     from optkit.artifacts import check_writable_dir
     from optkit.errors import OptkitError
@@ -65,10 +76,21 @@ def eval_(
         task=task,
     )
     result = evaluate(artifact, baseline, options)
+    attribution = None
+    if attribute:  # on held-out calibration windows, not the gate's set
+        from optkit.gate.attribution import attribute as attribute_layers
+
+        found = attribute_layers(artifact, baseline, windows=attribute_windows, seq_len=seq_len, exact=exact_swaps)
+        attribution = found.to_json()
+    payload = result.to_json() | ({"attribution": attribution} if attribution else {})
     if report is not None:
-        write_report(result, report)
+        write_report(result, report, extra={"attribution": attribution} if attribution else None)
     if json_output:
-        print_json(result.to_json())
+        print_json(payload)
     else:
         print_table(gate_table(result))
+        if attribution:
+            from optkit.gate.report import attribution_table
+
+            print_table(attribution_table(attribution))
     raise typer.Exit(0 if result.passed else 1)

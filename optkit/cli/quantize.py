@@ -36,6 +36,16 @@ def quantize(
     alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "0.5",
     act_quant: Annotated[str, typer.Option(help="W8A8 activations: dynamic (per token) or static.")] = "dynamic",
     device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")] = "auto",
+    target_kld: Annotated[
+        float | None,
+        typer.Option(help="Gate at this mean KLD; if the artifact fails, raise its most damaging layers (repair)."),
+    ] = None,
+    target_ppl_increase: Annotated[
+        float | None, typer.Option(help="Gate (and repair) at this perplexity increase, percent.")
+    ] = None,
+    max_size_mb: Annotated[float | None, typer.Option(help="Repair: size budget of the weights, MiB.")] = None,
+    max_evaluations: Annotated[int, typer.Option(help="Repair: gate evaluations at most.", min=1)] = 8,
+    gate_windows: Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")] = None,
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -98,6 +108,10 @@ def quantize(
         smoothquant=smoothquant,
     )
     warn_if_unloadable(options)
+    if target_kld is not None or target_ppl_increase is not None:
+        gate = _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows)
+        _quantize_and_repair(model, out, options, gate, device, overwrite, json_output)
+        return
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
     if json_output:
         print_json(manifest)
@@ -116,6 +130,47 @@ def quantize(
         f"[bold green]wrote[/] {out}  ({method} {options.weights.describe()}, {len(layers)} layers, "
         f"{summary}, {manifest['wall_time_s']:.1f}s)"
     )
+
+
+def _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows):
+    from optkit.gate.options import GateOptions, RepairOptions
+
+    return _options(
+        GateOptions,
+        {"max_kld": "--target-kld", "max_ppl_increase": "--target-ppl-increase", "max_windows": "--gate-windows"},
+        max_kld=target_kld,
+        max_ppl_increase=target_ppl_increase,
+        max_windows=gate_windows,
+        repair=_options(
+            RepairOptions,
+            {"max_size_mb": "--max-size-mb", "max_evaluations": "--max-evaluations"},
+            max_size_mb=max_size_mb,
+            max_evaluations=max_evaluations,
+        ),
+    )
+
+
+def _quantize_and_repair(model, out, options, gate, device, overwrite, json_output) -> None:
+    """--target-kld / --target-ppl-increase: the artifact that passes goes to --out (exit 0); when
+    the budget cannot reach the target, the closest goes to OUT.rejected (exit 1, one line why)."""
+    from optkit.pipeline.repair import quantize_and_repair, size_mb
+
+    outcome = quantize_and_repair(
+        model, out, options, gate, overwrite=overwrite, device=device, log=lambda line: console().print(line)
+    )
+    if json_output:
+        print_json({"passed": outcome.passed, "artifact": str(outcome.artifact), "steps": outcome.steps})
+    else:
+        first = outcome.steps[0]
+        kld = outcome.gate.metrics["kld_mean"]
+        console().print(
+            f"[bold {'green' if outcome.passed else 'red'}]wrote[/] {outcome.artifact}  (KLD {first['kld_mean']:.5f} "
+            f"-> {kld:.5f}, {len(outcome.raised)} linears raised, {size_mb(outcome.artifact):.2f} MB, "
+            f"{len(outcome.steps) - 1} repair evaluations)"
+        )
+    if not outcome.passed:
+        typer.echo(f"error: {outcome.reason}", err=True)
+        raise typer.Exit(1)
 
 
 def warn_if_unloadable(options) -> None:
