@@ -102,6 +102,7 @@ def _install_quantized(
 ) -> set[str]:
     """Swap each quantized linear of the checkpoint into `model`; returns the tensor keys used."""
     from optkit.quant.formats import reader_for
+    from optkit.quant.formats.mixed import layer_schemes
 
     fmt = reader_for(quant_config, str(path))
     is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
@@ -110,12 +111,12 @@ def _install_quantized(
         suffixes = ("weight", "weight_scale", "input_scale", "bias")
     else:
         marker = fmt.MARKER  # the tensor suffix that marks a weight-only quantized layer
-        scheme = fmt.scheme_from_config(quant_config)
         prefixes = [k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}")]
+        schemes = layer_schemes(fmt, quant_config, prefixes)  # one scheme, or each layer's when mixed
         modules = {}
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
-            qw = fmt.decompress(prefix, tensors, scheme)
+            qw = fmt.decompress(prefix, tensors, schemes[prefix])
             modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
