@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from optkit.errors import OptkitError
 from optkit.gate.options import GateOptions
 from optkit.quant import methods
+from optkit.quant.formats import get_format
 from optkit.quant.quantize import QuantizeOptions
 from optkit.routing.config import ServeOptions
 from optkit.yaml_files import read_yaml_mapping
@@ -76,6 +77,17 @@ class Recipe(BaseModel):
                 quantize.setdefault("weights", fixed.model_dump())
             data = {**data, "quantize": quantize}
         return data
+
+    @model_validator(mode="after")
+    def _compile_runs_in_optkit(self):
+        """A format run by an outside runtime (GGUF: llama.cpp) has nothing for `optkit compile` to warm."""
+        outside = getattr(get_format(self.quantize.format), "runtime", None)
+        if self.compile is not None and outside is not None:
+            raise ValueError(
+                f"compile warms optkit's runtime, and a {self.quantize.format} release runs in {outside}: "
+                "drop the compile section"
+            )
+        return self
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
