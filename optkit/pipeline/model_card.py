@@ -39,7 +39,7 @@ Calibration: {manifest["calibration"]["name"] or "none"}.
 |---|---|---|
 {chr(10).join(rows)}
 
-## Loading
+{_kept_at_higher_precision(manifest)}## Loading
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer  # needs `pip install compressed-tensors`
@@ -52,4 +52,31 @@ vllm serve PATH
 ```
 
 `optkit verify PATH` rechecks every file against `optkit.json`.
+"""
+
+
+def _kept_at_higher_precision(manifest: dict) -> str:
+    """The layers repair raised (gate.repair), with the share of the KLD each caused at 4 bits."""
+    raised = manifest.get("precision_overrides") or {}
+    if not raised:
+        return ""
+    repair = manifest.get("repair") or {}
+    attribution = {x["name"]: x for x in (repair.get("attribution") or {}).get("layers", [])}
+    rows = []
+    for name, bits in sorted(raised.items(), key=lambda item: -attribution.get(item[0], {}).get("estimate", 0)):
+        layer = attribution.get(name, {})
+        why = f"caused ~{100 * layer['share']:.1f}% of the KLD" if "share" in layer else "raised by repair"
+        rows.append(f"| `{name}` | {'full precision' if bits >= 16 else f'{bits}-bit'} | {why} |")
+    steps = repair.get("steps") or []
+    history = " → ".join(f"{s['kld_mean']:.5f}" for s in steps)
+    return f"""## Layers kept at higher precision
+
+The gate failed the uniform artifact; repair raised the layers that caused the most KL divergence per
+byte (estimated on held-out calibration text, checked by the gate) until it passed. Mean KLD by step:
+{history}.
+
+| layer | precision | why |
+|---|---|---|
+{chr(10).join(rows)}
+
 """

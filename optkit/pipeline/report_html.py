@@ -32,6 +32,38 @@ def _layer_chart(layers: list[dict]) -> str:
     return data
 
 
+def _attribution_chart(attribution: dict, raised: dict) -> str:
+    """Estimated KLD each linear causes (drop with it in full precision), raised layers in orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    layers = sorted(attribution["layers"], key=lambda x: x["name"])
+    figure, axis = plt.subplots(figsize=(10, 3.5))
+    colors = ["#ff7f0e" if x["name"] in raised else "#1f77b4" for x in layers]
+    axis.bar(range(len(layers)), [x["estimate"] for x in layers], color=colors)
+    names = [x["name"].removeprefix("model.layers.") for x in layers]
+    axis.set_xticks(range(len(layers)), names, rotation=90, fontsize=7)
+    axis.set_ylabel("KLD it causes, nats (est.)")
+    axis.set_title("per-layer sensitivity (orange: raised by repair)")
+    data = _png(figure)
+    plt.close(figure)
+    return data
+
+
+def _attribution_section(manifest: dict) -> str:
+    attribution = (manifest.get("repair") or {}).get("attribution")
+    if not attribution:
+        return ""
+    chart = _attribution_chart(attribution, manifest.get("precision_overrides") or {})
+    return f"""<h2>Per-layer sensitivity</h2>
+<p>on {html.escape(attribution["source"])}, {attribution["tokens"]:,} tokens; layers raised by repair:
+{len(manifest.get("precision_overrides") or {})}</p>
+<img alt="per-layer sensitivity" src="data:image/png;base64,{chart}">
+"""
+
+
 def _kld_chart(histogram: dict) -> str:
     import matplotlib
 
@@ -82,7 +114,7 @@ base {html.escape(manifest["base_model"]["path"])}; gate on {html.escape(gate["e
 </table>
 <h2>Per-layer error</h2>
 <img alt="per-layer error" src="data:image/png;base64,{_layer_chart(manifest["layers"])}">
-<h2>KL divergence</h2>
+{_attribution_section(manifest)}<h2>KL divergence</h2>
 <img alt="KL divergence histogram" src="data:image/png;base64,{_kld_chart(gate["kld_histogram"])}">
 </body></html>
 """

@@ -1,0 +1,38 @@
+"""`optkit run` with `gate.repair`: the release is the repaired artifact, its card names the layers
+kept at higher precision and why, its report charts the per-layer sensitivity."""
+
+import json
+
+import yaml
+
+
+def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
+    from transformers import AutoModelForCausalLM
+
+    recipe = {
+        "model": str(draft_dir),
+        "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 128}},
+        "gate": {"max_windows": 4, "max_kld": 0.006, "repair": {"max_evaluations": 3, "windows": 4}},
+        "output": str(tmp_path / "release"),
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out, err = run_cli("run", path, "--json")
+    assert code == 0, err
+    assert [s["stage"] for s in json.loads(out)["stages"]] == ["quantize", "gate", "repair", "package"]
+    release = tmp_path / "release"
+    manifest = json.loads((release / "optkit.json").read_text())
+    assert manifest["verdict"] == "released" and manifest["gate"]["metrics"]["kld_mean"] <= 0.006
+    raised = manifest["precision_overrides"]
+    assert raised and manifest["repair"]["steps"][0]["passed"] is False
+    card = (release / "README.md").read_text()
+    assert "Layers kept at higher precision" in card
+    assert all(f"`{name}`" in card for name in raised) and "of the KLD" in card
+    assert "Per-layer sensitivity" in (release / "report.html").read_text()
+    assert run_cli("verify", release)[0] == 0
+    AutoModelForCausalLM.from_pretrained(release)
+
+    bad = {**recipe, "gate": {**recipe["gate"], "repair": {"precisions": [4]}}}
+    path.write_text(yaml.safe_dump(bad))
+    code, _, err = run_cli("run", path)
+    assert code == 2 and "gate.repair.precisions" in err
