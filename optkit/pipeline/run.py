@@ -24,7 +24,6 @@ from optkit.artifacts import (
     check_output_dir,
     check_writable_dir,
     content_sha256,
-    file_sha256,
     remove_stale_temporaries,
 )
 from optkit.errors import OptkitError
@@ -34,7 +33,6 @@ from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
-from optkit.quant.formats import get_format
 from optkit.quant.quantize import quantize_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
 from optkit.runtime.compile_cache import cache_key, cache_path
@@ -107,27 +105,14 @@ def run_recipe(
     quantize_inputs = _digest(
         {"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()}
     )
-    fmt = get_format(recipe.quantize.format)
-    one_file = getattr(fmt, "write_file", None) is not None  # GGUF: one file; its manifest lives in the record
-    artifact = work / (f"model{fmt.SUFFIX}" if one_file else "quantized")
+    artifact = work / "quantized"
     done = _record(work, "quantize")
-    if one_file:
-        intact = (
-            done
-            and artifact.is_file()
-            and done.get("manifest", {}).get("files") == {artifact.name: file_sha256(artifact)}
-        )
-        manifest = done["manifest"] if intact else None
-    else:
-        manifest = read_manifest(artifact) if artifact.exists() else None
-        intact = manifest and not verify_files(artifact, manifest)
-    if done and done["inputs"] == quantize_inputs and intact:
+    manifest = read_manifest(artifact) if artifact.exists() else None
+    if done and done["inputs"] == quantize_inputs and manifest and not verify_files(artifact, manifest):
         result.stages.append({"stage": "quantize", "status": "skipped", "seconds": 0.0})
     else:
         manifest = quantize_model(base, artifact, recipe.quantize, overwrite=True, device=device)
-        if one_file:  # the file is the artifact: its digest replaces the staged directory's
-            manifest = {**manifest, "files": {artifact.name: file_sha256(artifact)}}
-        _write_record(work, "quantize", {"inputs": quantize_inputs, **({"manifest": manifest} if one_file else {})})
+        _write_record(work, "quantize", {"inputs": quantize_inputs})
         result.stages.append({"stage": "quantize", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
 
     # 2. gate
@@ -157,7 +142,7 @@ def run_recipe(
     # 4. package: always rewritten (cheap), so the release reflects this recipe and verdict
     start = time.perf_counter()
     with atomic_output_dir(release, overwrite=True) as tmp:
-        for path in [artifact] if one_file else artifact.iterdir():
+        for path in artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
