@@ -24,6 +24,7 @@ from optkit.artifacts import (
     check_output_dir,
     check_writable_dir,
     content_sha256,
+    file_sha256,
     remove_stale_temporaries,
 )
 from optkit.errors import OptkitError
@@ -33,6 +34,7 @@ from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
+from optkit.quant.formats import get_format
 from optkit.quant.quantize import quantize_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
 from optkit.runtime.compile_cache import cache_key, cache_path
@@ -105,14 +107,27 @@ def run_recipe(
     quantize_inputs = _digest(
         {"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()}
     )
-    artifact = work / "quantized"
+    fmt = get_format(recipe.quantize.format)
+    one_file = getattr(fmt, "write_file", None) is not None  # GGUF: one file; its manifest lives in the record
+    artifact = work / (f"model{fmt.SUFFIX}" if one_file else "quantized")
     done = _record(work, "quantize")
-    manifest = read_manifest(artifact) if artifact.exists() else None
-    if done and done["inputs"] == quantize_inputs and manifest and not verify_files(artifact, manifest):
+    if one_file:
+        intact = (
+            done
+            and artifact.is_file()
+            and done.get("manifest", {}).get("files") == {artifact.name: file_sha256(artifact)}
+        )
+        manifest = done["manifest"] if intact else None
+    else:
+        manifest = read_manifest(artifact) if artifact.exists() else None
+        intact = manifest and not verify_files(artifact, manifest)
+    if done and done["inputs"] == quantize_inputs and intact:
         result.stages.append({"stage": "quantize", "status": "skipped", "seconds": 0.0})
     else:
         manifest = quantize_model(base, artifact, recipe.quantize, overwrite=True, device=device)
-        _write_record(work, "quantize", {"inputs": quantize_inputs})
+        if one_file:  # the file is the artifact: its digest replaces the staged directory's
+            manifest = {**manifest, "files": {artifact.name: file_sha256(artifact)}}
+        _write_record(work, "quantize", {"inputs": quantize_inputs, **({"manifest": manifest} if one_file else {})})
         result.stages.append({"stage": "quantize", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
 
     # 2. gate
@@ -136,13 +151,17 @@ def run_recipe(
     if recipe.gate.repair is not None and not result.passed:
         artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result)
 
+    # 2b. repair: the recipe asks the gate to raise the layers that caused the failure
+    if recipe.gate.repair is not None and not result.passed:
+        artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result)
+
     # 3. compile: only what will be released is worth warming
     compiled = _compile_stage(recipe, manifest, artifact, work, result) if recipe.compile else None
 
     # 4. package: always rewritten (cheap), so the release reflects this recipe and verdict
     start = time.perf_counter()
     with atomic_output_dir(release, overwrite=True) as tmp:
-        for path in artifact.iterdir():
+        for path in [artifact] if one_file else artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
@@ -163,6 +182,36 @@ def run_recipe(
         )
     result.stages.append({"stage": "package", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     return result
+
+
+def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult):
+    """Repair the artifact the gate rejected (pipeline/repair.py) into work/repaired; returns the
+    artifact and manifest to package, and sets the run's gate result and verdict to the repaired's."""
+    from optkit.pipeline.repair import publish, repair
+
+    start = time.perf_counter()
+    inputs = _digest({"artifact": manifest["files"], "gate": recipe.gate.model_dump()})
+    repaired = work / "repaired"
+    done = _record(work, "repair")
+    kept = read_manifest(repaired) if repaired.exists() else None
+    if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
+        result.stages.append({"stage": "repair", "status": "skipped", "seconds": 0.0})
+    else:
+        steps = work / "repair-steps"
+        shutil.rmtree(steps, ignore_errors=True)
+        steps.mkdir()
+        outcome = repair(artifact, base, recipe.gate, steps)
+        if outcome.artifact == artifact:  # it passed on a second look: package a copy, keep the stage's
+            shutil.copytree(artifact, steps / "as-is")
+            outcome.artifact = steps / "as-is"
+        publish(outcome.artifact, repaired)
+        shutil.rmtree(steps, ignore_errors=True)
+        kept = read_manifest(repaired)
+        _write_record(work, "repair", {"inputs": inputs})
+        result.stages.append({"stage": "repair", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+    result.gate = kept["gate"]
+    result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
+    return repaired, kept
 
 
 def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult):
