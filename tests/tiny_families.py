@@ -31,6 +31,25 @@ FAMILIES = {
         logits_scaling=0.125,  # below 1: sharper logits, so that a KLD gate means something
     ),
     "olmo2": dict(model_type="olmo2", num_key_value_heads=4),  # no GQA: AWQ's v → o fold applies
+    # mixtures of experts: 4 experts, 2 per token; Qwen2-MoE with a shared expert and a dense layer
+    # (mlp_only_layers), Qwen3-MoE with renormalized top-k weights
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=192,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        norm_topk_prob=True,
+        head_dim=32,
+    ),
 }
 
 

@@ -8,9 +8,17 @@ from pydantic import BaseModel, ConfigDict
 
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
-from optkit.quant.families import log_unsmoothable
+from optkit.quant.families import expand_smoothing_groups, log_unsmoothable
 from optkit.quant.families.llama import LLAMA
-from optkit.quant.procedures import SCALE_DTYPE, block_error, block_output, fold_scale, set_quantized
+from optkit.quant.procedures import (
+    SCALE_DTYPE,
+    block_error,
+    block_output,
+    count_tokens,
+    fold_scale,
+    set_quantized,
+    too_few_tokens,
+)
 from optkit.quant.rtn import rtn_quantize, weight_error
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
@@ -43,14 +51,16 @@ QK = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ does not clip them: the
 
 def _awq_groups(work: LayerWork):
     """The smoothing groups that apply to this layer: present, all linears targeted, shapes fold."""
-    for previous, linears, block in work.family.smoothing_groups:
+    present = [n for n, _ in work.layer.named_modules()]
+    for previous, linears, block in expand_smoothing_groups(work.family.smoothing_groups, present):
         try:
             prev = work.layer.get_submodule(previous)
             modules = [work.layer.get_submodule(n) for n in linears]
         except AttributeError:
             continue
         width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
-        if all(n in work.targets for n in linears) and all(m.in_features == width for m in modules):
+        enough = all(work.tokens_seen.get(n, 0) >= work.min_tokens[n] for n in linears if n in work.min_tokens)
+        if enough and all(n in work.targets for n in linears) and all(m.in_features == width for m in modules):
             yield previous, linears, block
 
 
@@ -86,7 +96,11 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         for name in names:
             weight = work.layer.get_submodule(name).weight.detach().clone()
             stats = {"loss": float("nan"), **searched.get(name, {})}
-            if options.clip and (options.clip_qk or name not in QK):
+            if name in work.min_tokens:
+                stats["calibration_tokens"] = work.tokens_seen[name]
+                if too_few_tokens(work, name, "AWQ"):
+                    stats["fallback"] = "rtn"
+            if options.clip and (options.clip_qk or name not in QK) and "fallback" not in stats:
                 x = inputs[name].reshape(-1, weight.shape[1])
                 bounds = awq.search_clip(
                     weight,
@@ -110,6 +124,8 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         linears clipped and quantized, so the MLP's search sees the quantized attention."""
         if work.prefix.endswith(".layers.0"):  # said once, on the first layer
             log_unsmoothable(work.family, "AWQ")
+        if work.min_tokens:  # experts with too few tokens get RTN: neither scaled nor clipped
+            count_tokens(work, list(work.min_tokens))
         groups = list(_awq_groups(work))
         ordered = [n for group in sequential_groups(work.layer, work.family) for n in group if n in work.targets]
         results: dict[str, tuple[QuantizedWeight, dict]] = {}

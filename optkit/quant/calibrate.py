@@ -14,15 +14,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.data.eval_sets import TextSet, load_text_set
 from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
-from optkit.quant.families import Family, family_for
+from optkit.quant.families import Family, expand_group, family_for
 from optkit.quant.gptq import accumulate_hessian, empty_hessian
+from optkit.quant.moe import (
+    MOE_CALIBRATION,
+    calibration_modules,
+    expert_min_tokens,
+    record_routed_tokens,
+    unfuse_experts,
+)
 from optkit.weights.quantized import QuantizedWeight
 
 GATE_EVAL_SETS = ("heldout",)
@@ -36,6 +43,18 @@ class CalibrationOptions(BaseModel):
     seq_len: int = 256
     seed: int = 0
     batch_size: int = 1  # samples per forward pass (as GPTQ's reference): the smallest working memory
+    # mixture-of-experts models (quant/moe.py): every token through every expert ("all") for the
+    # statistics, or only the routed ones; an expert whose statistics come from fewer tokens than
+    # moe_min_tokens (default 2 × its input width) is quantized with RTN, with a warning
+    moe_calibration: str = "all"
+    moe_min_tokens: int | None = None
+
+    @field_validator("moe_calibration")
+    @classmethod
+    def _known_moe_calibration(cls, value: str) -> str:
+        if value not in MOE_CALIBRATION:
+            raise ValueError(f"choose one of {', '.join(MOE_CALIBRATION)}, not {value!r}")
+        return value
 
 
 @dataclass
@@ -67,7 +86,7 @@ def calibration_data(tokenizer, options: CalibrationOptions) -> CalibrationData:
 class LayerStream:
     """A causal LM read one decoder layer at a time from its safetensors."""
 
-    def __init__(self, path, device: torch.device):
+    def __init__(self, path, device: torch.device, moe_calibration: str = "all"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.config = AutoConfig.from_pretrained(path)
@@ -75,6 +94,9 @@ class LayerStream:
             skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
         self.prefix = skeleton.base_model_prefix  # "model"
         self.decoder = skeleton.get_decoder()
+        self.family = family_for(self.config.model_type)
+        if self.family.moe is not None:  # per-expert linears in place of transformers' fused experts
+            unfuse_experts(self.decoder.layers, self.family, self.config.to_dict(), moe_calibration)
         self.reader = TensorReader(path)
         self.device = device
 
@@ -107,7 +129,8 @@ class LayerStream:
 
     def load_layer(self, index: int) -> torch.nn.Module:
         layer = self.decoder.layers[index].to_empty(device=self.device)
-        layer.load_state_dict(self.reader.get_prefixed(f"{self.layer_name(index)}."), strict=True)
+        stored = self.reader.get_prefixed(f"{self.layer_name(index)}.")
+        layer.load_state_dict({self.family.module_name(k): v for k, v in stored.items()}, strict=True)
         return layer.float()
 
     def release_layer(self, index: int) -> None:
@@ -134,6 +157,9 @@ class LayerWork:
     updated: dict[str, torch.nn.Module] = field(default_factory=dict)
     # the model's family (quant/families/): true-sequential order, smoothing groups
     family: Family = field(default_factory=lambda: family_for("llama"))
+    # experts' linears: the fewest calibration tokens their statistics may come from (else RTN)
+    min_tokens: dict[str, int] = field(default_factory=dict)
+    tokens_seen: dict[str, int] = field(default_factory=dict)  # by capture_hessians, per linear
 
     def forward(self, samples: torch.Tensor) -> torch.Tensor:
         out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=None)
@@ -207,10 +233,17 @@ def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tenso
         if owner == name:
             if name not in hessians:
                 hessians[name] = empty_hessian(x.shape[-1], work.device)
-            hessians[name] = accumulate_hessian(*hessians[name], x)
+            if x.numel():
+                hessians[name] = accumulate_hessian(*hessians[name], x)
 
     work.run_until_seen(names, on_input)
-    return {name: hessians[owner_of[name]][0] for name in names}
+    result = {}
+    for name in names:  # an expert the router never chose saw no input: a zero Hessian, 0 tokens
+        width = work.layer.get_submodule(name).in_features
+        hessian, tokens = hessians.get(owner_of.get(name), empty_hessian(width, work.device))
+        work.tokens_seen[name] = tokens
+        result[name] = hessian
+    return result
 
 
 def capture_inputs(
@@ -225,10 +258,18 @@ def capture_inputs(
     num_samples = min(num_samples, work.hidden.shape[0])
     buffers: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}  # tokens (rows given) or samples seen so far, per owner
+    routed: dict[str, list[torch.Tensor]] = {}  # [n, in] inputs of routed experts, n varying by batch
+    kept: dict[str, int] = {}  # rows given: how many of them a routed expert's tokens reached
 
     def on_input(name: str, x: torch.Tensor, owner: str) -> None:
         if owner != name:
-            buffers.setdefault(name, buffers[owner])
+            if name not in buffers and owner in routed:
+                routed[name] = routed[owner]
+            else:
+                buffers.setdefault(name, buffers[owner])
+            return
+        if rows is None and x.dim() == 2:  # an expert fed only its routed tokens
+            routed.setdefault(name, []).append(x)
             return
         if rows is None:
             shape, part = (num_samples, *x.shape[1:]), x
@@ -243,8 +284,18 @@ def capture_inputs(
         if name not in buffers:
             buffers[name] = x.new_empty(shape)
         buffers[name][first : first + part.shape[0]] = part
+        kept[name] = first + part.shape[0]
 
     work.run_until_seen(names, on_input, num_samples)
+    if rows is not None:  # a routed expert's tokens may not reach every requested row
+        truncated = {id(buffers[n]): buffers[n][:count] for n, count in kept.items()}
+        buffers = {n: truncated.get(id(b), b) for n, b in buffers.items()}
+    for name, parts in routed.items():
+        buffers[name] = torch.cat(parts)
+    for name in names:  # an expert the router never chose: no inputs
+        if name not in buffers:
+            width = work.layer.get_submodule(name).in_features
+            buffers[name] = work.hidden.new_empty(0, width, device=work.device)
     return buffers
 
 
@@ -253,7 +304,7 @@ def sequential_groups(layer: torch.nn.Module, family: Family | None = None) -> l
     unknown ones last, one per group."""
     family = family or family_for("llama")
     linears = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
-    groups = [[n for n in group if n in linears] for group in family.sequential_groups]
+    groups = [[n for n in expand_group(group, linears) if n in linears] for group in family.sequential_groups]
     known = {n for group in groups for n in group}
     return [g for g in groups if g] + [[n] for n in linears if n not in known]
 
@@ -279,12 +330,17 @@ def calibrate_layerwise(
     device: torch.device,
     batch_size: int = 1,
     label: str = "calibrate",
+    moe_calibration: str = "all",
+    moe_min_tokens: int | None = None,
 ) -> Iterator[LayerResult]:
-    """Quantize every target linear (full module names) layer by layer with `procedure`, which
+    """Quantize every target linear (full checkpoint names) layer by layer with `procedure`, which
     leaves the layer holding its quantized weights; yields each layer's results as soon as it is
-    done, so that the caller can write them out rather than hold the whole model's."""
-    stream = LayerStream(model_path, device)
-    family = family_for(stream.config.model_type)
+    done, so that the caller can write them out rather than hold the whole model's.
+
+    Mixture-of-experts layers: see quant/moe.py for `moe_calibration`; each expert linear's stats
+    get `routed_tokens`, the calibration tokens the router sent its expert."""
+    stream = LayerStream(model_path, device, moe_calibration)
+    family = stream.family
     with torch.inference_mode():
         hidden = stream.embed(tokens)
         rope = stream.position_embeddings(tokens.shape[1])
@@ -299,13 +355,23 @@ def calibrate_layerwise(
 
             with torch.inference_mode():
                 layer = stream.load_layer(index)
-                local_targets = {t.removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")}
+                local_targets = {
+                    family.module_name(t).removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")
+                }
                 work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report, family=family)
-                result = LayerResult(prefix, {f"{prefix}.{n}": r for n, r in procedure(work).items()}, {})
+                work.min_tokens = expert_min_tokens(layer, family, local_targets, moe_min_tokens)
+                quantized = procedure(work)
+                result = LayerResult(
+                    prefix, {family.checkpoint_name(f"{prefix}.{n}"): r for n, r in quantized.items()}, {}
+                )
                 for name, module in work.updated.items():
                     for param, value in module.named_parameters():
-                        result.updated[f"{prefix}.{name}.{param}"] = value.detach().to("cpu", copy=True)
+                        key = family.checkpoint_name(f"{prefix}.{name}.{param}")
+                        result.updated[key] = value.detach().to("cpu", copy=True)
+                for block in calibration_modules(layer):
+                    block.routed_tokens.zero_()
                 run_layer(prefix, layer, hidden, rope, batch_size, device)
+                record_routed_tokens(layer, quantized)
                 stream.release_layer(index)
             yield result
             del result  # else this frame keeps the layer's results alive through the next layer

@@ -5,6 +5,8 @@ holding the dequantized weights (so the next layer is calibrated on quantized ou
 returns local name -> (QuantizedWeight, stats).
 """
 
+import logging
+
 import torch
 
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, sequential_groups
@@ -14,10 +16,41 @@ from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
 SCALE_DTYPE = torch.bfloat16  # layers are calibrated in fp32; scales are stored as in bf16 checkpoints
+log = logging.getLogger(__name__)
+
+
+def too_few_tokens(work: LayerWork, name: str, method: str) -> bool:
+    """Whether an expert's linear saw fewer calibration tokens than its threshold (it then gets
+    RTN); says so in one warning naming it."""
+    minimum = work.min_tokens.get(name)
+    if minimum is None or work.tokens_seen.get(name, 0) >= minimum:
+        return False
+    log.warning(
+        "%s.%s: %d calibration tokens reached this expert, fewer than %d: quantized with RTN instead of %s "
+        "(more --num-samples, --moe-calibration all, or a lower moe_min_tokens)",
+        work.prefix,
+        name,
+        work.tokens_seen.get(name, 0),
+        minimum,
+        method,
+    )
+    return True
 
 
 def set_quantized(work: LayerWork, name: str, qw: QuantizedWeight) -> None:
     work.layer.get_submodule(name).weight.copy_(qw.dequantize().to(work.device))
+
+
+def count_tokens(work: LayerWork, names: list[str]) -> None:
+    """work.tokens_seen[name]: the calibration tokens that reach each named linear (an expert's,
+    in --moe-calibration routed, only those the router sends it)."""
+    counts = dict.fromkeys(names, 0)
+
+    def on_input(name: str, x: torch.Tensor, owner: str) -> None:
+        counts[name] += x.reshape(-1, x.shape[-1]).shape[0]
+
+    work.run_until_seen(names, on_input)
+    work.tokens_seen.update(counts)
 
 
 def gptq_procedure(scheme: WeightScheme, options: GPTQOptions) -> LayerProcedure:
@@ -34,16 +67,19 @@ def gptq_procedure(scheme: WeightScheme, options: GPTQOptions) -> LayerProcedure
                 weight = work.layer.get_submodule(name).weight.detach()
                 hessian = hessians.pop(name)
                 full_name = f"{work.prefix}.{name}"
-                result = gptq_quantize(weight, hessian, scheme, options, scale_dtype=SCALE_DTYPE, name=full_name)
-                rtn_w = rtn_quantize(weight, scheme, SCALE_DTYPE).dequantize().to(weight.device)
-                stats = {
-                    "loss": result.loss,
-                    "rtn_loss": output_error(weight, rtn_w, hessian),
-                    "damp": result.damp,
-                    **weight_error(weight.cpu(), result.weight.dequantize()),
-                }
-                set_quantized(work, name, result.weight)
-                results[name] = (result.weight, stats)
+                rtn_qw = rtn_quantize(weight, scheme, SCALE_DTYPE)
+                rtn_w = rtn_qw.dequantize().to(weight.device)
+                if too_few_tokens(work, name, "GPTQ"):
+                    qw, stats = rtn_qw, {"loss": output_error(weight, rtn_w, hessian), "fallback": "rtn"}
+                else:
+                    result = gptq_quantize(weight, hessian, scheme, options, scale_dtype=SCALE_DTYPE, name=full_name)
+                    qw = result.weight
+                    stats = {"loss": result.loss, "rtn_loss": output_error(weight, rtn_w, hessian), "damp": result.damp}
+                if name in work.tokens_seen and name in work.min_tokens:
+                    stats["calibration_tokens"] = work.tokens_seen[name]
+                stats.update(weight_error(weight.cpu(), qw.dequantize()))
+                set_quantized(work, name, qw)
+                results[name] = (qw, stats)
                 work.report(name, stats)
         return results
 

@@ -36,7 +36,7 @@ from optkit.quant.calibrate import CalibrationOptions, LayerResult, calibrate_la
 from optkit.quant.formats import format_names, get_format
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
-from optkit.quant.targets import LinearTarget, decoder_linears, select_targets
+from optkit.quant.targets import LinearTarget, decoder_linears, full_precision_gates, select_targets
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 from optkit.weights.schemes import WeightScheme
 
@@ -182,7 +182,8 @@ def quantize_model(
         raise OptkitError(f"model {base} is already quantized: give its full-precision base model")
     from transformers import AutoConfig
 
-    targets, ignored = select_targets(decoder_linears(AutoConfig.from_pretrained(base)), options.ignore)
+    hf_config = AutoConfig.from_pretrained(base)
+    targets, ignored = select_targets(decoder_linears(hf_config), options.ignore)
     for target in targets:
         options.weights.check_layer(target.name, target.in_features)
     fmt = get_format(options.format)
@@ -210,7 +211,10 @@ def quantize_model(
             stats = _write_weights(base, tmp, fmt, work, layer_results)
         layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in targets]
         config_dict["quantization_config"] = fmt.quantization_config(
-            options.weights, options.act_order, ignored + ["lm_head"], options.activations
+            options.weights,
+            options.act_order,
+            ignored + full_precision_gates(hf_config) + ["lm_head"],
+            options.activations,
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)
@@ -318,6 +322,8 @@ def _quantize_weights(
         device=resolve_device(device),
         batch_size=options.calibration.batch_size,
         label=f"{options.method} {options.weights.describe()}",
+        moe_calibration=options.calibration.moe_calibration,
+        moe_min_tokens=options.calibration.moe_min_tokens,
     )
     return calibration, layers
 

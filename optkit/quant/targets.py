@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.families import family_for
+from optkit.quant.moe import unfuse_experts
 
 
 @dataclass(frozen=True)
@@ -16,16 +18,35 @@ class LinearTarget:
 
 
 def decoder_linears(config) -> list[LinearTarget]:
-    """The decoder layers' linear modules, found on a weightless (meta) copy of the model."""
+    """The decoder layers' linear modules, found on a weightless (meta) copy of the model, under
+    their checkpoint names. Mixture-of-experts models: each expert's linears (transformers fuses
+    them into 3D parameters), and not the routers and shared-expert gates (`full_precision_gates`)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    family = family_for(config.model_type)
+    if family.moe is not None:
+        unfuse_experts(model.get_decoder().layers, family, config.to_dict())
+    gates = set(full_precision_gates(config))
     return [
-        LinearTarget(name, module.in_features, module.out_features)
+        LinearTarget(family.checkpoint_name(name), module.in_features, module.out_features)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}."
+        if isinstance(module, torch.nn.Linear)
+        and ".layers." in f".{name}."
+        and family.checkpoint_name(name) not in gates
     ]
+
+
+def full_precision_gates(config) -> list[str]:
+    """The routers and shared-expert gates of a mixture-of-experts model (checkpoint names): they
+    choose experts rather than compute, and stay in full precision."""
+    family = family_for(config.model_type)
+    if family.moe is None:
+        return []
+    prefix = "model.layers"
+    sparse = [i for i in range(config.num_hidden_layers) if family.moe.is_sparse(config.to_dict(), i)]
+    return [family.checkpoint_name(f"{prefix}.{i}.{gate}") for i in sparse for gate in family.moe.full_precision]
 
 
 def select_targets(linears: list[LinearTarget], ignore: list[str]) -> tuple[list[LinearTarget], list[str]]:

@@ -6,6 +6,7 @@ Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family
 its layers have count; other linears go last, one at a time), and the runtime refuses it.
 """
 
+import fnmatch
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,38 @@ from optkit.quant.plugins import import_once
 
 # (module whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
 SmoothingGroup = tuple[str, tuple[str, ...], str]
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """A mixture-of-experts block, as its checkpoints store it: one router linear, `experts.N.<name>`
+    linears for each expert (gate, up, down), optionally a shared expert (a plain MLP) scaled by a
+    sigmoid gate. Names are local to the decoder layer's module; the config keys are config.json's."""
+
+    block: str  # the MoE block's module name in the decoder layer, e.g. "mlp"
+    expert_linears: tuple[str, str, str]  # (gate, up, down) of one expert, e.g. ("w1", "w3", "w2")
+    num_experts_keys: tuple[str, ...]  # config.json keys of the number of experts, the first present counts
+    intermediate_key: str  # config.json key of an expert's intermediate size
+    # whether the top-k routing weights are divided by their sum (Mixtral: always; Qwen: norm_topk_prob)
+    renormalize: Callable[[dict], bool]
+    # whether decoder layer `index` has the MoE block (Qwen: decoder_sparse_step, mlp_only_layers)
+    is_sparse: Callable[[dict, int], bool] = lambda config, index: True
+    router: str = "gate"
+    shared_expert: str | None = None  # a plain MLP every token goes through (Qwen2-MoE)
+    shared_expert_gate: str | None = None  # linear [1, hidden]: sigmoid(gate(x)) scales the shared expert
+    shared_intermediate_key: str | None = None
+
+    def num_experts(self, config: dict) -> int:
+        return next((config[k] for k in self.num_experts_keys if config.get(k) is not None), 0)
+
+    @property
+    def full_precision(self) -> tuple[str, ...]:
+        """The gates: linears that route rather than compute, kept in full precision."""
+        return tuple(f"{self.block}.{n}" for n in (self.router, self.shared_expert_gate) if n)
+
+    @property
+    def expert_patterns(self) -> tuple[str, ...]:
+        return tuple(f"{self.block}.experts.*.{n}" for n in self.expert_linears)
 
 
 @dataclass(frozen=True)
@@ -40,6 +73,23 @@ class Family:
     # out, with the reason (Gemma 3's vision tower): the runtime model's view of the checkpoint
     runtime_renames: tuple[tuple[str, str], ...] = ()
     outside_runtime: tuple[tuple[str, ...], str] | None = None
+    moe: MoELayout | None = None
+    # (checkpoint infix, module infix): a checkpoint's names where they differ from the modules',
+    # e.g. Mixtral's ".block_sparse_moe." for transformers' and the runtime's ".mlp."
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def module_name(self, checkpoint_name: str) -> str:
+        """A checkpoint key (full, or local to a decoder layer) as the modules name it."""
+        name = f".{checkpoint_name}"
+        for stored, module in self.checkpoint_renames:
+            name = name.replace(stored, module)
+        return name[1:]
+
+    def checkpoint_name(self, module_name: str) -> str:
+        name = f".{module_name}"
+        for stored, module in self.checkpoint_renames:
+            name = name.replace(module, stored)
+        return name[1:]
 
     @property
     def norm_groups(self) -> tuple[SmoothingGroup, ...]:
@@ -51,6 +101,27 @@ class Family:
 log = logging.getLogger(__name__)
 
 
+def expand_group(names: tuple[str, ...], present: list[str]) -> list[str]:
+    """A group of local names where `*` (an expert's index) matches the layer's modules `present`,
+    in their order: `mlp.experts.*.w1` -> mlp.experts.0.w1, mlp.experts.1.w1, ..."""
+    return [n for pattern in names for n in (fnmatch.filter(present, pattern) if "*" in pattern else [pattern])]
+
+
+def expand_smoothing_groups(groups: tuple[SmoothingGroup, ...], present: list[str]) -> list[SmoothingGroup]:
+    """Smoothing groups with `*` in the preceding module name become one group per expert (the
+    same index throughout); `*` only in the linears expands to all of them."""
+    expanded = []
+    for previous, linears, block in groups:
+        if "*" not in previous:
+            expanded.append((previous, tuple(expand_group(linears, present)), block))
+            continue
+        head, _, tail = previous.partition("*")
+        for name in fnmatch.filter(present, previous):
+            index = name[len(head) : len(name) - len(tail)]
+            expanded.append((name, tuple(n.replace("*", index) for n in linears), block.replace("*", index)))
+    return expanded
+
+
 def log_unsmoothable(family: Family, method: str) -> None:
     """One log line per group of linears that `method` (AWQ, SmoothQuant) cannot smooth."""
     for linears, reason in family.unsmoothable:
@@ -59,7 +130,7 @@ def log_unsmoothable(family: Family, method: str) -> None:
 
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
-_BUILTIN = ("llama", "granite", "olmo2", "gemma")
+_BUILTIN = ("llama", "granite", "olmo2", "gemma", "mixtral", "qwen_moe")
 _load_builtin = import_once(__name__, _BUILTIN)
 
 

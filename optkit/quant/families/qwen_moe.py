@@ -1,0 +1,62 @@
+"""Qwen2-MoE and Qwen3-MoE: Qwen2's (q/k/v bias) or Qwen3's (q/k norms) attention, and in each
+sparse layer a router (`mlp.gate`) choosing `num_experts_per_tok` of `num_experts` SwiGLU experts
+(`mlp.experts.N.gate_proj/up_proj/down_proj`), their softmax weights renormalized only with
+`norm_topk_prob`. Qwen2-MoE adds a shared expert every token goes through, scaled by
+sigmoid(`shared_expert_gate`). Layers in `mlp_only_layers` or off `decoder_sparse_step` keep a
+dense MLP (`mlp.gate_proj/up_proj/down_proj`), quantized and smoothed as Llama's.
+"""
+
+from dataclasses import replace
+
+from optkit.quant.families import Family, MoELayout, register_family
+from optkit.quant.families.llama import LLAMA_LAYOUT
+from optkit.quant.families.mixtral import ROUTED_NORM
+
+
+def _is_sparse(config: dict, index: int) -> bool:
+    step = config.get("decoder_sparse_step", 1)
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    return index not in (config.get("mlp_only_layers") or []) and experts > 0 and (index + 1) % step == 0
+
+
+_EXPERT = "mlp.experts.*"
+_SHARED = "mlp.shared_expert"
+QWEN2_MOE_LAYOUT = Family(
+    name="qwen2_moe",
+    model_types=("qwen2_moe",),
+    sequential_groups=(
+        *LLAMA_LAYOUT.sequential_groups[:2],
+        (f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj", f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj")
+        + LLAMA_LAYOUT.sequential_groups[2],
+        (f"{_EXPERT}.down_proj", f"{_SHARED}.down_proj") + LLAMA_LAYOUT.sequential_groups[3],
+    ),
+    smoothing_groups=(
+        *LLAMA_LAYOUT.smoothing_groups,  # the attention, and the dense MLP of mlp_only_layers
+        (f"{_EXPERT}.up_proj", (f"{_EXPERT}.down_proj",), f"{_EXPERT}.down_proj"),
+        (f"{_SHARED}.up_proj", (f"{_SHARED}.down_proj",), f"{_SHARED}.down_proj"),
+    ),
+    unsmoothable=(
+        ((f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj", f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj"), ROUTED_NORM),
+    ),
+    runtime="optkit.models.llama:CausalLM",
+    moe=MoELayout(
+        block="mlp",
+        expert_linears=("gate_proj", "up_proj", "down_proj"),
+        num_experts_keys=("num_experts", "num_local_experts"),  # Qwen3MoeConfig saves the latter
+        intermediate_key="moe_intermediate_size",
+        renormalize=lambda config: bool(config.get("norm_topk_prob", False)),
+        is_sparse=_is_sparse,
+        shared_expert="shared_expert",
+        shared_expert_gate="shared_expert_gate",
+        shared_intermediate_key="shared_expert_intermediate_size",
+    ),
+)
+QWEN2_MOE = register_family(QWEN2_MOE_LAYOUT)
+QWEN3_MOE = register_family(
+    replace(
+        QWEN2_MOE_LAYOUT,
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        moe=replace(QWEN2_MOE_LAYOUT.moe, shared_expert=None, shared_expert_gate=None, shared_intermediate_key=None),
+    )
+)

@@ -1,0 +1,130 @@
+"""Mixture-of-experts quantization (quant/moe.py, quant/families/mixtral.py and qwen_moe.py) on tiny
+random Mixtral, Qwen2-MoE (shared expert, one dense layer) and Qwen3-MoE models."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.weights.schemes import WeightScheme
+from tests.tiny_families import TINY, save_tiny_family
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+CALIB = CalibrationOptions(num_samples=8, seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory, draft_dir):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            made[name] = save_tiny_family(name, tmp_path_factory.mktemp("moe") / name, draft_dir)
+        return made[name]
+
+    return make
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_calibration_block_computes_what_transformers_fused_experts_do(moe_model, family):
+    """The per-expert calibration block, loaded from the checkpoint's keys, gives transformers'
+    layer outputs, whether every token goes through every expert or only the routed ones."""
+    from transformers import AutoModelForCausalLM
+
+    from optkit.quant.calibrate import LayerStream
+
+    path = moe_model(family)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 12))
+    with torch.no_grad():
+        states = reference(tokens, output_hidden_states=True).hidden_states
+    for mode in ("all", "routed"):
+        stream = LayerStream(path, torch.device("cpu"), mode)
+        rope = stream.position_embeddings(tokens.shape[1])
+        with torch.no_grad():
+            for index in range(stream.num_layers - 1):  # the last hidden state is after the final norm
+                layer = stream.load_layer(index)
+                out = layer(states[index], position_embeddings=rope, attention_mask=None)
+                out = out[0] if isinstance(out, tuple) else out
+                torch.testing.assert_close(out, states[index + 1], rtol=1e-4, atol=1e-5)
+                stream.release_layer(index)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize(
+    "method", ["rtn", "gptq", pytest.param("awq", marks=pytest.mark.slow), pytest.param("w8a8", marks=pytest.mark.slow)]
+)
+def test_every_expert_is_quantized_and_the_gates_stay_full_precision(tmp_path, moe_model, family, method):
+    bits = 8 if method == "w8a8" else 4
+    scheme = WeightScheme(bits=8, group_size=-1) if method == "w8a8" else WeightScheme(bits=bits, group_size=64)
+    out = tmp_path / "artifact"
+    manifest = quantize_model(moe_model(family), out, QuantizeOptions(method=method, weights=scheme, calibration=CALIB))
+    tensors = _tensors(out)
+    marker = "weight" if method == "w8a8" else "weight_packed"
+    num_experts, sparse_layers = 4, (0, 1) if family != "qwen2_moe" else (0,)
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    linears = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    quantized = {layer["name"] for layer in manifest["layers"]}
+    for i in sparse_layers:
+        for e in range(num_experts):
+            for linear in linears:
+                name = f"model.layers.{i}.{block}.experts.{e}.{linear}"
+                assert name in quantized
+                assert tensors[f"{name}.{marker}"].dtype in (torch.int32, torch.int8)
+                assert f"{name}.weight_scale" in tensors
+        gate = tensors[f"model.layers.{i}.{block}.gate.weight"]
+        assert gate.dtype == torch.float32 and gate.shape == (num_experts, TINY["hidden_size"])
+    # no tensor of an expert is left in full precision
+    full = [k for k, t in tensors.items() if ".experts." in k and t.is_floating_point() and k.endswith(".weight")]
+    assert full == []
+    quant_config = json.loads((out / "config.json").read_text())["quantization_config"]
+    listed = quant_config["ignore"]
+    assert f"model.layers.0.{block}.gate" in listed
+    if family == "qwen2_moe":
+        assert "model.layers.0.mlp.shared_expert_gate" in listed
+        assert tensors["model.layers.0.mlp.shared_expert_gate.weight"].dtype == torch.float32
+        assert "model.layers.0.mlp.shared_expert.down_proj.weight_scale" in tensors
+        assert "model.layers.1.mlp.down_proj.weight_scale" in tensors  # the dense layer (mlp_only_layers)
+
+
+def test_routed_calibration_falls_back_to_rtn_for_experts_with_too_few_tokens(tmp_path, moe_model, caplog):
+    options = QuantizeOptions(
+        method="gptq",
+        weights=WeightScheme(bits=4, group_size=64),
+        calibration=CalibrationOptions(num_samples=4, seq_len=64, moe_calibration="routed"),
+    )
+    with caplog.at_level(logging.WARNING, logger="optkit.quant.procedures"):
+        manifest = quantize_model(moe_model("qwen3_moe"), tmp_path / "routed", options)
+    experts = [layer for layer in manifest["layers"] if ".experts." in layer["name"]]
+    # 256 tokens, 2 of 4 experts each: every expert gets fewer than 2 × 128 = 256 tokens
+    assert all(layer["calibration_tokens"] == layer["routed_tokens"] < 256 for layer in experts)
+    assert all(layer["fallback"] == "rtn" for layer in experts)
+    warned = [r.getMessage() for r in caplog.records if "quantized with RTN" in r.getMessage()]
+    assert len(warned) == len(experts)
+    assert warned[0].startswith("model.layers.0.mlp.experts.0.gate_proj: ")
+    # by default every token reaches every expert: GPTQ everywhere
+    default = quantize_model(
+        moe_model("qwen3_moe"),
+        tmp_path / "all",
+        options.model_copy(update={"calibration": CalibrationOptions(num_samples=4, seq_len=64)}),
+    )
+    experts = [layer for layer in default["layers"] if ".experts." in layer["name"]]
+    assert all(layer["calibration_tokens"] == 256 and "fallback" not in layer for layer in experts)
+    # each token goes to 2 experts: their routed counts add up to twice the tokens
+    assert (
+        sum(layer["routed_tokens"] for layer in experts if layer["name"].startswith("model.layers.0.")) == 3 * 2 * 256
+    )
+
+
+def test_an_unknown_moe_calibration_mode_names_the_choices():
+    with pytest.raises(ValueError, match="choose one of all, routed"):
+        CalibrationOptions(moe_calibration="every")
