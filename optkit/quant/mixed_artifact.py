@@ -78,7 +78,8 @@ def write_mixed_artifact(source: Path, base: Path, bits: dict[str, int], out: Pa
     )
     with atomic_output_dir(out, overwrite=True) as tmp:
         write_safetensors(tmp / WEIGHTS, tensors, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        # not sorted: compressed-tensors tries config_groups in order, the raised ones first
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for path in source.iterdir():
             if path.is_file() and path.name not in (WEIGHTS, "config.json", MANIFEST):
                 shutil.copy2(path, tmp / path.name)

@@ -1,0 +1,68 @@
+"""Per-layer precision in compressed-tensors and GPTQ checkpoints (quant/formats/mixed.py), written
+from a uniform artifact with only the raised layers re-quantized (quant/mixed_artifact.py)."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from optkit.quant.formats import get_format
+from optkit.quant.formats.mixed import fused_units, layer_schemes
+from optkit.quant.mixed_artifact import write_mixed_artifact
+
+QKV = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+DOWN = "model.layers.1.mlp.down_proj"
+
+
+@pytest.fixture(scope="module", params=["compressed-tensors", "gptq"])
+def mixed(request, tmp_path_factory, draft_dir):
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+
+    root = tmp_path_factory.mktemp(request.param)
+    quantize_model(draft_dir, root / "w4", QuantizeOptions(format=request.param))
+    write_mixed_artifact(root / "w4", draft_dir, dict.fromkeys(QKV, 8), root / "step1", {})
+    write_mixed_artifact(root / "step1", draft_dir, {DOWN: 16}, root / "mixed", {"repair": {"note": "test"}})
+    return request.param, root
+
+
+def test_raised_layers_hold_their_precision_and_the_rest_is_untouched(mixed, draft_dir):
+    from optkit.quant.formats.load import load_model
+    from optkit.quant.rtn import rtn_quantize
+    from optkit.weights.schemes import WeightScheme
+
+    name, root = mixed
+    model, uniform, base = load_model(root / "mixed"), load_model(root / "w4"), load_model(draft_dir)
+    for layer in QKV:  # 8-bit RTN of the base weight, at the artifact's group size
+        expected = rtn_quantize(base.get_submodule(layer).weight, WeightScheme(bits=8, group_size=128)).dequantize()
+        assert torch.equal(model.get_submodule(layer).weight, expected)
+    assert torch.equal(model.get_submodule(DOWN).weight, base.get_submodule(DOWN).weight)
+    other = "model.layers.1.self_attn.o_proj"
+    assert torch.equal(model.get_submodule(other).weight, uniform.get_submodule(other).weight)
+    manifest = json.loads((root / "mixed" / "optkit.json").read_text())
+    assert manifest["precision_overrides"] == {**dict.fromkeys(QKV, 8), DOWN: 16}  # the earlier step kept
+    assert manifest["repair"] == {"note": "test"}
+
+
+def test_the_config_says_which_layer_has_which_scheme(mixed):
+    name, root = mixed
+    config = json.loads((root / "mixed" / "config.json").read_text())["quantization_config"]
+    prefixes = [*QKV, "model.layers.1.self_attn.o_proj"]
+    schemes = layer_schemes(get_format(name), config, prefixes)
+    assert [schemes[p].bits for p in prefixes] == [8, 8, 8, 4]
+    if name == "compressed-tensors":
+        assert DOWN in config["ignore"] and list(config["config_groups"])[-1] == "group_0"
+        assert sorted(config["config_groups"]["group_w8"]["targets"]) == sorted(QKV)
+    else:  # gptqmodel's dynamic overrides; vLLM matches the fused qkv_proj by the same pattern
+        (plus,) = [k for k in config["dynamic"] if k.startswith("+:")]
+        (minus,) = [k for k in config["dynamic"] if k.startswith("-:")]
+        assert config["dynamic"][plus] == {"bits": 8} and config["dynamic"][minus] == {}
+        for module in [*QKV, "model.layers.0.self_attn.qkv_proj"]:
+            assert re.match(plus[2:], module)
+        assert not re.match(plus[2:], "model.layers.0.self_attn.o_proj")
+        assert re.match(minus[2:], DOWN) and not re.match(minus[2:], "model.layers.11.mlp.down_proj")
+
+
+def test_fused_units_follow_vllm():
+    names = [*QKV, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    assert fused_units(names) == [QKV, [names[3]], names[4:]]
