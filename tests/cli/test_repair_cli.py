@@ -33,7 +33,9 @@ def test_a_format_without_per_layer_precision_is_refused_before_quantizing(run_c
 
 def test_a_target_the_uniform_artifact_meets_is_released_as_it_is(run_cli, tmp_path):
     out = tmp_path / "w8"
-    code, _, _ = run_cli("quantize", "draft", "--bits", "8", "--out", out, "--target-kld", "0.01", "--gate-windows", "2")
+    code, _, _ = run_cli(
+        "quantize", "draft", "--bits", "8", "--out", out, "--target-kld", "0.01", "--gate-windows", "2"
+    )
     assert code == 0
     manifest = read_manifest(out)
     assert manifest["repair"]["result"] == "passed without repair"
