@@ -25,3 +25,15 @@ def resolve_dtype(dtype: str | None, device: str) -> str:
     if dtype not in DTYPES:
         raise OptkitError(f"unknown --dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     return dtype
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    """`--threads N`: the CPU threads torch's kernels use (intra-op); None keeps torch's default
+    (the cores it sees)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise OptkitError(f"--threads {threads}: give a positive number of CPU threads")
+    import torch
+
+    torch.set_num_threads(threads)

@@ -8,13 +8,17 @@ Storage of q (signed, in [qmin, qmax]) as u = q - qmin, unsigned:
 Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) · s[o, g(i)], computed in float32 exactly as
 `QuantizedWeight.dequantize` does, so the weights (and outputs) match the evaluation loader bit for bit.
 On CUDA, `W4A16Linear.forward` runs the fused Triton kernel (optkit/kernels/triton/w4a16.py) when
-triton imports and the layer's groups are contiguous (or act-order groups of equal size); the
-dequantize-then-matmul below is the path everywhere else.
+triton imports and the layer's groups are contiguous (or act-order groups of equal size). On the CPU
+it runs PyTorch's int4 kernel (optkit/kernels/cpu_int4.py: bits <= 4, groups of 32 columns or a
+multiple, act-order permuted once) for up to `cpu_int4.MAX_KERNEL_ROWS` rows, repacked once
+(`prepare`, called by the loader). The dequantize-then-matmul below is the path everywhere else;
+`kernel_for` names the path a layer takes.
 """
 
 import torch
 import torch.nn.functional as F
 
+from optkit.kernels import cpu_int4
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.weights.packing import field_bits, pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight, dequantize
@@ -62,8 +66,47 @@ class W4A16Linear(torch.nn.Module):
         """Ŵ [out, in] in `dtype`: the float32 math of `QuantizedWeight.dequantize`, then a cast."""
         return dequantize(self.int_weight(), self.scale, self.zero_point, self.g_idx).to(dtype)
 
+    def cpu_packed(self) -> cpu_int4.Int4Packed | str:
+        """The CPU int4 kernel's layout of this layer, packed once and cached until its buffers change;
+        or why the kernel cannot take it."""
+        if not cpu_int4.available():
+            return "OPTKIT_CPU_INT4=0 or no int4 kernel in this torch"
+        buffers = (self.qweight, self.scale, self.zero_point, self.g_idx)
+        # inference tensors have no version counter (they cannot change outside inference mode)
+        key = tuple(
+            None if t is None else (t.data_ptr(), t.device, None if t.is_inference() else t._version) for t in buffers
+        )
+        cached = self.__dict__.get("_cpu_int4")
+        if cached is None or cached[0] != key:
+            if self.qweight.device.type != "cpu":
+                return "not on the CPU"
+            packed = cpu_int4.pack(self.int_weight(), self.scale, self.zero_point, self.bits, self.g_idx)
+            cached = (key, packed)
+            self.__dict__["_cpu_int4"] = cached
+        return cached[1]
+
+    def prepare(self) -> None:
+        """Repack for this device's kernel now (load time) rather than at the first call."""
+        if self.qweight.device.type == "cpu":
+            self.cpu_packed()
+
+    def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
+        """The path `forward` takes for `rows` rows of input on `device`, in words."""
+        if torch.device(device).type == "cpu":
+            packed = self.cpu_packed()
+            if isinstance(packed, str):
+                return f"dequantize+matmul ({packed})"
+            if rows > cpu_int4.MAX_KERNEL_ROWS:
+                return f"dequantize+matmul (over {cpu_int4.MAX_KERNEL_ROWS} rows)"
+            return cpu_int4.NAME
+        return "triton w4a16 or dequantize+matmul"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.device.type == "cpu" and x.numel() <= cpu_int4.MAX_KERNEL_ROWS * self.in_features:
+            packed = self.cpu_packed()
+            if not isinstance(packed, str):
+                return cpu_int4.int4_linear(x, packed, bias)
         if triton_kernels.use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             from optkit.kernels.triton import w4a16 as kernels
 

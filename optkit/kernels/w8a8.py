@@ -6,7 +6,8 @@ with qw = round(W / sw) per output channel (symmetric), and qx = round(x / sx) p
 `int8_linear` runs the integer matmul (`torch._int_mm`); `int8_linear_reference` computes the
 same quantities in float, for tests and for devices without an int8 matmul. On CUDA, `int8_linear`
 runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
-with the scales and bias in its epilogue) when triton imports and no `int_mm` is given.
+with the scales and bias in its epilogue) when triton imports and no `int_mm` is given. On the CPU
+`torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`).
 """
 
 import torch
@@ -20,10 +21,12 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor | None = Non
     """x [M, K] -> (int8 [M, K], scale [M, 1] fp32); per token unless a static scale is given."""
     x = x.float()
     if input_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=1e-12)
+        # max |x| per row in one pass (the infinity norm), then as few passes as eager PyTorch allows
+        amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=-1, keepdim=True)
+        scale = amax.div_(INT8_MAX).clamp_(min=1e-12)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    return torch.round(x / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale
+    return x.div(scale).round_().clamp_(-INT8_MAX - 1, INT8_MAX).to(torch.int8), scale
 
 
 def _exact_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -49,9 +52,9 @@ def int8_linear(
     shape = x.shape
     qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
     acc = (int_mm or torch._int_mm)(qx, weight_t)  # int32 [M, N]
-    y = acc.float() * sx * weight_scale.float()
+    y = torch.mul(acc, sx).mul_(weight_scale.float())  # int32 * fp32 -> fp32
     if bias is not None:
-        y = y + bias.float()
+        y = y.add_(bias.float())
     return y.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
 
 
@@ -77,14 +80,23 @@ class W8A8Linear(torch.nn.Module):
         input_scale: torch.Tensor | None = None,
     ):
         super().__init__()
-        # weight: int8 [out, in]; kept transposed, [in, out], the layout the int8 matmul wants
+        # weight: int8 [out, in]; kept transposed, [in, out], row-major: the layout the Triton kernel
+        # wants; `prepare` makes it column-major on the CPU, where oneDNN's int8 GEMV is 3x faster so
         self.register_buffer("weight_t", weight.t().contiguous())
         self.register_buffer("weight_scale", weight_scale.reshape(-1).float())
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    def prepare(self) -> None:
+        """On the CPU, store weight_t column-major (the same [in, out] values, the storage of [out, in]):
+        `torch._int_mm` at one row takes 0.22 ms against 0.78 ms row-major for a 2048x2048 weight."""
+        if self.weight_t.device.type == "cpu" and self.weight_t.stride(0) != 1:
+            self.weight_t = self.weight_t.t().contiguous().t()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and self.weight_t.stride(0) != 1:
+            self.prepare()
         return int8_linear(x, self.weight_t, self.weight_scale, self.bias, self.input_scale)
 
     def extra_repr(self) -> str:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from optkit.errors import OptkitError
+from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.w4a16 import W4A16Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
@@ -56,14 +57,18 @@ def load_runtime_model(
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise OptkitError(f"{path}: the checkpoint lacks {', '.join(missing[:3])}: re-create or re-download it")
-    return model.to(device).eval().requires_grad_(False)
+    model = model.to(device).eval().requires_grad_(False)
+    for module in model.modules():  # quantized layers repack once for this device's kernel
+        if hasattr(module, "prepare"):
+            module.prepare()
+    return model
 
 
 def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the runtime's names: its family's renames (Gemma 3's
     language_model.model.* -> model.*), without the parts the runtime leaves out (said in one line)."""
     family = family_for(model_type)
-    if not family.runtime_renames and family.outside_runtime is None:
+    if not family.runtime_renames and family.outside_runtime is None and not family.checkpoint_renames:
         return tensors
     prefixes, reason = family.outside_runtime or ((), "")
     left_out = sorted({p for key in tensors for p in prefixes if key.startswith(p)})
@@ -77,7 +82,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
             if key.startswith(stored):
                 key = runtime + key.removeprefix(stored)
                 break
-        view[key] = tensor
+        view[family.module_name(key)] = tensor  # Mixtral's block_sparse_moe -> mlp
     return view
 
 
@@ -117,7 +122,8 @@ def _install_quantized(
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
             qw = fmt.decompress(prefix, tensors, schemes[prefix])
-            modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
+            layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else W4A16Linear
+            modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     strays = sorted(set(modules) - linears)
