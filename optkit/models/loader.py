@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from optkit.errors import OptkitError
-from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.w4a16 import W4A16Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
@@ -68,7 +67,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
     """The checkpoint's tensors under the runtime's names: its family's renames (Gemma 3's
     language_model.model.* -> model.*), without the parts the runtime leaves out (said in one line)."""
     family = family_for(model_type)
-    if not family.runtime_renames and family.outside_runtime is None and not family.checkpoint_renames:
+    if not family.runtime_renames and family.outside_runtime is None:
         return tensors
     prefixes, reason = family.outside_runtime or ((), "")
     left_out = sorted({p for key in tensors for p in prefixes if key.startswith(p)})
@@ -82,7 +81,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
             if key.startswith(stored):
                 key = runtime + key.removeprefix(stored)
                 break
-        view[family.module_name(key)] = tensor  # Mixtral's block_sparse_moe -> mlp
+        view[key] = tensor
     return view
 
 
@@ -122,8 +121,7 @@ def _install_quantized(
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
             qw = fmt.decompress(prefix, tensors, schemes[prefix])
-            layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else W4A16Linear
-            modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
+            modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     strays = sorted(set(modules) - linears)
