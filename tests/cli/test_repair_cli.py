@@ -41,3 +41,17 @@ def test_a_target_the_uniform_artifact_meets_is_released_as_it_is(run_cli, tmp_p
     assert manifest["repair"]["result"] == "passed without repair"
     assert "precision_overrides" not in manifest
     assert json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].keys() == {"group_0"}
+
+
+def test_eval_attribute_ranks_layers_in_json_and_in_a_table(run_cli, tmp_path):
+    out = tmp_path / "w4"
+    assert run_cli("quantize", "draft", "--out", out)[0] == 0
+    args = ("eval", out, "--baseline", "draft", "--max-windows", "2", "--attribute", "--attribute-windows", "2")
+    code, printed, _ = run_cli(*args, "--json")
+    assert code == 0
+    attribution = json.loads(printed)["attribution"]
+    estimates = [layer["estimate"] for layer in attribution["layers"]]
+    assert len(estimates) == 14 and estimates == sorted(estimates, reverse=True) and estimates[0] > 0
+    assert attribution["exact_swaps"] == 3 and attribution["source"].startswith("calib")
+    code, printed, _ = run_cli(*args)
+    assert code == 0 and "per-layer sensitivity" in printed and attribution["layers"][0]["name"] in printed
