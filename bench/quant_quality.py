@@ -35,6 +35,7 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.memory import PeakMemory
 from optkit.modeldir import resolve_model_dir, weight_files
+from optkit.quant import methods
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibrate import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
@@ -53,6 +54,8 @@ VARIANTS = {
         True,
         {"gptq": GPTQOptions(act_order=True, static_groups=True)},
     ),
+    "nf4": ("nf4", "bitsandbytes", True, {}),  # compare with rtn at --group-sizes 64 (NF4's block)
+    "nf4 double-quant": ("nf4", "bitsandbytes", True, {"double_quant": True}),
     "rtn asym": ("rtn", "compressed-tensors", False, {}),
     "awq asym": ("awq", "compressed-tensors", False, {}),
     "awq asym autoawq-clip": (
@@ -110,8 +113,19 @@ def base_model(model: str, tmp: Path) -> str | Path:
     return model
 
 
-def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
-    """W8A8 methods on the model and on a copy with activation outliers (same function)."""
+W8A8_METHODS = (
+    ("w8a8", 0.5),
+    ("smoothquant", 0.5),
+    ("smoothquant", "auto"),
+    ("smoothquant+gptq", 0.5),
+    ("fp8", 0.5),
+    ("smoothquant+fp8", 0.5),
+)
+
+
+def w8a8_rows(model: str, tmp: Path, eval_set: str, only: list[str] | None = None) -> list[dict]:
+    """W8A8 methods (int8 and FP8) on the model and on a copy with activation outliers (same function)."""
+    from optkit.quant.fp8 import FP8_PER_CHANNEL
     from optkit.quant.smoothquant import W8_PER_CHANNEL
     from optkit.quant.smoothquant_layer import SmoothQuantOptions
     from optkit.zoo.outliers import add_activation_outliers
@@ -119,11 +133,12 @@ def w8a8_rows(model: str, tmp: Path, eval_set: str) -> list[dict]:
     rows = []
     outliers = add_activation_outliers(model, tmp / "outliers")
     for base, label in ((resolve_model_dir(model), model), (outliers, f"{model}+outliers")):
-        for method, alpha in (("w8a8", 0.5), ("smoothquant", 0.5), ("smoothquant", "auto"), ("smoothquant+gptq", 0.5)):
+        for method, alpha in W8A8_METHODS:
+            if only and method not in only:
+                continue
             out = tmp / f"{label}-{method}-{alpha}"
-            options = QuantizeOptions(
-                method=method, weights=W8_PER_CHANNEL, smoothquant=SmoothQuantOptions(alpha=alpha)
-            )
+            weights = FP8_PER_CHANNEL if method.endswith("fp8") else W8_PER_CHANNEL
+            options = QuantizeOptions(method=method, weights=weights, smoothquant=SmoothQuantOptions(alpha=alpha))
             start = time.perf_counter()
             quantize_model(base, out, options)
             seconds = time.perf_counter() - start
@@ -165,11 +180,16 @@ def run_variant(
     model: str, out: Path, label: str, bits: int, group_size: int, eval_set: str, seed: int | None = None
 ) -> dict:
     method, fmt, symmetric, method_options = VARIANTS[label]
+    method_options = dict(method_options)
+    weight_type = methods.resolve(method).weights.weight_type  # nf4 for NF4
+    double_quant = method_options.pop("double_quant", False)
     options = QuantizeOptions(
         method=method,
         format=fmt,
         **method_options,
-        weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
+        weights=WeightScheme(
+            bits=bits, group_size=group_size, symmetric=symmetric, type=weight_type, double_quant=double_quant
+        ),
         calibration=CalibrationOptions(seed=seed or 0),
     )
     start = time.perf_counter()
@@ -202,7 +222,12 @@ def main() -> None:
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[128, 32])
     parser.add_argument("--eval-set", default="heldout")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="calibration seeds of calibrated methods")
-    parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 (SmoothQuant) rows")
+    parser.add_argument("--no-w8a8", action="store_true", help="skip the W8A8 (SmoothQuant, FP8) rows")
+    parser.add_argument("--w8a8-methods", nargs="+", choices=sorted({m for m, _ in W8A8_METHODS}), help="only these")
+    parser.add_argument("--no-weight-only", action="store_true", help="skip the weight-only rows")
+    parser.add_argument(
+        "--no-warm-up", action="store_true", help="skip the warm-up GPTQ run (peak RSS then counts one-time costs)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.model.endswith("+outliers") and not args.no_w8a8:
@@ -217,14 +242,15 @@ def main() -> None:
         # here. Warmed up on `draft` instead, the first GPTQ run of `small` came out 3 MB higher.
         warm_up = QuantizeOptions(method="gptq", calibration=CalibrationOptions(num_samples=2))
         model = base_model(args.model, Path(tmp))
-        quantize_model(model, Path(tmp) / "warm-up", warm_up)
-        for bits in args.bits:
+        if not args.no_warm_up:
+            quantize_model(model, Path(tmp) / "warm-up", warm_up)
+        for bits in [] if args.no_weight_only else args.bits:
             for group_size in args.group_sizes:
                 for label in args.variants:
                     for seed in [None] if VARIANTS[label][0] == "rtn" else args.seeds:
                         out = Path(tmp) / f"{label.replace(' ', '-')}-w{bits}-g{group_size}-s{seed}"
                         rows.append(run_variant(model, out, label, bits, group_size, args.eval_set, seed))
-        w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set)
+        w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set, args.w8a8_methods)
         bound = memory_bound(model, CalibrationOptions())
     if args.json:
         print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound}, indent=2))
@@ -251,7 +277,8 @@ def with_means(rows: list[dict]) -> list[dict]:
 
 def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
     mb = 1 / 2**20
-    title = f"quantization quality on {args.model} ({args.eval_set}, base perplexity {rows[0]['ppl_base']:.3f})"
+    base_ppl = f"{rows[0]['ppl_base']:.3f}" if rows else "-"
+    title = f"quantization quality on {args.model} ({args.eval_set}, base perplexity {base_ppl})"
     table = Table(title=title)
     columns = ("variant", "bits", "group", "perplexity", "Δppl %", "vs RTN", "mean KLD", "same top-1 %", "s", "peak MB")
     for column in columns:
@@ -279,9 +306,10 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
             "" if peak is None else f"{peak * mb:.1f}",
         )
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log keeps the whole table
-    console.print(table)
+    if rows:
+        console.print(table)
     if w8a8:
-        table = Table(title="W8A8 (int8 weights per channel, int8 activations per token)")
+        table = Table(title="W8A8 (8-bit weights per channel, 8-bit activations per token: int8, or FP8 E4M3 for *fp8)")
         for column in ("model", "method", "α", "Δppl %", "mean KLD", "same top-1 %", "s"):
             table.add_column(column, justify="left" if column in ("model", "method") else "right")
         for r in w8a8:

@@ -28,6 +28,7 @@ DTYPE_NAMES = {
     torch.bfloat16: "BF16",
     torch.float16: "F16",
     torch.int16: "I16",
+    torch.float8_e4m3fn: "F8_E4M3",  # FP8 W8A8 weights
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",

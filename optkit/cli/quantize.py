@@ -21,8 +21,12 @@ def quantize(
         list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")
     ] = None,
     format: Annotated[
-        str, typer.Option(help="Checkpoint format (the registered ones are listed below).")
-    ] = "compressed-tensors",
+        str | None,
+        typer.Option(
+            help="Checkpoint format (the registered ones are listed below) "
+            "[default: compressed-tensors; nf4: bitsandbytes]."
+        ),
+    ] = None,
     calib: Annotated[
         str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")
     ] = "calib",
@@ -35,6 +39,7 @@ def quantize(
     static_groups: Annotated[bool, typer.Option(help="GPTQ: fix group parameters before reordering.")] = False,
     alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "0.5",
     act_quant: Annotated[str, typer.Option(help="W8A8 activations: dynamic (per token) or static.")] = "dynamic",
+    double_quant: Annotated[bool, typer.Option(help="NF4: store the block scales in 8 bits (QLoRA).")] = False,
     device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")] = "auto",
     target_kld: Annotated[
         float | None,
@@ -70,9 +75,17 @@ def quantize(
     if fixed is not None and (
         bits not in (None, fixed.bits) or group_size not in (None, fixed.group_size) or symmetric != fixed.symmetric
     ):
-        raise OptkitError(f"--method {method} quantizes to int8 per output channel: drop --bits/--group-size/--asym")
+        raise OptkitError(f"--method {method} quantizes to {fixed.describe()}: drop --bits/--group-size/--asym")
     bits = bits if bits is not None else (fixed.bits if fixed else 4)
-    group_size = group_size if group_size is not None else (fixed.group_size if fixed else 128)
+    weights_stage = methods.resolve(method).weights
+    if format is None:  # the method's own format when it has one (nf4: bitsandbytes)
+        formats = weights_stage.formats if weights_stage is not None else None
+        format = formats[0] if formats else "compressed-tensors"
+    weight_type = fixed.type if fixed else weights_stage.weight_type if weights_stage else "int"
+    default_group = 64 if weight_type == "nf4" else 128  # bitsandbytes' NF4 block
+    group_size = group_size if group_size is not None else (fixed.group_size if fixed else default_group)
+    if double_quant and weight_type != "nf4":
+        raise OptkitError(f"--double-quant quantizes NF4's block scales: use it with --method nf4, not {method}")
     alpha_value: float | str = alpha
     if alpha != "auto":
         try:
@@ -102,7 +115,15 @@ def quantize(
         method=method,
         format=format,
         ignore=ignore or [],
-        weights=WeightScheme(bits=bits, group_size=group_size, symmetric=symmetric),
+        weights=_options(
+            WeightScheme,
+            {"group_size": "--group-size", "bits": "--bits"},
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            type=weight_type,
+            double_quant=double_quant,
+        ),
         gptq=gptq,
         calibration=CalibrationOptions(calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed),
         smoothquant=smoothquant,

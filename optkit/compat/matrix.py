@@ -22,14 +22,17 @@ LOADERS = (OPTKIT, TRANSFORMERS, GPTQMODEL, VLLM)
 class ArtifactKind:
     """What decides whether a loader can read an artifact (the method only changes the numbers)."""
 
-    format: str  # compressed-tensors | gptq | awq
+    format: str  # compressed-tensors | gptq | awq | bitsandbytes
     bits: int
     symmetric: bool
-    w8a8: bool = False  # int8 weights and activations (compressed-tensors int-quantized)
+    w8a8: bool = False  # 8-bit weights and activations (compressed-tensors int- or float-quantized)
+    type: str = "int"  # the weights' numbers: int, float (FP8 E4M3) or nf4
 
     def describe(self) -> str:
         if self.w8a8:
-            return f"{self.format} W8A8 int8"
+            return f"{self.format} W8A8 {'fp8' if self.type == 'float' else 'int8'}"
+        if self.type == "nf4":
+            return f"{self.format} nf4"
         return f"{self.format} w{self.bits} {'sym' if self.symmetric else 'asym'}"
 
 
@@ -144,7 +147,7 @@ def vllm_path(kind: ArtifactKind) -> str | None:
     """The vLLM loader that reads `kind` (by spec, optkit/compat/vllm_spec.py), or None."""
     if kind.format == "compressed-tensors":
         if kind.w8a8:
-            return "compressed-tensors W8A8Int8"
+            return "compressed-tensors W8A8Fp8" if kind.type == "float" else "compressed-tensors W8A8Int8"
         if kind.symmetric or kind.bits in (4, 8):
             return "compressed-tensors WNA16"
         return None  # WNA16 zero points: 4 and 8 bits only
@@ -152,6 +155,8 @@ def vllm_path(kind: ArtifactKind) -> str | None:
         return "GPTQ-Marlin" if kind.bits in (4, 8) and kind.symmetric else "GPTQ (exllama)"
     if kind.format == "awq":
         return "AWQ-Marlin" if kind.bits == 4 else None
+    if kind.format == "bitsandbytes":
+        return "bitsandbytes (pre-quantized 4-bit)"
     return None
 
 
@@ -161,6 +166,8 @@ def expected_status(kind: ArtifactKind, loader: str, versions: dict[str, str | N
     if loader == OPTKIT:
         return "loads"
     if loader == TRANSFORMERS:
+        if kind.format == "bitsandbytes":  # transformers reads it through the bitsandbytes package
+            return "loads" if installed_version("bitsandbytes") else "untested"
         if kind.format != "compressed-tensors":
             return "no"  # transformers reads GPTQ/AWQ only through gptqmodel
         return "fails" if known_breakages(kind, versions) else "loads"
@@ -180,8 +187,11 @@ def kind_from_quant_config(quant_config: dict) -> ArtifactKind:
             "compressed-tensors",
             weights["num_bits"],
             weights["symmetric"],
-            w8a8=quant_config.get("format") == "int-quantized",
+            w8a8=quant_config.get("format") in ("int-quantized", "float-quantized"),
+            type="float" if weights.get("type") == "float" else "int",
         )
+    if method == "bitsandbytes":
+        return ArtifactKind("bitsandbytes", 4, True, type=quant_config.get("bnb_4bit_quant_type", "nf4"))
     if method == "gptq":
         return ArtifactKind("gptq", quant_config["bits"], quant_config.get("sym", True))
     if method == "awq":

@@ -12,6 +12,13 @@ the release you deploy):
 - compressed-tensors W8A8: schemes/compressed_tensors_w8a8_int8.py, `CompressedTensorsW8A8Int8.
   create_weights`: weight int8 [out, in], weight_scale [out, 1] (channel), input_scale [1] for
   static per-tensor activations, none for dynamic per-token ones; symmetric activations only here.
+- compressed-tensors FP8 W8A8: schemes/compressed_tensors_w8a8_fp8.py, `CompressedTensorsW8A8Fp8.
+  create_weights`: weight float8_e4m3fn [out, in], weight_scale [out, 1] (ChannelQuantScaleParameter),
+  input_scale [1] (PerTensorScaleParameter) for static activations only.
+- bitsandbytes 4-bit, pre-quantized: model_loader/bitsandbytes_loader.py reads `weight` (uint8, the
+  packed nibbles, [out·in/2, 1]) with its `weight.absmax`, `weight.quant_map`,
+  `weight.quant_state.bitsandbytes__nf4` (and `nested_*` with double quantization) and config keys
+  quant_method "bitsandbytes", load_in_4bit, bnb_4bit_quant_type.
 - GPTQ: gptq_marlin.py `GPTQMarlinConfig` (TYPE_MAP: (4, sym), (8, sym); keys bits, group_size,
   desc_act, sym, lm_head) and `GPTQMarlinLinearMethod.create_weights`; other bit widths fall back
   to gptq.py `GPTQConfig` (bits 2, 3, 4, 8). qweight int32 [in·bits/32, out], g_idx int32 [in],
@@ -58,10 +65,23 @@ def _awq(out: int, inp: int, groups: int) -> Spec:
     }
 
 
-def _w8a8(out: int, inp: int, static: bool) -> Spec:
-    spec = {"weight": (torch.int8, (out, inp)), "weight_scale": (None, (out, 1))}
+def _w8a8(out: int, inp: int, static: bool, fp8: bool = False) -> Spec:
+    spec = {"weight": (torch.float8_e4m3fn if fp8 else torch.int8, (out, inp)), "weight_scale": (None, (out, 1))}
     if static:
         spec["input_scale"] = (None, (1,))
+    return spec
+
+
+def _bnb_nf4(out: int, inp: int, double_quant: bool, blocksize: int = 64) -> Spec:
+    spec: Spec = {
+        "weight": (torch.uint8, (out * inp // 2, 1)),
+        "weight.absmax": (torch.uint8 if double_quant else torch.float32, (out * inp // blocksize,)),
+        "weight.quant_map": (torch.float32, (16,)),
+        "weight.quant_state.bitsandbytes__nf4": (torch.uint8, ()),  # () here: any length
+    }
+    if double_quant:
+        spec["weight.nested_absmax"] = (torch.float32, ())
+        spec["weight.nested_quant_map"] = (torch.float32, (256,))
     return spec
 
 
@@ -69,6 +89,7 @@ REQUIRED_KEYS = {
     "compressed-tensors": ("config_groups", "format", "quantization_status"),
     "gptq": ("bits", "group_size", "desc_act", "sym"),
     "awq": ("bits", "group_size", "zero_point"),
+    "bitsandbytes": ("load_in_4bit", "bnb_4bit_quant_type"),
 }
 
 
@@ -77,9 +98,12 @@ def layer_spec(kind: ArtifactKind, quant_config: dict, out: int, inp: int) -> Sp
     if kind.format == "compressed-tensors":
         group = next(iter(quant_config["config_groups"].values()))
         if kind.w8a8:
-            return _w8a8(out, inp, static=not (group.get("input_activations") or {}).get("dynamic", True))
+            static = not (group.get("input_activations") or {}).get("dynamic", True)
+            return _w8a8(out, inp, static, fp8=kind.type == "float")
         group_size = group["weights"].get("group_size") or inp
         return _wna16(out, inp, kind.bits, inp // group_size, kind.symmetric)
+    if kind.format == "bitsandbytes":
+        return _bnb_nf4(out, inp, double_quant=bool(quant_config.get("bnb_4bit_use_double_quant")))
     group_size = quant_config["group_size"] if quant_config["group_size"] != -1 else inp
     if kind.format == "gptq":
         return _gptq(out, inp, kind.bits, inp // group_size)
@@ -106,7 +130,7 @@ def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict
             tensor = tensors.get(f"{name}.{suffix}")
             if tensor is None:
                 problems.append(f"{path}: {name}.{suffix} missing")
-            elif tuple(tensor.shape) != shape:
+            elif shape != () and tuple(tensor.shape) != shape:  # () : any length
                 problems.append(f"{path}: {name}.{suffix} has shape {tuple(tensor.shape)}, vLLM creates {shape}")
             elif dtype is not None and tensor.dtype != dtype or dtype is None and not tensor.is_floating_point():
                 problems.append(f"{path}: {name}.{suffix} is {tensor.dtype}, vLLM reads {dtype or 'a float'}")

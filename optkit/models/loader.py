@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from optkit.errors import OptkitError
+from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.w4a16 import W4A16Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
@@ -121,7 +122,8 @@ def _install_quantized(
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
             qw = fmt.decompress(prefix, tensors, schemes[prefix])
-            modules[prefix] = W4A16Linear.from_quantized(qw, None if bias is None else bias.to(dtype))
+            layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else W4A16Linear
+            modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     strays = sorted(set(modules) - linears)

@@ -111,9 +111,19 @@ class QuantizeOptions(BaseModel):
         fixed = composition.fixed_weights
         if fixed is not None and self.weights != fixed:
             raise ValueError(
-                f"{self.method} quantizes weights to int{fixed.bits} per output channel (bits {fixed.bits}, "
-                f"group_size {fixed.group_size}, {'symmetric' if fixed.symmetric else 'asymmetric'}): "
-                "leave the weight scheme at that"
+                f"{self.method} quantizes weights to {_fixed_words(fixed)} (bits {fixed.bits}, "
+                f"group_size {fixed.group_size}, {'symmetric' if fixed.symmetric else 'asymmetric'}"
+                f"{'' if fixed.type == 'int' else ', type ' + fixed.type}): leave the weight scheme at that"
+            )
+        weight_type = composition.weights.weight_type if composition.weights is not None else "int"
+        if fixed is None and self.weights.type != weight_type:
+            registered = methods.registered_methods().values()
+            writes = {m.name: (m.weight_type, getattr(m.fixed_weights, "type", None)) for m in registered}
+            writers = [name for name, types in writes.items() if self.weights.type in types]
+            raise ValueError(
+                f"method {self.method} writes weights.type {weight_type}, not {self.weights.type}"
+                f"{' (written by method ' + ' or '.join(writers) + ')' if writers else ''}: "
+                f"set weights.type {weight_type} or change the method"
             )
         for stage in composition.stages:
             if stage.bits is not None and self.weights.bits not in stage.bits:
@@ -154,6 +164,12 @@ class QuantizeOptions(BaseModel):
             if stage.act_order is not None:
                 return stage.act_order(self.section(stage))
         return False
+
+
+def _fixed_words(scheme: WeightScheme) -> str:
+    """How a fixed scheme reads in an error: "int8 per output channel", "fp8 e4m3 per output channel"."""
+    kind = {"int": f"int{scheme.bits}", "float": "fp8 e4m3", "nf4": "nf4"}[scheme.type]
+    return f"{kind} per output channel" if scheme.group_size == -1 else f"{kind} in blocks of {scheme.group_size}"
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,13 +1,16 @@
 """SmoothQuant W8A8 on one decoder layer: smooth the norm-fed groups (α fixed or searched on the
-block's output), then quantize every linear to int8 per output channel (RTN or GPTQ), with a
-calibrated per-tensor input scale when activations are static (the math is in smoothquant.py)."""
+block's output), then quantize every linear to int8 per output channel (RTN or GPTQ) or to FP8 E4M3
+per output channel (`weights="fp8"`, activations FP8 too), with a calibrated per-tensor input scale
+when activations are static (the math is in smoothquant.py and fp8.py)."""
 
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from optkit.kernels import fp8 as fp8_kernels
 from optkit.kernels.w8a8 import INT8_MAX
+from optkit.quant import fp8
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
 from optkit.quant.families import log_unsmoothable
@@ -61,8 +64,17 @@ def _input_absmax(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def smoothquant_procedure(
-    options: SmoothQuantOptions, weights: Literal["rtn", "gptq"] = "rtn", gptq_options: GPTQOptions = GPTQOptions()
+    options: SmoothQuantOptions,
+    weights: Literal["rtn", "gptq", "fp8"] = "rtn",
+    gptq_options: GPTQOptions = GPTQOptions(),
 ) -> LayerProcedure:
+    # what the α search emulates: the weights and activations the artifact will hold
+    if weights == "fp8":
+        fake_weight, fake_activations = fp8.fake_quantize_weight, fp8_kernels.fake_quantize_activations
+    else:
+        fake_weight, fake_activations = sq.fake_quantize_weight, sq.fake_quantize_activations
+    act_max = fp8_kernels.FP8_MAX if weights == "fp8" else INT8_MAX
+
     def search_alpha(work: LayerWork, linears: tuple[str, ...], block: str, act_absmax: torch.Tensor) -> float:
         """The α whose smoothing + W8A8 (emulated, unfolded) gives the block output closest to float."""
         x = capture_inputs(work, [linears[0]], options.search_samples)[linears[0]]
@@ -74,10 +86,9 @@ def smoothquant_procedure(
             alpha = step / options.alpha_grid
             s = sq.smoothing_scales(act_absmax, originals, alpha)
             for module, w in zip(modules, originals, strict=True):
-                module.weight.copy_(sq.fake_quantize_weight(w * s) / s)
+                module.weight.copy_(fake_weight(w * s) / s)
             handles = [
-                m.register_forward_pre_hook(lambda _, a, s=s: (sq.fake_quantize_activations(a[0] / s) * s,))
-                for m in modules
+                m.register_forward_pre_hook(lambda _, a, s=s: (fake_activations(a[0] / s) * s,)) for m in modules
             ]
             loss = block_error(work, block, x, reference)
             for handle in handles:
@@ -127,10 +138,12 @@ def smoothquant_procedure(
                         name=full_name,
                     )
                     qw, stats["loss"] = result.weight, result.loss
+                elif weights == "fp8":
+                    qw = fp8.fp8_quantize(weight, fp8.FP8_PER_CHANNEL, SCALE_DTYPE)
                 else:
                     qw = rtn_quantize(weight, sq.W8_PER_CHANNEL, SCALE_DTYPE)
                 if name in absmax:
-                    qw.input_scale = (absmax[name].max() / INT8_MAX).clamp(min=1e-12).reshape(1).cpu()
+                    qw.input_scale = (absmax[name].max() / act_max).clamp(min=1e-12).reshape(1).cpu()
                 stats.update(weight_error(weight.cpu(), qw.dequantize()))
                 set_quantized(work, name, qw)
                 results[name] = (qw, stats)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optkit.weights.codebooks import nf4_code
 from optkit.weights.schemes import WeightScheme
 
 
@@ -23,7 +24,15 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if getattr(self.scheme, "type", "int") == "nf4":  # q indexes the NF4 code book, scale is the block's absmax
+            return dequantize_codebook(self.q, self.scale, nf4_code()).to(dtype)
         return dequantize(self.q, self.scale, self.zero_point, self.g_idx, self.scheme.qmin).to(dtype)
+
+
+def dequantize_codebook(q: torch.Tensor, scale: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Ŵ[o, i] = code[q[o, i]] · s[o, i // group_size], in float32 [out, in] (NF4: q in 0..15)."""
+    values = code.to(q.device)[q.long()]
+    return (grouped(values, q.shape[1] // scale.shape[1]) * scale.float().unsqueeze(-1)).reshape(q.shape)
 
 
 def grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """What a quantization scheme is: bits, group size, symmetry. Field names are the recipe keys."""
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optkit.errors import OptkitError
 
@@ -12,6 +14,9 @@ class WeightScheme(BaseModel):
 
     group_size -1 means one group per output channel. Integers are signed, as compressed-tensors
     stores them: q in [-2^(bits-1), 2^(bits-1) - 1], w ≈ (q - zero_point) * scale.
+    type "float": q is float8_e4m3fn (FP8, 8 bits per output channel), w ≈ q * scale.
+    type "nf4": q is an index 0..15 into the NormalFloat code book (weights/codebooks.py), w ≈ NF4[q] * absmax
+    of its block of `group_size` columns. Written only when not "int", so integer schemes dump as before.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -19,6 +24,8 @@ class WeightScheme(BaseModel):
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
+    type: Literal["int", "float", "nf4"] = Field("int", exclude_if=lambda t: t == "int")
+    double_quant: bool = Field(False, exclude_if=lambda d: not d)  # nf4: block scales stored in 8 bits
 
     @field_validator("bits")
     @classmethod
@@ -33,6 +40,16 @@ class WeightScheme(BaseModel):
         if group_size != -1 and group_size <= 0:
             raise ValueError(f"group_size must be positive or -1 (per channel), got {group_size}")
         return group_size
+
+    @model_validator(mode="after")
+    def _type_fits(self):
+        if self.type == "float" and (self.bits, self.group_size, self.symmetric) != (8, -1, True):
+            raise ValueError("type float (FP8 E4M3) is 8 bits per output channel, symmetric: bits 8, group_size -1")
+        if self.type == "nf4" and (self.bits != 4 or not self.symmetric or self.group_size == -1):
+            raise ValueError("type nf4 is 4 bits, symmetric (absmax), in blocks: bits 4 and a positive group_size")
+        if self.double_quant and self.type != "nf4":
+            raise ValueError("double_quant quantizes NF4's block scales: use it with type nf4")
+        return self
 
     @property
     def qmin(self) -> int:
@@ -56,4 +73,8 @@ class WeightScheme(BaseModel):
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
+        if self.type == "float":
+            return f"fp8 e4m3 {group}"
+        if self.type == "nf4":
+            return f"nf4 {group}{' double-quant' if self.double_quant else ''}"
         return f"w{self.bits} {group} {'sym' if self.symmetric else 'asym'}"

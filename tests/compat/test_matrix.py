@@ -18,6 +18,7 @@ from optkit.compat.transformers_load import check_transformers_load
 from optkit.compat.vllm_spec import check_vllm_spec
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.fp8 import FP8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
@@ -43,13 +44,14 @@ def _cells():
         yield pytest.param(
             "smoothquant", "compressed-tensors", 8, True, activations, id=f"smoothquant-w8a8-{activations}"
         )
+        yield pytest.param("fp8", "compressed-tensors", 8, True, activations, id=f"fp8-w8a8-{activations}")
 
 
 def _quantize(model_dir: Path, out: Path, method: str, fmt: str, bits: int, symmetric: bool, activations: str) -> Path:
-    if method == "smoothquant":
+    if method in ("smoothquant", "fp8"):
         options = QuantizeOptions(
             method=method,
-            weights=W8_PER_CHANNEL,
+            weights=W8_PER_CHANNEL if method == "smoothquant" else FP8_PER_CHANNEL,
             calibration=CALIB,
             smoothquant=SmoothQuantOptions(activations=activations),
         )
@@ -95,6 +97,7 @@ def check_cell(path: Path, kind: ArtifactKind, row: str, method: str, record) ->
         "bits": kind.bits,
         "symmetric": kind.symmetric,
         "w8a8": kind.w8a8,
+        "type": kind.type,
         "versions": versions,
     }
     # optkit's runtime and transformers both: the check loads the runtime model as its reference
@@ -163,7 +166,7 @@ def check_cell(path: Path, kind: ArtifactKind, row: str, method: str, record) ->
 @pytest.mark.parametrize(("method", "fmt", "bits", "symmetric", "activations"), list(_cells()))
 def test_artifact_loads_where_the_matrix_says(tmp_path, draft_dir, record, method, fmt, bits, symmetric, activations):
     path = _quantize(draft_dir, tmp_path / "artifact", method, fmt, bits, symmetric, activations)
-    kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
+    kind = _kind(method, fmt, bits, symmetric)
     check_cell(
         path, kind, "draft (llama, trained)", method if activations == "none" else f"{method} ({activations})", record
     )
@@ -175,7 +178,13 @@ FAMILY_CELLS = {
     "gptq-w4": ("gptq", "gptq", 4, True),
     "awq-w4-asym": ("awq", "awq", 4, False),
     "w8a8": ("smoothquant", "compressed-tensors", 8, True),
+    "fp8": ("fp8", "compressed-tensors", 8, True),
 }
+
+
+def _kind(method: str, fmt: str, bits: int, symmetric: bool) -> ArtifactKind:
+    w8a8 = method in ("smoothquant", "fp8")
+    return ArtifactKind(fmt, bits, symmetric, w8a8=w8a8, type="float" if method == "fp8" else "int")
 
 
 def _family_cells():
@@ -186,7 +195,7 @@ def _family_cells():
 
 @pytest.mark.parametrize(("family", "method", "fmt", "bits", "symmetric"), list(_family_cells()))
 def test_every_family_loads_where_the_matrix_says(tmp_path, family_dir, record, family, method, fmt, bits, symmetric):
-    activations = "dynamic" if method == "smoothquant" else "none"
+    activations = "dynamic" if method in ("smoothquant", "fp8") else "none"
     path = _quantize(family_dir(family), tmp_path / "artifact", method, fmt, bits, symmetric, activations)
-    kind = ArtifactKind(fmt, bits, symmetric, w8a8=method == "smoothquant")
+    kind = _kind(method, fmt, bits, symmetric)
     check_cell(path, kind, f"{family} (tiny, random)", method, record)

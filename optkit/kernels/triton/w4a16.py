@@ -35,10 +35,13 @@ MAGIC = 8388608.0  # 2^23: float32 whose low mantissa bits hold a small integer 
 
 
 @triton.jit
-def _dequantize(words, shifts, s, zf, WIDTH: tl.constexpr, SIGNED: tl.constexpr):
+def _dequantize(words, shifts, s, zf, code_ptr, WIDTH: tl.constexpr, SIGNED: tl.constexpr, CODEBOOK: tl.constexpr):
     """Fields of `words` at `shifts` (broadcast against each other) -> Ŵ float32 = (q - z) · s,
-    with zf = 2^23 + qoffset + z and s broadcastable to the result."""
+    with zf = 2^23 + qoffset + z and s broadcastable to the result; or, for a code book (NF4),
+    Ŵ = code[field] · s (a gather from a 16-entry table that stays in L1)."""
     fields = (words >> shifts) & ((1 << WIDTH) - 1)
+    if CODEBOOK:
+        return tl.load(code_ptr + fields) * s
     if SIGNED:  # int8 storage: two's complement byte -> offset binary (u = q + 128)
         fields = fields ^ 0x80
     return ((fields | 0x4B000000).to(tl.float32, bitcast=True) - zf) * s
@@ -65,9 +68,10 @@ def _store_or_partial(out_ptr, part_ptr, bias_ptr, y, rows, n, M, N, stride_om, 
 
 @triton.jit
 def _gemv_kernel(
-    out_ptr, part_ptr, x_ptr, qw_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr,
+    out_ptr, part_ptr, x_ptr, qw_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr, code_ptr,
     M, N, K, stride_xm, stride_om, stride_qn, stride_sn, zf_offset,
-    GROUP_SIZE: tl.constexpr, WIDTH: tl.constexpr, SIGNED: tl.constexpr, TILE_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, WIDTH: tl.constexpr, SIGNED: tl.constexpr, CODEBOOK: tl.constexpr,
+    TILE_GROUPS: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):  # fmt: skip
@@ -93,7 +97,7 @@ def _gemv_kernel(
             cols = word_cols + j
             x_cols = tl.load(perm_ptr + cols, mask=cols < K, other=0) if HAS_PERM else cols
             x = tl.load(x_ptr + m * stride_xm + x_cols, mask=cols < K, other=0.0).to(tl.float32)
-            acc += _dequantize(q, j * WIDTH, s, zf, WIDTH, SIGNED) * x[None, :]
+            acc += _dequantize(q, j * WIDTH, s, zf, code_ptr, WIDTH, SIGNED, CODEBOOK) * x[None, :]
     y = tl.sum(acc, 1)
     rows = m + tl.arange(0, 1)
     _store_or_partial(out_ptr, part_ptr, bias_ptr, y[None, :], rows, n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT_K)
@@ -101,9 +105,10 @@ def _gemv_kernel(
 
 @triton.jit
 def _mm_kernel(
-    out_ptr, part_ptr, x_ptr, qw_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr,
+    out_ptr, part_ptr, x_ptr, qw_ptr, scale_ptr, zero_ptr, perm_ptr, bias_ptr, code_ptr,
     M, N, K, stride_xm, stride_om, stride_qn, stride_sn, zf_offset,
-    GROUP_SIZE: tl.constexpr, WIDTH: tl.constexpr, SIGNED: tl.constexpr, TILE_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, WIDTH: tl.constexpr, SIGNED: tl.constexpr, CODEBOOK: tl.constexpr,
+    TILE_GROUPS: tl.constexpr,
     HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_KW: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -133,7 +138,7 @@ def _mm_kernel(
             s, zf = _group_params(scale_ptr, zero_ptr, offs, w_mask, zf_offset)
             s, zf = s[:, None, :], zf[:, None, :]
         # [KW, PW, BN], reshaped so that row w·PW + j is column k0 + w·PW + j
-        w = _dequantize(q[:, None, :], shifts, s, zf, WIDTH, SIGNED)
+        w = _dequantize(q[:, None, :], shifts, s, zf, code_ptr, WIDTH, SIGNED, CODEBOOK)
         w = tl.reshape(w, [BLOCK_K, BLOCK_N]).to(x.dtype)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     _store_or_partial(out_ptr, part_ptr, bias_ptr, acc, rows, n, M, N, stride_om, pid_k, HAS_BIAS, SPLIT_K)
@@ -164,11 +169,16 @@ class PackedWeight:
     width: int  # field width: 2, 4 or 8 (int8 bytes)
     in_features: int
     group_size: int
+    codebook: torch.Tensor | None = None  # float32 [2^bits]: Ŵ = codebook[field] · s (NF4), no zero point
 
 
-def pack_layer(qweight, scale, zero_point, bits: int, in_features: int, g_idx=None) -> PackedWeight | str:
-    """The kernels' view of a W4A16Linear's buffers, or why the kernels cannot take it."""
+def pack_layer(
+    qweight, scale, zero_point, bits: int, in_features: int, g_idx=None, codebook=None
+) -> PackedWeight | str:
+    """The kernels' view of a W4A16Linear's (or an NF4Linear's) buffers, or why the kernels cannot take it."""
     width, groups = field_bits(bits), scale.shape[1]
+    if codebook is not None and (g_idx is not None or width != 4):
+        return "a code book over 4-bit fields in contiguous groups only"
     if in_features % groups:
         return f"{in_features} columns in {groups} groups"
     group_size, per_word = in_features // groups, 32 // width
@@ -196,7 +206,7 @@ def pack_layer(qweight, scale, zero_point, bits: int, in_features: int, g_idx=No
         qweight = qweight.view(torch.int32)  # the layer's own int8 storage, four columns a word
     return PackedWeight(
         qweight.contiguous(), scale.contiguous(), zero_point.to(torch.int8).contiguous(), perm, bits, width,
-        in_features, group_size,
+        in_features, group_size, None if codebook is None else codebook.float().contiguous(),
     )  # fmt: skip
 
 
@@ -207,14 +217,17 @@ def _signed_int_weight(qweight: torch.Tensor, bits: int, in_features: int) -> to
 
 def packed_for(layer) -> PackedWeight | None:
     """`pack_layer` of a W4A16Linear, cached on the layer until its buffers change (None: use the reference)."""
-    buffers = (layer.qweight, layer.scale, layer.zero_point, layer.g_idx)
+    codebook = getattr(layer, "codebook", None)  # NF4Linear's code book
+    buffers = (layer.qweight, layer.scale, layer.zero_point, layer.g_idx, codebook)
     # inference tensors have no version counter (they cannot change outside inference mode)
     key = tuple(
         None if t is None else (t.data_ptr(), t.device, None if t.is_inference() else t._version) for t in buffers
     )
     cached = layer.__dict__.get("_triton_packed")
     if cached is None or cached[0] != key:
-        packed = pack_layer(layer.qweight, layer.scale, layer.zero_point, layer.bits, layer.in_features, layer.g_idx)
+        packed = pack_layer(
+            layer.qweight, layer.scale, layer.zero_point, layer.bits, layer.in_features, layer.g_idx, codebook
+        )
         cached = (key, packed if isinstance(packed, PackedWeight) else None)
         layer.__dict__["_triton_packed"] = cached
     return cached[1]
@@ -266,11 +279,13 @@ def w4a16_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
     args = (
         out, part, x2, packed.qweight, packed.scale, packed.zero_point,
         packed.qweight if packed.perm is None else packed.perm, out if bias is None else bias,
+        packed.scale if packed.codebook is None else packed.codebook,
         num_rows, n, k, x2.stride(0), out.stride(0), packed.qweight.stride(0), packed.scale.stride(0),
         MAGIC + (128 if packed.width == 8 else 1 << (packed.bits - 1)),  # zf = 2^23 + qoffset (+ z in-kernel)
     )  # fmt: skip
     flags = {
         "GROUP_SIZE": packed.group_size, "WIDTH": packed.width, "SIGNED": packed.width == 8,
+        "CODEBOOK": packed.codebook is not None,
         "HAS_PERM": packed.perm is not None, "HAS_BIAS": bias is not None and split == 1,
     }  # fmt: skip
     if "BLOCK_M" in config:

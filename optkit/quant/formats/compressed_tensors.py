@@ -11,6 +11,8 @@ W8A8 ("int-quantized", int8 weights and int8 activations) stores instead:
   P.weight             int8 [out, in]
   P.weight_scale       [out, 1]                           per output channel, symmetric
   P.input_scale        [1]                                static activations only (else per token at run time)
+FP8 W8A8 ("float-quantized", E4M3 weights and activations, the layout vLLM serves on Hopper) stores the
+same three tensors with P.weight float8_e4m3fn.
 Packing uses the compressed-tensors library itself, so the bits are exactly what it reads.
 """
 
@@ -27,6 +29,7 @@ from optkit.weights.schemes import WeightScheme
 NAME = "compressed-tensors"
 FORMAT = "pack-quantized"
 W8A8_FORMAT = "int-quantized"
+FP8_FORMAT = "float-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 MARKER = "weight_packed"  # the suffix that marks a quantized linear
 
@@ -38,7 +41,9 @@ def detect(quant_config: dict) -> bool:
 def check(
     scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
 ) -> None:
-    """Any bits from 1 to 8 and any group size fit; act-order only with static groups."""
+    """Any bits from 1 to 8 and any group size fit; act-order only with static groups; no NF4."""
+    if scheme.type == "nf4":
+        raise OptkitError("compressed-tensors has no NF4 layout: use --format bitsandbytes")
     if act_order == "group":
         raise OptkitError(
             "compressed-tensors no longer stores g_idx, which --act-order needs unless groups are "
@@ -55,9 +60,10 @@ def quantization_config(
     changed but groups stay contiguous, so the checkpoint needs no g_idx).
     activations: None (weight-only), "dynamic" (int8 per token) or "static" (int8 per tensor).
     """
+    number_type = "float" if scheme.type == "float" else "int"
     args = QuantizationArgs(
         num_bits=scheme.bits,
-        type="int",
+        type=number_type,
         symmetric=scheme.symmetric,
         strategy="channel" if scheme.group_size == -1 else "group",
         group_size=None if scheme.group_size == -1 else scheme.group_size,
@@ -67,14 +73,14 @@ def quantization_config(
     if activations is not None:
         input_args = QuantizationArgs(
             num_bits=8,
-            type="int",
+            type=number_type,
             symmetric=True,
             dynamic=activations == "dynamic",
             strategy="token" if activations == "dynamic" else "tensor",
         )
     config = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args, input_activations=input_args)},
-        format=FORMAT if activations is None else W8A8_FORMAT,
+        format=FORMAT if activations is None else FP8_FORMAT if number_type == "float" else W8A8_FORMAT,
         quantization_status="compressed",
         ignore=ignore,
     )
@@ -88,7 +94,7 @@ def quantization_config(
 
 def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors that stand for one quantized linear layer in the checkpoint."""
-    if activations is not None:  # W8A8: plain int8, scales per output channel
+    if activations is not None:  # W8A8: plain int8 (or float8_e4m3fn), scales per output channel
         tensors = {f"{prefix}.weight": qw.q.contiguous(), f"{prefix}.weight_scale": qw.scale.contiguous()}
         if qw.input_scale is not None:
             tensors[f"{prefix}.input_scale"] = qw.input_scale.to(qw.scale.dtype).reshape(1)
@@ -122,18 +128,23 @@ def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightSche
 
 
 def is_w8a8(quant_config: dict) -> bool:
-    return quant_config.get("format") == W8A8_FORMAT
+    """int8 (int-quantized) or FP8 (float-quantized) weights and activations."""
+    return quant_config.get("format") in (W8A8_FORMAT, FP8_FORMAT)
 
 
 def w8a8_modules(tensors: dict[str, torch.Tensor], quant_config: dict) -> dict[str, torch.nn.Module]:
-    """module path -> W8A8Linear for every int8 layer of a W8A8 checkpoint."""
+    """module path -> W8A8Linear for every int8 layer of a W8A8 checkpoint, FP8Linear for every
+    float8_e4m3fn layer of an FP8 one."""
+    from optkit.kernels.fp8 import FP8_DTYPE, FP8Linear
     from optkit.kernels.w8a8 import W8A8Linear
 
     prefixes = [
-        k.removesuffix(".weight") for k, v in tensors.items() if k.endswith(".weight") and v.dtype == torch.int8
+        k.removesuffix(".weight")
+        for k, v in tensors.items()
+        if k.endswith(".weight") and v.dtype in (torch.int8, FP8_DTYPE)
     ]
     return {
-        p: W8A8Linear(
+        p: (FP8Linear if tensors[f"{p}.weight"].dtype == FP8_DTYPE else W8A8Linear)(
             tensors[f"{p}.weight"],
             tensors[f"{p}.weight_scale"],
             tensors.get(f"{p}.bias"),
@@ -147,7 +158,9 @@ def scheme_from_config(quant_config: dict) -> WeightScheme:
     """Our scheme from a compressed-tensors `quantization_config` with one weight-only group."""
     groups = list(quant_config["config_groups"].values())
     if len(groups) != 1 or quant_config.get("format") != FORMAT:
-        raise OptkitError("optkit reads single-group pack-quantized or int-quantized compressed-tensors checkpoints")
+        raise OptkitError(
+            "optkit reads single-group pack-quantized, int-quantized or float-quantized compressed-tensors checkpoints"
+        )
     weights = groups[0]["weights"]
     return WeightScheme(
         bits=weights["num_bits"],

@@ -39,7 +39,8 @@ class Method:
     weights stages that may follow and `implies` those it already amounts to on its own.
     act_order(section) tells the format how columns are ordered (False, "group" or "weight");
     unused(section) is the error to raise when the section asks for something while the method is
-    not part of the run (GPTQ's act_order with --method rtn)."""
+    not part of the run (GPTQ's act_order with --method rtn). weight_type: the WeightScheme.type the
+    method writes when its scheme is not fixed (nf4: any block size, optional double quantization)."""
 
     name: str
     summary: str
@@ -56,6 +57,7 @@ class Method:
     implies: tuple[str, ...] = ()
     act_order: Callable[[Any], bool | str] | None = None
     unused: Callable[[Any], str | None] | None = None
+    weight_type: str = "int"  # the scheme type it writes (WeightScheme.type): "nf4" for the NF4 method
 
     def __post_init__(self):
         assert (self.procedure is None) != (self.quantize_weight is None) or self.stage == "smoothing", self.name
@@ -64,7 +66,7 @@ class Method:
 
 
 _REGISTRY: dict[str, Method] = {}
-_BUILTIN = ("rtn", "gptq", "awq", "w8a8", "smoothquant")  # registration order is --help's order
+_BUILTIN = ("rtn", "gptq", "awq", "w8a8", "fp8", "nf4", "smoothquant")  # registration order is --help's order
 _load_builtin = import_once(__name__, _BUILTIN)
 
 
@@ -131,7 +133,8 @@ class Composition:
 
     @property
     def fixed_weights(self) -> WeightScheme | None:
-        return next((s.fixed_weights for s in self.stages if s.fixed_weights is not None), None)
+        """The weights stage's fixed scheme (smoothquant+fp8: FP8), else the smoothing stage's."""
+        return next((s.fixed_weights for s in reversed(self.stages) if s.fixed_weights is not None), None)
 
     def uses(self, name: str) -> bool:
         return any(s.name == name for s in self.stages)
@@ -175,7 +178,8 @@ def compose(stages: Iterable[str]) -> Composition:
             )
         if weights and weights[0] not in first.then + first.implies:
             raise ValueError(
-                f"stage {weights[0]!r} cannot follow {first.name!r}: use {' or '.join(first.then)} for the int8 weights"
+                f"stage {weights[0]!r} cannot follow {first.name!r}: "
+                f"use {' or '.join(first.then)} for the 8-bit weights"
             )
     return Composition(tuple(sorted(found, key=lambda m: m.stage != "smoothing")))
 

@@ -1,5 +1,6 @@
 """SmoothQuant: move activation outliers into the weights, then W8A8; the int8 weights are
-rounded (alone, or followed by rtn/w8a8) or GPTQ-quantized (`[smoothquant, gptq]`)."""
+rounded (alone, or followed by rtn/w8a8) or GPTQ-quantized (`[smoothquant, gptq]`), or the
+weights and activations are FP8 (`[smoothquant, fp8]`: the weights stage's scheme wins)."""
 
 from optkit.quant.methods import Method, register_method
 from optkit.quant.smoothquant import W8_PER_CHANNEL
@@ -7,7 +8,7 @@ from optkit.quant.smoothquant_layer import SmoothQuantOptions, smoothquant_proce
 
 
 def _procedure(options, then):
-    weights = "gptq" if then is not None and then.name == "gptq" else "rtn"
+    weights = then.name if then is not None and then.name in ("gptq", "fp8") else "rtn"
     return smoothquant_procedure(options.smoothquant, weights, options.gptq)
 
 
@@ -20,7 +21,7 @@ SMOOTHQUANT = register_method(
         procedure=_procedure,
         fixed_weights=W8_PER_CHANNEL,
         activations=lambda options: options.smoothquant.activations,
-        then=("gptq", "rtn"),
+        then=("gptq", "rtn", "fp8"),
         implies=("rtn", "w8a8"),
     )
 )

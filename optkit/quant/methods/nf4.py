@@ -1,0 +1,17 @@
+"""NF4: 4-bit NormalFloat weights with blockwise absmax (block 64 by default), no calibration, written
+in bitsandbytes' serialization (`--format bitsandbytes`); `--double-quant` stores the block scales in
+8 bits (QLoRA's double quantization). The math is in quant/nf4.py."""
+
+from optkit.quant.methods import Method, register_method
+from optkit.quant.nf4 import nf4_quantize
+
+NF4 = register_method(
+    Method(
+        name="nf4",
+        summary="4-bit NormalFloat, blockwise absmax, no calibration (bitsandbytes format)",
+        quantize_weight=nf4_quantize,
+        weight_type="nf4",
+        bits=(4,),
+        formats=("bitsandbytes",),
+    )
+)
