@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optkit.errors import OptkitError
+from optkit.models.moe import DENSE_TWINS, MoEConfig, dense_twin, moe_fields
 from optkit.quant.families import model_types
 
 MODEL_TYPES = model_types(runtime=True)  # the families of quant/families/ that this runtime runs
@@ -103,6 +104,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     # RoPE of the sliding layers where it differs from the full ones (Gemma 3's local base)
     local_rope_parameters: dict | None = None
+    moe: MoEConfig | None = None  # mixtral, qwen2_moe, qwen3_moe: the experts (models/moe.py)
     eos_token_ids: list[int] = field(default_factory=list)
     # standardized as transformers does: always rope_type and rope_theta, plus the type's own keys
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": _DEFAULT_THETA})
@@ -124,6 +126,8 @@ class ModelConfig:
             config = {**text, "model_type": "gemma3", "eos_token_id": eos}
         if model_type in _GEMMA_DEFAULTS or model_type == "gemma3":
             config = {**_GEMMA_DEFAULTS["gemma2" if model_type == "gemma2" else "gemma3_text"], **config}
+        if model_type in DENSE_TWINS and model_type in MODEL_TYPES:  # the dense twin's fields, and the experts
+            return cls(**{**vars(cls.from_hf(dense_twin(config), generation_config)), **moe_fields(config)})
         if model_type not in MODEL_TYPES:
             raise OptkitError(
                 f"model_type {model_type!r} is not supported by the runtime: it runs {', '.join(MODEL_TYPES)}"

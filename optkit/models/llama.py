@@ -12,6 +12,7 @@ from torch import nn
 
 from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from optkit.models.config import SLIDING, ModelConfig
+from optkit.models.moe import SparseMoE
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, Hkv, D]
 
@@ -143,7 +144,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(config)
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(config)
-        self.mlp = MLP(config)
+        sparse = config.moe is not None and layer in config.moe.sparse_layers
+        self.mlp = SparseMoE(config.hidden_size, config.moe) if sparse else MLP(config)
         if config.post_norms or config.sandwich_norms:
             self.post_feedforward_layernorm = make_norm(config)
 

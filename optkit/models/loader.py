@@ -68,7 +68,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
     """The checkpoint's tensors under the runtime's names: its family's renames (Gemma 3's
     language_model.model.* -> model.*), without the parts the runtime leaves out (said in one line)."""
     family = family_for(model_type)
-    if not family.runtime_renames and family.outside_runtime is None:
+    if not family.runtime_renames and family.outside_runtime is None and not family.checkpoint_renames:
         return tensors
     prefixes, reason = family.outside_runtime or ((), "")
     left_out = sorted({p for key in tensors for p in prefixes if key.startswith(p)})
@@ -82,7 +82,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
             if key.startswith(stored):
                 key = runtime + key.removeprefix(stored)
                 break
-        view[key] = tensor
+        view[family.module_name(key)] = tensor  # Mixtral's block_sparse_moe -> mlp
     return view
 
 
