@@ -94,6 +94,12 @@ class W8A8Linear(torch.nn.Module):
         if self.weight_t.device.type == "cpu" and self.weight_t.stride(0) != 1:
             self.weight_t = self.weight_t.t().contiguous().t()
 
+    def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
+        """The path `forward` takes on `device`, in words."""
+        if torch.device(device).type == "cpu":
+            return "torch._int_mm (oneDNN int8), weight column-major"
+        return "triton int8 matmul" if triton_kernels.use_triton(self.weight_t) else "torch._int_mm"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu" and self.weight_t.stride(0) != 1:
             self.prepare()

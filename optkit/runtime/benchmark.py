@@ -208,14 +208,20 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
         for base in rows:
             if base["batch_size"] == row["batch_size"] and base["run"] != "optkit" and row["run"] == "optkit":
                 row[f"vs {base['run']}"] = row["tokens_per_s"] / base["tokens_per_s"]
+    prompt = random_prompts(vocab, 1, config.prompt_len, config.seed)[0]
+    eager = engine.runner.graphs is None  # a replayed CUDA graph never calls forward: no split to measure
+    overhead = step_overhead(engine, prompt, steps=config.gen_len - 1) if config.gen_len > 1 and eager else None
     result = {
         "model": str(model),
+        "kernels": layer_kernels(engine.model, config.device),
+        "step_overhead": overhead,
         "device": config.device,
         "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
         "dtype": config.dtype,
         "prompt_len": config.prompt_len,
         "gen_len": config.gen_len,
         "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "cuda_graphs": engine.cuda_graphs_note,
         "rows": rows,
     }
@@ -227,3 +233,49 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
             if row["batch_size"] == 1:
                 row["fraction_of_ceiling"] = row["tokens_per_s"] / ceiling
     return result
+
+
+def step_overhead(engine: LLMEngine, prompt: list[int], steps: int = 100) -> dict:
+    """The engine's own time per decode step (scheduling, packing, metadata, sampling, outputs): wall
+    time of `engine.step()` minus the time inside the model (its forward and the logits), median
+    over `steps` decode steps of one request."""
+    model = engine.model
+    inside: list[float] = []
+
+    def timed(method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside.append(time.perf_counter() - start)
+
+        return run
+
+    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    try:
+        params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+        engine.add_request(prompt, params, f"overhead-{id(prompt)}")
+        engine.step()  # the prefill
+        walls, models = [], []
+        while engine.has_unfinished():
+            inside.clear()
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+            models.append(sum(inside))
+    finally:
+        del model.forward, model.compute_logits  # back to the class's methods
+    overheads = [w - m for w, m in zip(walls, models, strict=True)]
+    step, overhead = statistics.median(walls), statistics.median(overheads)
+    return {"step_s": step, "overhead_s": overhead, "overhead_share": overhead / step, "steps": len(walls)}
+
+
+def layer_kernels(model: torch.nn.Module, device: str, rows: int = 1) -> dict[str, int]:
+    """How many quantized layers take each kernel for `rows` rows of input (1: a decode step)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if hasattr(module, "kernel_for"):
+            name = f"{type(module).__name__}: {module.kernel_for(device, rows)}"
+            counts[name] = counts.get(name, 0) + 1
+    return counts

@@ -1,0 +1,30 @@
+"""`optkit bench` says which kernel each quantized layer takes, the engine's own share of a decode
+step, and runs on the threads `--threads` asks for."""
+
+import json
+
+import torch
+
+
+def test_bench_names_kernels_step_overhead_and_threads(run_cli, draft_w2):
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run_cli(
+            "bench", str(draft_w2), "--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "6",
+            "--device", "cpu", "--threads", "1", "--json",
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["threads"] == 1
+    kernels = result["kernels"]
+    assert sum(kernels.values()) == 7 * 2  # every quantized linear of draft's 2 layers, each named once
+    assert any("cpu-int4" in name for name in kernels), kernels
+    overhead = result["step_overhead"]
+    assert overhead["steps"] == 5 and 0 < overhead["overhead_s"] < overhead["step_s"]
+
+
+def test_bench_refuses_zero_threads(run_cli, draft_dir):
+    code, _, err = run_cli("bench", str(draft_dir), "--threads", "0")
+    assert code == 2 and "--threads" in err
