@@ -32,6 +32,7 @@ def bench(
     dtype: Dtype = None,
     enforce_eager: EnforceEager = None,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
+    threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for torch (default: all it sees).")] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Output tokens/s, TTFT and TPOT p50/p95/p99 of the engine, the baselines at the same batch
@@ -41,10 +42,12 @@ def bench(
     """
     import sys
 
+    from optkit.devices import set_cpu_threads
     from optkit.errors import OptkitError
     from optkit.runtime.benchmark import BASELINES, BenchConfig, run_benchmark
     from optkit.runtime.engine_args import EngineArgs
 
+    set_cpu_threads(threads)
     unknown = sorted(set(baseline or []) - set(BASELINES))
     if unknown:
         raise OptkitError(f"unknown --baseline {unknown[0]!r}: choose {' or '.join(BASELINES)}")
@@ -92,6 +95,14 @@ def show(result: dict) -> None:
             cells.append(f"{row['fraction_of_ceiling']:.0%}" if "fraction_of_ceiling" in row else "")
         table.add_row(*cells)
     print_table(table)
+    for kernel, count in result.get("kernels", {}).items():
+        console().print(f"{count} layers: {kernel}")
+    if result.get("step_overhead"):
+        o = result["step_overhead"]
+        console().print(
+            f"engine overhead per decode step (batch 1): {o['overhead_s'] * 1e3:.2f} ms of {o['step_s'] * 1e3:.2f} ms "
+            f"({o['overhead_share']:.1%}), median of {o['steps']} steps"
+        )
     if "ceiling" in result:
         c = result["ceiling"]
         console().print(
