@@ -121,6 +121,8 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
         metrics["task_acc_base"] = base_accuracy
         metrics["task_acc_artifact"] = accuracy(artifact_model, encoded, pad_id)
         metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
+    if gguf_file:
+        artifact_model.close()
     return GateResult(
         artifact=str(artifact_dir),
         baseline=str(baseline_dir),

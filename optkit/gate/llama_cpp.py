@@ -43,8 +43,12 @@ class LlamaCppModel:
         return self.llm.n_vocab()
 
     def tokenize(self, text: str, add_bos: bool = False) -> list[int]:
-        """llama.cpp's own token ids for `text` (special tokens are not parsed from the text)."""
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
+        """llama.cpp's own token ids for `text`, special tokens in the text parsed as transformers does."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context now (not in a destructor at interpreter exit)."""
+        self.llm.close()
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor) -> SimpleNamespace:

@@ -6,23 +6,33 @@ import json
 import gguf
 import pytest
 import torch
-from optkit.modeldir import read_tensors
+
+from optkit.errors import OptkitError
+from optkit.modeldir import BUNDLED_DIR, read_tensors
 from optkit.quant.formats import gguf as gguf_format
 from optkit.quant.formats.gguf_metadata import gguf_name
 from optkit.quant.formats.gguf_read import read_file, write_model_dir
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.rtn import rtn_quantize
 from optkit.weights.schemes import WeightScheme
-from tests.tiny_families import save_tiny_family
+from tests.tiny_families import FAMILIES, save_tiny_family
 
-SMALL_DIR = __import__("optkit.modeldir", fromlist=["BUNDLED_DIR"]).BUNDLED_DIR / "small"
+SMALL_DIR = BUNDLED_DIR / "small"
 TYPES = {"Q4_0": (4, True), "Q4_1": (4, False), "Q8_0": (8, True)}
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {name: save_tiny_family(name, root / name, SMALL_DIR) for name in ("llama", "mistral", "qwen2", "qwen3")}
+    models = {name: save_tiny_family(name, root / name, SMALL_DIR) for name in ("llama", "mistral", "qwen2", "qwen3")}
+    models["qwen3-biases"] = models.pop("qwen3")
+    biased = FAMILIES["qwen3"]
+    FAMILIES["qwen3"] = {**biased, "attention_bias": False}  # as Qwen3 ships (llama.cpp has no place for them)
+    try:
+        models["qwen3"] = save_tiny_family("qwen3", root / "qwen3-no-biases", SMALL_DIR)
+    finally:
+        FAMILIES["qwen3"] = biased
+    return models
 
 
 def _quantize(model, out, bits=4, sym=True, method="rtn"):
@@ -54,6 +64,12 @@ def test_gguf_holds_exactly_the_rtn_weights_in_the_schemes_block_type(tiny, tmp_
     assert not list(tmp_path.glob(".*")), "the staging directory and temporary file are gone"
 
 
+def test_a_qwen3_with_attention_biases_llama_cpp_cannot_load_is_refused(tiny, tmp_path):
+    with pytest.raises(OptkitError, match="Qwen3 has no attention biases"):
+        _quantize(tiny["qwen3-biases"], tmp_path / "qwen3.gguf")
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("family,arch", [("mistral", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_each_family_is_written_as_llama_cpps_converter_names_it(tiny, tmp_path, family, arch):
     out = tmp_path / f"{family}.gguf"
@@ -75,7 +91,9 @@ def test_each_family_is_written_as_llama_cpps_converter_names_it(tiny, tmp_path,
     runtime_dir = write_model_dir(out, tmp_path / "back")
     assert json.loads((runtime_dir / "config.json").read_text())["model_type"] == config["model_type"]
     if family == "qwen3":
-        assert "model.layers.0.self_attn.q_norm.weight" in state and "model.layers.0.self_attn.q_proj.bias" in state
+        assert "model.layers.0.self_attn.q_norm.weight" in state and "model.layers.0.self_attn.q_proj.bias" not in state
+    if family == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in state
 
 
 def test_tokenizer_and_chat_template_are_written_as_the_converter_does(tmp_path):
