@@ -31,6 +31,19 @@ FAMILIES = {
         logits_scaling=0.125,  # below 1: sharper logits, so that a KLD gate means something
     ),
     "olmo2": dict(model_type="olmo2", num_key_value_heads=4),  # no GQA: AWQ's v → o fold applies
+    # Phi-3.5: fused qkv_proj / gate_up_proj, LongRoPE whose original context (64) the test prompts pass
+    "phi3": dict(
+        model_type="phi3",
+        pad_token_id=None,
+        eos_token_id=2,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 1e4,
+            "short_factor": [1.0 + 0.1 * i for i in range(16)],
+            "long_factor": [1.0 + 2.0 * i for i in range(16)],
+        },
+    ),
     # mixtures of experts: 4 experts, 2 per token; Qwen2-MoE with a shared expert and a dense layer
     # (mlp_only_layers), Qwen3-MoE with renormalized top-k weights
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),

@@ -87,6 +87,7 @@ def runtime_logits(path: Path, sequences: list[list[int]]) -> list[torch.Tensor]
     model = load_runtime_model(path)
     block_size, out = 16, []
     for seq in sequences:
+        model.set_context_limit(len(seq))  # LongRoPE's factors, chosen by the length as transformers does
         blocks = math.ceil(len(seq) / block_size)
         caches = allocate_kv_caches(model.config, blocks, block_size, torch.float32)
         meta = AttentionMetadata.build([len(seq)], [len(seq)], [list(range(blocks))], list(range(len(seq))), "cpu")

@@ -2,7 +2,8 @@
 
 Supported: model_type llama, mistral, qwen2, qwen3 (qwen3 adds an RMSNorm on each query and key
 head), granite (Llama with embedding, residual, attention and logit multipliers) and olmo2 (norms on
-each sublayer's output instead of its input, RMSNorms over the whole q and k). RoPE frequencies
+each sublayer's output instead of its input, RMSNorms over the whole q and k) and phi3 (Llama with
+fused qkv_proj and gate_up_proj, LongRoPE, partial rotary factor: models/phi3.py). RoPE frequencies
 follow transformers' `modeling_rope_utils` formula for formula, so positions rotate exactly as in
 the transformers model.
 """
@@ -17,7 +18,7 @@ from optkit.models.moe import DENSE_TWINS, MoEConfig, dense_twin, moe_fields
 from optkit.quant.families import model_types
 
 MODEL_TYPES = model_types(runtime=True)  # the families of quant/families/ that this runtime runs
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # transformers' defaults, for keys a config.json may leave out
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048,
@@ -26,6 +27,7 @@ _DEFAULT_MAX_POSITIONS = {
     "qwen3": 32768,
     "granite": 2048,
     "olmo2": 2048,
+    "phi3": 4096,
     "gemma2": 8192,
     "gemma3_text": 131072,
 }
@@ -178,15 +180,23 @@ class ModelConfig:
             fields["rope_parameters"] = standardize_rope(config, max_positions)
         return cls(**fields)
 
-    def rope_frequencies(self) -> tuple[torch.Tensor, float]:
-        """(inv_freq float32 [head_dim / 2] on the CPU, attention scaling of cos and sin)."""
-        return rope_frequencies(self.rope_parameters, self.head_dim, self.max_position_embeddings)
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that RoPE rotates (all but with partial_rotary_factor)."""
+        return int(self.head_dim * self.rope_parameters.get("partial_rotary_factor", 1.0))
+
+    def rope_frequencies(self, context_len: int | None = None) -> tuple[torch.Tensor, float]:
+        """(inv_freq float32 [rotary_dim / 2] on the CPU, attention scaling of cos and sin), for
+        sequences of up to `context_len` tokens (default max_position_embeddings; LongRoPE's factors
+        depend on it)."""
+        context_len = context_len or self.max_position_embeddings
+        return rope_frequencies(self.rope_parameters, self.rotary_dim, self.max_position_embeddings, context_len)
 
     def local_rope_frequencies(self) -> tuple[torch.Tensor, float]:
         """rope_frequencies of the sliding layers (Gemma 3's local base; the same elsewhere)."""
         if self.local_rope_parameters is None:
             return self.rope_frequencies()
-        return rope_frequencies(self.local_rope_parameters, self.head_dim, self.max_position_embeddings)
+        return rope_frequencies(self.local_rope_parameters, self.rotary_dim, self.max_position_embeddings)
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends to every position before it)."""
@@ -261,8 +271,8 @@ def _gemma_rope(config: dict, max_positions: int) -> dict:
 def _sliding_window(config: dict, model_type: str) -> dict:
     """Mistral's window (every layer slides); refuse the windows of the others (not implemented)."""
     max_positions = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
-    if model_type == "mistral":
-        window = config.get("sliding_window", 4096)
+    if model_type in ("mistral", "phi3"):  # every layer slides (Phi3Config: only where config.json sets a window)
+        window = config.get("sliding_window", 4096 if model_type == "mistral" else None)
         return {"sliding_window": window} if window is not None and window < max_positions else {}
     if model_type in ("qwen2", "qwen3"):  # a window only with use_sliding_window, on some layers
         window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
@@ -299,13 +309,20 @@ def standardize_rope(config: dict, max_positions: int) -> dict:
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", config.get("rope_theta", _DEFAULT_THETA))
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise OptkitError(f"partial_rotary_factor {partial} is not supported: the runtime rotates whole heads")
+    if not 0 < partial <= 1:
+        raise OptkitError(f"partial_rotary_factor {partial} is not in (0, 1]: fix config.json")
+    if partial != 1.0:  # Phi-4 mini: RoPE on the first head_dim · partial dimensions (ModelConfig.rotary_dim)
+        rope["partial_rotary_factor"] = partial
+    if config.get("model_type") == "phi3" and rope["rope_type"] in ("su", "yarn"):
+        rope["rope_type"] = "longrope"  # Phi3Config's reading of older Phi-3 configs
     if rope["rope_type"] not in ROPE_TYPES:
         raise OptkitError(
             f"rope_type {rope['rope_type']!r} is not supported: the runtime implements {', '.join(ROPE_TYPES)}"
         )
-    if rope["rope_type"] in ("llama3", "yarn"):
+    missing = [k for k in ("short_factor", "long_factor") if rope["rope_type"] == "longrope" and k not in rope]
+    if missing:
+        raise OptkitError(f"rope_type 'longrope' without {' and '.join(missing)}: fix rope_scaling in config.json")
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope["original_max_position_embeddings"] = config.get(
             "original_max_position_embeddings", rope.get("original_max_position_embeddings", max_positions)
         )
@@ -317,9 +334,12 @@ def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
 
 
-def rope_frequencies(rope: dict, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """inv_freq [head_dim / 2] and the attention scaling of cos/sin for standardized `rope`."""
-    rope_type, theta, dim = rope["rope_type"], rope["rope_theta"], head_dim
+def rope_frequencies(
+    rope: dict, dim: int, max_positions: int, context_len: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """inv_freq [dim / 2] and the attention scaling of cos/sin for standardized `rope`, where `dim` is
+    the rotary dimension (head_dim · partial_rotary_factor), for sequences of up to `context_len`."""
+    rope_type, theta = rope["rope_type"], rope["rope_theta"]
     if rope_type == "default":
         return _base_inv_freq(theta, dim), 1.0
     if rope_type == "linear":  # positions divided by `factor`, the same as dividing inv_freq
@@ -332,6 +352,8 @@ def rope_frequencies(rope: dict, head_dim: int, max_positions: int) -> tuple[tor
         return _base_inv_freq(theta, dim), 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(rope, theta, dim), 1.0
+    if rope_type == "longrope":
+        return _longrope_frequencies(rope, theta, dim, max_positions, context_len or max_positions)
     assert rope_type == "yarn", rope_type  # standardize_rope refused the rest
     return _yarn_frequencies(rope, theta, dim, max_positions)
 
@@ -384,3 +406,25 @@ def _yarn_frequencies(rope: dict, theta: float, dim: int, max_positions: int) ->
     extrapolation_factor = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
     return inv_freq, attention_factor
+
+
+def _longrope_frequencies(
+    rope: dict, theta: float, dim: int, max_positions: int, context_len: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): inv_freq[i] = 1 / (ext[i] · theta^(2i / dim)), ext = long_factor for sequences
+    longer than original_max_position_embeddings, short_factor otherwise (transformers chooses by
+    the forward's max position + 1; the runtime by its context limit: docs/runtime.md); cos and sin
+    scaled by √(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original."""
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_positions / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(rope["long_factor" if context_len > original else "short_factor"], device="cpu")
+    if ext.shape != (dim // 2,):
+        raise OptkitError(
+            f"LongRoPE factors have {ext.numel()} entries but the rotary dimension {dim} needs {dim // 2}: "
+            "fix rope_scaling in config.json"
+        )
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext * theta**shape), attention_factor

@@ -69,7 +69,11 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by its position; the "rotate half" pairing (i, i + D/2) of HF Llama."""
+    """x [T, H, D] rotated by its position; the "rotate half" pairing (i, i + R/2) of HF Llama over the
+    first R = cos.shape[-1] dimensions of each head (R < D: partial rotary, the rest passes through)."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -93,16 +97,20 @@ class Attention(nn.Module):
         elif config.qk_norm == "full":  # over the whole projected q and k, before the split into heads
             self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
 
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, hidden] -> q [T, Hq·D], k and v [T, Hkv·D] (models/phi3.py: from one fused linear)."""
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
-        q, k = self.q_proj(h), self.k_proj(h)  # q: [T, Hq·D], k: [T, Hkv·D]
+        q, k, v = self.project(h)  # q: [T, Hq·D], k, v: [T, Hkv·D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # q: [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # k, v: [T, Hkv, D]
-        v = self.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -193,6 +201,11 @@ class CausalLM(nn.Module):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def set_context_limit(self, max_model_len: int) -> None:
+        """RoPE for sequences of up to `max_model_len` tokens (LongRoPE chooses its factors by it)."""
+        inv_freq, self.attention_scaling = self.config.rope_frequencies(max_model_len)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
 
     def forward(
         self,

@@ -87,6 +87,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise OptkitError(f"--max-model-len {config.max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = config.max_model_len or limit
+        self.model.set_context_limit(self.max_model_len)  # LongRoPE's factors follow it (docs/runtime.md)
         num_blocks = config.kv_cache_blocks or _default_num_blocks(
             config, self.max_model_len, kv_bytes_per_block(self.model, config.block_size)
         )

@@ -58,6 +58,12 @@ ARCHITECTURES = {
     ),
     "olmo2-post-norms-qk-norms": dict(model_type="olmo2", attention_bias=True),
     "olmo2-mha-tied": dict(model_type="olmo2", num_key_value_heads=4, tie_word_embeddings=True),
+    # fused qkv_proj / gate_up_proj; LongRoPE past its original context is in tests/models/test_phi3.py
+    "phi3-fused-mha": dict(model_type="phi3", num_key_value_heads=4, pad_token_id=None),
+    "phi3-mini-4k-sliding-window": dict(model_type="phi3", sliding_window=12, pad_token_id=None),
+    "phi3-partial-rotary-gqa-tied": dict(
+        model_type="phi3", partial_rotary_factor=0.5, tie_word_embeddings=True, pad_token_id=None
+    ),
 }
 
 

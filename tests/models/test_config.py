@@ -69,8 +69,10 @@ def test_eos_tokens_merge_the_generation_config():
 def test_user_errors_name_the_setting():
     with pytest.raises(OptkitError, match="'gpt2'"):
         ModelConfig.from_hf({"model_type": "gpt2", **BASE})
-    with pytest.raises(OptkitError, match="'longrope'"):
+    with pytest.raises(OptkitError, match="'longrope' without short_factor and long_factor"):
         ModelConfig.from_hf(llama(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}))
+    with pytest.raises(OptkitError, match="'su'"):  # LongRoPE's old name, read as longrope by Phi-3 only
+        ModelConfig.from_hf(llama(rope_parameters={"rope_type": "su", "rope_theta": 1e4}))
     with pytest.raises(OptkitError, match="hidden_size"):
         ModelConfig.from_hf({"model_type": "llama", "vocab_size": 8})
     with pytest.raises(OptkitError, match="num_key_value_heads"):

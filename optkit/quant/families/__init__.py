@@ -130,7 +130,7 @@ def log_unsmoothable(family: Family, method: str) -> None:
 
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
-_BUILTIN = ("llama", "granite", "olmo2", "gemma", "mixtral", "qwen_moe")
+_BUILTIN = ("llama", "granite", "olmo2", "phi3", "gemma", "mixtral", "qwen_moe")
 _load_builtin = import_once(__name__, _BUILTIN)
 
 
