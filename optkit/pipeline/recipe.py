@@ -79,13 +79,19 @@ class Recipe(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _compile_runs_in_optkit(self):
-        """A format run by an outside runtime (GGUF: llama.cpp) has nothing for `optkit compile` to warm."""
+    def _stages_an_outside_runtime_can_take(self):
+        """A format run by an outside runtime (GGUF: llama.cpp) has nothing for `optkit compile` to
+        warm, and the gate's repair rewrites artifact directories layer by layer (not a GGUF file)."""
         outside = getattr(get_format(self.quantize.format), "runtime", None)
         if self.compile is not None and outside is not None:
             raise ValueError(
                 f"compile warms optkit's runtime, and a {self.quantize.format} release runs in {outside}: "
                 "drop the compile section"
+            )
+        if getattr(self.gate, "repair", None) is not None and outside is not None:
+            raise ValueError(
+                f"gate.repair rewrites artifact directories, not a {self.quantize.format} file: "
+                "drop gate.repair or quantize to another format"
             )
         return self
 

@@ -32,3 +32,9 @@ def test_a_gguf_recipe_with_a_compile_section_names_it(run_cli, tmp_path, draft_
     recipe = write_recipe(tmp_path, draft_dir, quantize=GGUF, compile={"batch_sizes": [1]})
     assert_user_error(run_cli("run", recipe), "compile", "runs in llama.cpp", "drop the compile section")
     assert not (tmp_path / "release").exists()
+
+
+def test_a_gguf_recipe_with_gate_repair_names_it(run_cli, tmp_path, draft_dir):
+    recipe = write_recipe(tmp_path, draft_dir, quantize=GGUF, gate={"max_kld": 0.05, "repair": {}})
+    assert_user_error(run_cli("run", recipe), "gate.repair", "not a gguf file")
+    assert not (tmp_path / "release").exists()
