@@ -71,10 +71,11 @@ class W4A16Linear(torch.nn.Module):
         or why the kernel cannot take it."""
         if not cpu_int4.available():
             return "OPTKIT_CPU_INT4=0 or no int4 kernel in this torch"
-        buffers = (self.qweight, self.scale, self.zero_point, self.g_idx)
+        b = self._buffers  # not Module.__getattr__: this runs at every call, the key must cost ~1 µs
         # inference tensors have no version counter (they cannot change outside inference mode)
         key = tuple(
-            None if t is None else (t.data_ptr(), t.device, None if t.is_inference() else t._version) for t in buffers
+            None if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
+            for t in (b["qweight"], b["scale"], b["zero_point"], b["g_idx"])
         )
         cached = self.__dict__.get("_cpu_int4")
         if cached is None or cached[0] != key:
