@@ -18,6 +18,19 @@ TINY = dict(
     max_position_embeddings=256,
     initializer_range=0.05,
 )
+GEMMA3_TEXT = dict(
+    head_dim=32,
+    sliding_window=16,
+    query_pre_attn_scalar=32,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)
+GEMMA3_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 FAMILIES = {
     "llama": dict(model_type="llama"),
     "mistral": dict(model_type="mistral", sliding_window=None),
@@ -44,6 +57,19 @@ FAMILIES = {
             "long_factor": [1.0 + 2.0 * i for i in range(16)],
         },
     ),
+    # Gemma: windows of 16 (< the 64-token calibration samples and the test prompts) on the sliding
+    # layers, soft-caps that bind (scores ~±0.3 against 0.5, logits ~±0.6 against 1), Gemma 3's local
+    # RoPE base; gemma3 is Gemma3ForConditionalGeneration (a SigLIP vision tower beside the same text)
+    "gemma2": dict(
+        model_type="gemma2",
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=32,
+        attn_logit_softcapping=0.5,
+        final_logit_softcapping=1.0,
+    ),
+    "gemma3_text": dict(model_type="gemma3_text", **GEMMA3_TEXT),
+    "gemma3": dict(model_type="gemma3", **GEMMA3_TEXT),
     # mixtures of experts: 4 experts, 2 per token; Qwen2-MoE with a shared expert and a dense layer
     # (mlp_only_layers), Qwen3-MoE with renormalized top-k weights
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
@@ -73,7 +99,12 @@ def save_tiny_family(name: str, out: Path, tokenizer_dir: Path) -> Path:
 
     torch.manual_seed(0)
     spec = dict(FAMILIES[name])
-    config = AutoConfig.for_model(spec.pop("model_type"), **{**TINY, **spec})
+    model_type = spec.pop("model_type")
+    if model_type == "gemma3":  # the text model inside Gemma3ForConditionalGeneration
+        text = {**TINY, **spec, "model_type": "gemma3_text"}
+        config = AutoConfig.for_model(model_type, text_config=text, vision_config=GEMMA3_VISION, mm_tokens_per_image=4)
+    else:
+        config = AutoConfig.for_model(model_type, **{**TINY, **spec})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for key, param in model.named_parameters():

@@ -112,7 +112,10 @@ def check_transformers_load(
     model, problems = load_transformers(path, **kwargs)
     if model is None:
         return LoadCheck(False, problems)
-    sequences = sequences or sample_sequences(config["vocab_size"])
+    if sequences is None:  # the vocabulary as the runtime reads it (Gemma 3 keeps it in text_config)
+        from optkit.models.config import ModelConfig
+
+        sequences = sample_sequences(ModelConfig.from_hf(config).vocab_size)
     quant_config = config.get("quantization_config", {})
     w8a8 = quant_config.get("format") in ("int-quantized", "float-quantized")
     if rtol is None and quant_config.get("quant_method") == "bitsandbytes":

@@ -10,6 +10,7 @@ awq_layer.py, smoothquant_layer.py); each layer's results are handed to the call
 layer is done, so that they can be written out instead of accumulating.
 """
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -91,9 +92,15 @@ class LayerStream:
 
         self.config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
-        self.prefix = skeleton.base_model_prefix  # "model"
+            try:
+                skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+            except ValueError:  # Gemma 2: transformers has no SDPA path with soft-capping
+                skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager")
         self.decoder = skeleton.get_decoder()
+        # the decoder's module name: "model", or "model.language_model" (Gemma 3 with its vision tower)
+        self.prefix = next(name for name, module in skeleton.named_modules() if module is self.decoder)
+        self.text_config = self.decoder.config
+        self._layer_inputs: dict[tuple[str | None, int], tuple] = {}
         self.family = family_for(self.config.model_type)
         if self.family.moe is not None:  # per-expert linears in place of transformers' fused experts
             unfuse_experts(self.decoder.layers, self.family, self.config.to_dict(), moe_calibration)
@@ -112,7 +119,7 @@ class LayerStream:
 
         Rows are looked up in the stored dtype and widened sample by sample into the cache,
         so no fp32 copy of the embedding matrix is made (widening is exact)."""
-        weight = self.reader.get(f"{self.prefix}.embed_tokens.weight")  # [vocab, hidden]
+        weight = self.reader.get(self.family.checkpoint_name(f"{self.prefix}.embed_tokens.weight"))  # [vocab, hidden]
         hidden = torch.empty(*tokens.shape, weight.shape[1], dtype=torch.float32)
         for sample, ids in zip(hidden, tokens, strict=True):
             sample.copy_(torch.nn.functional.embedding(ids, weight))
@@ -121,15 +128,39 @@ class LayerStream:
             hidden.mul_(scale(self.config))
         return hidden
 
-    def position_embeddings(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rotary = type(self.decoder.rotary_emb)(self.config).to(self.device)
+    def position_embeddings(self, seq_len: int, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..seq_len-1 (of the layer type's RoPE: Gemma 3's local base)."""
+        rotary = type(self.decoder.rotary_emb)(self.text_config).to(self.device)
         positions = torch.arange(seq_len, device=self.device)[None]
-        cos, sin = rotary(torch.zeros(1, device=self.device), positions)
+        by_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        x = torch.zeros(1, device=self.device)
+        cos, sin = rotary(x, positions, layer_type) if by_type else rotary(x, positions)
         return cos.float(), sin.float()
+
+    def layer_inputs(self, index: int, seq_len: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        """The RoPE cos/sin and the attention mask decoder layer `index` takes for a sample: the mask
+        is None (causal SDPA) unless the layer has a sliding window shorter than the sample or runs
+        eager attention (Gemma 2), then an additive [1, 1, L, L] float32 mask."""
+        layer_types = getattr(self.text_config, "layer_types", None)
+        layer_type = layer_types[index] if layer_types else None
+        key = (layer_type, seq_len)
+        if key not in self._layer_inputs:
+            window = getattr(self.text_config, "sliding_window", None) if layer_type == "sliding_attention" else None
+            window = window if window is not None and window < seq_len else None
+            mask = None
+            if window is not None or self.text_config._attn_implementation == "eager":
+                position = torch.arange(seq_len, device=self.device)
+                seen = position[None, :] <= position[:, None]  # query i sees keys j <= i ...
+                if window is not None:
+                    seen &= position[None, :] > position[:, None] - window  # ... and j > i - window
+                mask = torch.zeros(seq_len, seq_len, device=self.device)
+                mask = mask.masked_fill(~seen, torch.finfo(torch.float32).min)[None, None]
+            self._layer_inputs[key] = (self.position_embeddings(seq_len, layer_type), mask)
+        return self._layer_inputs[key]
 
     def load_layer(self, index: int) -> torch.nn.Module:
         layer = self.decoder.layers[index].to_empty(device=self.device)
-        stored = self.reader.get_prefixed(f"{self.layer_name(index)}.")
+        stored = self.reader.get_prefixed(self.family.checkpoint_name(f"{self.layer_name(index)}."))
         layer.load_state_dict({self.family.module_name(k): v for k, v in stored.items()}, strict=True)
         return layer.float()
 
@@ -160,9 +191,11 @@ class LayerWork:
     # experts' linears: the fewest calibration tokens their statistics may come from (else RTN)
     min_tokens: dict[str, int] = field(default_factory=dict)
     tokens_seen: dict[str, int] = field(default_factory=dict)  # by capture_hessians, per linear
+    # additive [1, 1, L, L] mask where the layer needs one (LayerStream.layer_inputs); None: causal
+    attention_mask: torch.Tensor | None = None
 
     def forward(self, samples: torch.Tensor) -> torch.Tensor:
-        out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=None)
+        out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=self.attention_mask)
         return out[0] if isinstance(out, tuple) else out
 
     def run_until_seen(
@@ -204,13 +237,14 @@ def run_layer(
     rope: tuple[torch.Tensor, torch.Tensor],
     batch_size: int,
     device: torch.device,
+    attention_mask: torch.Tensor | None = None,
 ) -> None:
     """Replace every cached sample ([N, L, hidden], CPU) by the layer's output for it.
 
     Samples are independent, so one cache serves as both input and output of a layer."""
     for start in range(0, hidden.shape[0], batch_size):
         batch = hidden[start : start + batch_size]
-        out = layer(batch.to(device), position_embeddings=rope, attention_mask=None)
+        out = layer(batch.to(device), position_embeddings=rope, attention_mask=attention_mask)
         out = out[0] if isinstance(out, tuple) else out
         if not torch.isfinite(out).all():
             raise OptkitError(
@@ -343,7 +377,6 @@ def calibrate_layerwise(
     family = stream.family
     with torch.inference_mode():
         hidden = stream.embed(tokens)
-        rope = stream.position_embeddings(tokens.shape[1])
     with progress_bar() as bar:
         task = bar.add_task(label, total=len(targets), info="")
         for index in range(stream.num_layers):
@@ -355,10 +388,24 @@ def calibrate_layerwise(
 
             with torch.inference_mode():
                 layer = stream.load_layer(index)
+                rope, mask = stream.layer_inputs(index, tokens.shape[1])
                 local_targets = {
-                    family.module_name(t).removeprefix(f"{prefix}.") for t in targets if t.startswith(f"{prefix}.")
+                    family.module_name(t).removeprefix(f"{prefix}.")
+                    for t in targets
+                    if family.module_name(t).startswith(f"{prefix}.")
                 }
-                work = LayerWork(layer, prefix, hidden, rope, batch_size, device, local_targets, report, family=family)
+                work = LayerWork(
+                    layer,
+                    prefix,
+                    hidden,
+                    rope,
+                    batch_size,
+                    device,
+                    local_targets,
+                    report,
+                    family=family,
+                    attention_mask=mask,
+                )
                 work.min_tokens = expert_min_tokens(layer, family, local_targets, moe_min_tokens)
                 quantized = procedure(work)
                 result = LayerResult(
@@ -370,7 +417,7 @@ def calibrate_layerwise(
                         result.updated[key] = value.detach().to("cpu", copy=True)
                 for block in calibration_modules(layer):
                     block.routed_tokens.zero_()
-                run_layer(prefix, layer, hidden, rope, batch_size, device)
+                run_layer(prefix, layer, hidden, rope, batch_size, device, attention_mask=mask)
                 record_routed_tokens(layer, quantized)
                 stream.release_layer(index)
             yield result

@@ -134,6 +134,7 @@ def _block_outputs(work: LayerWork, block: str, x: torch.Tensor):
     for start in range(0, x.shape[0], work.batch_size):
         chunk = x[start : start + work.batch_size]
         if block.endswith("self_attn"):
-            yield start, module(hidden_states=chunk, position_embeddings=work.rope, attention_mask=None)[0]
+            out = module(hidden_states=chunk, position_embeddings=work.rope, attention_mask=work.attention_mask)
+            yield start, out[0]
         else:
             yield start, module(chunk)

@@ -36,7 +36,13 @@ from optkit.quant.calibrate import CalibrationOptions, LayerResult, calibrate_la
 from optkit.quant.formats import format_names, get_format
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
-from optkit.quant.targets import LinearTarget, decoder_linears, full_precision_gates, select_targets
+from optkit.quant.targets import (
+    LinearTarget,
+    decoder_linears,
+    full_precision_gates,
+    outside_decoder_linears,
+    select_targets,
+)
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 from optkit.weights.schemes import WeightScheme
 
@@ -229,7 +235,7 @@ def quantize_model(
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights,
             options.act_order,
-            ignored + full_precision_gates(hf_config) + ["lm_head"],
+            ignored + full_precision_gates(hf_config) + outside_decoder_linears(hf_config),
             options.activations,
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")

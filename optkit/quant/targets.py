@@ -29,11 +29,13 @@ def decoder_linears(config) -> list[LinearTarget]:
     if family.moe is not None:
         unfuse_experts(model.get_decoder().layers, family, config.to_dict())
     gates = set(full_precision_gates(config))
+    # the decoder's layers only: not a vision tower's (Gemma 3's SigLIP also has `layers`)
+    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
     return [
         LinearTarget(family.checkpoint_name(name), module.in_features, module.out_features)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear)
-        and ".layers." in f".{name}."
+        and name.startswith(f"{decoder}.layers.")
         and family.checkpoint_name(name) not in gates
     ]
 
@@ -47,6 +49,18 @@ def full_precision_gates(config) -> list[str]:
     prefix = "model.layers"
     sparse = [i for i in range(config.num_hidden_layers) if family.moe.is_sparse(config.to_dict(), i)]
     return [family.checkpoint_name(f"{prefix}.{i}.{gate}") for i in sparse for gate in family.moe.full_precision]
+
+
+def outside_decoder_linears(config) -> list[str]:
+    """The linears outside the decoder's layers, as transformers names its modules: lm_head, and a
+    multimodal model's vision tower and projector (Gemma 3), which stay in full precision."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [n for n in linears if not n.startswith(f"{decoder}.layers.")] or ["lm_head"]
 
 
 def select_targets(linears: list[LinearTarget], ignore: list[str]) -> tuple[list[LinearTarget], list[str]]:

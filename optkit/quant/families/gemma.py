@@ -59,6 +59,8 @@ GEMMA3_MULTIMODAL = register_family(
             **GEMMA_LAYOUT.__dict__,
             "name": "gemma3-multimodal",
             "model_types": ("gemma3",),
+            # transformers' modules are model.language_model.*, the checkpoint's language_model.model.*
+            "checkpoint_renames": ((".language_model.model.", ".model.language_model."),),
             "runtime_renames": (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
             "outside_runtime": (
                 ("vision_tower.", "multi_modal_projector."),
