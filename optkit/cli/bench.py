@@ -4,7 +4,16 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import Device, Dtype, EnforceEager, JsonFlag, console, print_json, print_table
+from optkit.cli.options import (
+    Device,
+    Dtype,
+    EnforceEager,
+    JsonFlag,
+    console,
+    print_json,
+    print_table,
+    require_supported,
+)
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -42,6 +51,7 @@ def bench(
     """
     import sys
 
+    require_supported(model, runtime=True)
     from optkit.devices import set_cpu_threads
     from optkit.errors import OptkitError
     from optkit.runtime.benchmark import BASELINES, BenchConfig, run_benchmark

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import Device, Dtype, JsonFlag, TorchCompile, console, print_json
+from optkit.cli.options import Device, Dtype, JsonFlag, TorchCompile, console, print_json, require_supported
 
 
 def compile_(
@@ -26,6 +26,7 @@ def compile_(
     """
     import sys
 
+    require_supported(model, runtime=True)
     from optkit.cli.bench import parse_batch_sizes
     from optkit.errors import OptkitError
     from optkit.runtime.engine_args import EngineArgs

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import EvalSet, JsonFlag, SeqLen, print_json, print_table
+from optkit.cli.options import EvalSet, JsonFlag, SeqLen, print_json, print_table, require_supported
 
 
 def eval_(
@@ -51,6 +51,7 @@ def eval_(
 
     Example: optkit eval out/small-w4 --baseline small --attribute  (which layers cause the KLD)
     """
+    require_supported(artifact, baseline, runtime=True)
     from optkit.artifacts import check_writable_dir
     from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate

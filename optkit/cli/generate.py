@@ -16,6 +16,7 @@ from optkit.cli.options import (
     Speculative,
     console,
     print_json,
+    require_supported,
 )
 
 SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "speculative"}
@@ -48,6 +49,7 @@ def generate(
     Example: optkit generate out/small-w4 --prompts prompts.jsonl --json
     Example: optkit generate small "def f(x):" --speculative draft:draft --num-speculative-tokens 4
     """
+    require_supported(model, runtime=True)
     from optkit.errors import OptkitError
     from optkit.runtime.engine import LLMEngine
     from optkit.runtime.engine_args import EngineArgs

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json, print_table
+from optkit.cli.options import JsonFlag, console, print_json, print_table, require_supported
 
 
 def inspect(
@@ -15,6 +15,7 @@ def inspect(
 
     Example: optkit inspect out/small-w4 --json
     """
+    require_supported(artifact)
     from rich.table import Table
 
     from optkit.errors import OptkitError

@@ -59,6 +59,16 @@ TorchCompile = Annotated[
 ]
 
 
+def require_supported(*models: str | None, runtime: bool = False) -> None:
+    """Refuse a model whose config.json names a model_type no family supports (`runtime`: that the
+    runtime does not run), in one line and before anything heavy is imported (quant/supported.py)."""
+    from optkit.quant.supported import require_supported as require
+
+    for model in models:
+        if model:
+            require(model, runtime=runtime)
+
+
 def console():
     """stdout for people: a plain line is never wrapped, so paths and verdicts stay whole on one
     line for whoever reads them, at any terminal width (the terminal may fold it on screen)."""

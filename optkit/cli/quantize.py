@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json
+from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json, require_supported
 
 
 def quantize(
@@ -60,6 +60,7 @@ def quantize(
 
     Example: optkit quantize small --method smoothquant --alpha auto --out out/w8a8
     """
+    require_supported(model)
     from optkit.errors import OptkitError
     from optkit.quant import methods
     from optkit.quant.calibrate import CalibrationOptions

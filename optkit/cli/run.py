@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json, print_table
+from optkit.cli.options import JsonFlag, console, print_json, print_table, require_supported
 
 
 def run(
@@ -23,6 +23,7 @@ def run(
 
     Example: optkit run recipes/small-gptq-w4.yaml --set gate.max_kld=0.005
     """
+    require_supported(_recipe_model(recipe, set_ or []))
     from rich.table import Table
 
     from optkit.pipeline.recipe import load_recipe
@@ -45,3 +46,21 @@ def run(
         color = "green" if result.passed else "red"
         out_console.print(f"[bold {color}]{result.verdict.upper()}[/] {result.release}")
     raise typer.Exit(0 if result.passed else 1)
+
+
+def _recipe_model(recipe: Path, overrides: list[str]) -> str | None:
+    """The recipe's base model (a `--set model=...` wins), read before the recipe is validated, so
+    that an unsupported model is refused at once; None when the recipe cannot be read (load_recipe
+    says why)."""
+    for override in reversed(overrides):
+        key, _, value = override.partition("=")
+        if key.strip() == "model":
+            return value.strip()
+    try:
+        import yaml
+
+        data = yaml.safe_load(recipe.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None

@@ -14,6 +14,7 @@ from optkit.cli.options import (
     MaxNumSeqs,
     NumSpeculativeTokens,
     Speculative,
+    require_supported,
 )
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless --host says otherwise
@@ -80,6 +81,7 @@ def serve(
     import asyncio
     import sys
 
+    require_supported(model, *(m.partition("=")[2] for m in models or []), runtime=True)
     from optkit.cli.serve_flags import ServeFlags, resolve_options
     from optkit.routing.startup import describe, log_to_stderr, start_router
     from optkit.runtime.engine_args import given

@@ -4,7 +4,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import JsonFlag, console, print_json
+from optkit.cli.options import JsonFlag, console, print_json, require_supported
 
 
 def verify(
@@ -21,6 +21,7 @@ def verify(
 
     Example: optkit verify out/small-gptq-w4 --load transformers
     """
+    require_supported(artifact)
     from optkit.errors import OptkitError
     from optkit.manifest import read_manifest, verify_files
     from optkit.modeldir import resolve_model_dir
