@@ -17,6 +17,7 @@ class RepairOptions(BaseModel):
     max_evaluations: int = Field(default=8, ge=1)  # gate evaluations of repaired candidates
     windows: int = Field(default=8, ge=1)  # attribution windows (held-out calibration text)
     exact_swaps: int = Field(default=3, ge=0)  # exact swaps that calibrate the estimate
+    shrink_evaluations: int = Field(default=2, ge=0)  # after a pass: bisect towards fewer raised layers
 
     @field_validator("precisions")
     @classmethod

@@ -9,8 +9,9 @@ byte until the gate passes, the size budget is spent or the evaluations are.
 3. Take moves until the predicted KLD on the gate's set is under the target with a 10% margin
    (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
    the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails, refit
-   the rescaling to what the gate measured and take more moves; every evaluation is a step in the
-   manifest.
+   the rescaling to what the gate measured and take more moves. Once one passes, spend up to
+   `shrink_evaluations` bisecting between the last failing and the passing number of moves, and
+   keep the smallest artifact that passes. Every evaluation is a step in the manifest.
 """
 
 import heapq
@@ -154,29 +155,49 @@ def repair(
     rescale = result.metrics["kld_mean"] / max(attribution.kld, 1e-12)  # attribution set -> gate set
     best = (result.metrics["kld_mean"], artifact, result, {})
     taken: list[Move] = []
+    failed_count = 0  # moves of the largest prefix that failed
     reason = None
-    for evaluation in range(1, options.max_evaluations + 1):
-        room = budget - start_bytes
-        chosen, over_budget = _extend(taken, moves, steps[0]["kld_mean"], rescale, MARGIN * target, room)
-        if len(chosen) == len(taken):
-            reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
-            break
-        raised = _raised(chosen)
-        changed = sorted(set(raised) - set(_raised(taken)))
-        taken = chosen
+    evaluation = 0
+
+    def trial(moves: list[Move], previous: list[Move]) -> GateResult:
+        nonlocal best, evaluation
+        evaluation += 1
+        raised = _raised(moves)
         out = work / f"step-{evaluation}"
         shutil.rmtree(out, ignore_errors=True)
         write_mixed_artifact(artifact, base, raised, out, {})
         result = evaluate(out, base, gate)
+        changed = sorted(set(raised) ^ set(_raised(previous)))
         steps.append(_step(evaluation, raised, result, out, changed))
         log(
             f"repair step {evaluation}: raised {len(raised)} linears, KLD {result.metrics['kld_mean']:.5f} "
             f"(target {target:g}), {steps[-1]['size_mb']:.2f} MB: {'pass' if result.passed else 'fail'}"
         )
-        if result.metrics["kld_mean"] < best[0] or result.passed:
+        smaller = result.passed and (not best[2].passed or size_mb(out) < size_mb(best[1]))
+        if smaller or (not best[2].passed and result.metrics["kld_mean"] < best[0]):
             best = (result.metrics["kld_mean"], out, result, raised)
-        if result.passed:
+        return result
+
+    while evaluation < options.max_evaluations:
+        room = budget - start_bytes
+        chosen, over_budget = _extend(taken, moves, steps[0]["kld_mean"], rescale, MARGIN * target, room)
+        if len(chosen) == len(taken):
+            reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
             break
+        result = trial(chosen, taken)
+        if result.passed:  # shrink: bisect between the last failing prefix and this one
+            passing = len(chosen)
+            for _ in range(options.shrink_evaluations):
+                if passing - failed_count <= 1 or evaluation >= options.max_evaluations:
+                    break
+                middle = (failed_count + passing) // 2
+                if trial(chosen[:middle], chosen[:passing]).passed:
+                    passing = middle
+                else:
+                    failed_count = middle
+            break
+        failed_count = len(chosen)
+        taken = chosen
         if result.metrics["kld_mean"] <= target:  # another threshold failed: aim lower
             target = 0.8 * result.metrics["kld_mean"]
         gained = sum(m.gain for m in taken)
@@ -196,7 +217,7 @@ def repair(
             "attribution": attribution.to_json(),
             "steps": steps,
             "result": "passed" if passed else f"failed: {reason}",
-            "chosen_step": next(s["step"] for s in steps if s["raised"] == dict(sorted(raised.items()))),
+            "chosen_step": next(s["step"] for s in reversed(steps) if s["raised"] == dict(sorted(raised.items()))),
         },
         "gate": chosen_result.to_json(),
     }

@@ -25,7 +25,7 @@ def gate(max_kld: float, **repair_options) -> GateOptions:
     return GateOptions(max_kld=max_kld, max_windows=WINDOWS, repair=RepairOptions(windows=4, **repair_options))
 
 
-def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, tmp_path):
+def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, tmp_path, monkeypatch):
     from optkit.compat.transformers_load import check_transformers_load
     from optkit.gate.evaluate import evaluate
 
@@ -38,12 +38,14 @@ def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, 
     assert size_mb(outcome.artifact) < 1.5 * size_mb(uniform_w4)
     manifest = read_manifest(outcome.artifact)
     steps = manifest["repair"]["steps"]
-    assert steps[0]["passed"] is False and steps[-1]["passed"] is True
+    assert steps[0]["passed"] is False and steps[manifest["repair"]["chosen_step"]]["passed"] is True
     for step in steps[1:]:
         assert step["changed"] and step["kld_mean"] > 0 and step["size_mb"] > 0
     assert manifest["precision_overrides"] == outcome.raised
     assert manifest["repair"]["attribution"]["layers"][0]["estimate"] > 0
     # a mixed-scheme artifact as every reader loads it: transformers (compressed-tensors) = runtime
+    # (its reference path: the question is the per-layer schemes, not the CPU int4 kernel's rounding)
+    monkeypatch.setenv("OPTKIT_CPU_INT4", "0")
     config = json.loads((outcome.artifact / "config.json").read_text())["quantization_config"]
     assert len(config["config_groups"]) > 1 or len(config["ignore"]) > 1
     check = check_transformers_load(outcome.artifact)
