@@ -9,7 +9,7 @@ from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json,
 
 
 def quantize(
-    out: OutDir,
+    out: OutDir = None,
     model: Annotated[str, typer.Argument(help="Model directory or reference model name.")] = "small",
     method: Annotated[str, typer.Option(help="Quantization method (the registered ones are listed below).")] = "rtn",
     bits: Annotated[int | None, typer.Option(help="Weight bits: 2, 3, 4 or 8 [default: 4; W8A8: 8].")] = None,
@@ -51,6 +51,9 @@ def quantize(
     max_size_mb: Annotated[float | None, typer.Option(help="Repair: size budget of the weights, MiB.")] = None,
     max_evaluations: Annotated[int, typer.Option(help="Repair: gate evaluations at most.", min=1)] = 8,
     gate_windows: Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan: linears by group, what stays, size, peak memory.")
+    ] = False,
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -130,6 +133,13 @@ def quantize(
         smoothquant=smoothquant,
     )
     warn_if_unloadable(options)
+    if dry_run:  # config.json and the safetensors headers only: nothing is loaded, run or written
+        from optkit.cli.quantize_plan import print_plan
+
+        print_plan(model, options, json_output)
+        return
+    if out is None:
+        raise OptkitError("--out is missing: give the directory to write (or --dry-run to see the plan)")
     if target_kld is not None or target_ppl_increase is not None:
         gate = _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows)
         _quantize_and_repair(model, out, options, gate, device, overwrite, json_output)

@@ -1,0 +1,90 @@
+"""`optkit quantize --dry-run` (quant/plan.py): the plan comes from config.json and the safetensors
+headers alone, groups the linears as the pipeline takes them, says what stays and why, and predicts
+the artifact's size."""
+
+import json
+
+import pytest
+
+from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.gptq import GPTQOptions
+from optkit.quant.plan import plan_quantization
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.weights.schemes import WeightScheme
+from tests.tiny_families import TINY, save_tiny_family
+
+CALIB = CalibrationOptions(num_samples=4, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, draft_dir):
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            made[name] = save_tiny_family(name, tmp_path_factory.mktemp("plan") / name, draft_dir)
+        return made[name]
+
+    return make
+
+
+def test_phi3_plan_groups_the_fused_linears_and_says_what_stays(run_cli, tiny, tmp_path):
+    code, out, err = run_cli("quantize", str(tiny("phi3")), "--method", "gptq", "--dry-run", "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert (plan["family"], plan["model_type"], plan["method"]) == ("phi3", "phi3", "gptq")
+    groups = [["self_attn.qkv_proj"], ["self_attn.o_proj"], ["mlp.gate_up_proj"], ["mlp.down_proj"]]
+    assert plan["layers"] == [[f"model.layers.{i}", groups] for i in range(TINY["num_hidden_layers"])]
+    kept = {k["what"]: k for k in plan["kept"]}
+    assert kept["lm_head"]["names"] == ["lm_head.weight"] and kept["embeddings"]["count"] == 1
+    assert kept["norms"]["count"] == 2 * TINY["num_hidden_layers"] + 1
+    assert plan["peak_bytes"]["total"] > plan["peak_bytes"]["calibration_inputs"] > 0
+    assert not list(tmp_path.iterdir())  # nothing written anywhere
+
+
+def test_the_plan_reads_no_tensor(tiny, monkeypatch):
+    import safetensors
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dry run opened a tensor")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+    monkeypatch.setattr("optkit.modeldir.safe_open", refuse)
+    plan = plan_quantization(tiny("phi3"), QuantizeOptions(method="rtn"))
+    assert plan.family == "phi3"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(method="rtn", weights=WeightScheme(bits=4, group_size=64)),
+        dict(method="rtn", weights=WeightScheme(bits=4, group_size=64, symmetric=False), format="awq"),
+        dict(
+            method="gptq", weights=WeightScheme(bits=4, group_size=32), gptq=GPTQOptions(act_order=True), format="gptq"
+        ),
+        dict(method="smoothquant", weights=WeightScheme(bits=8, group_size=-1), calibration=CALIB),
+    ],
+    ids=["ct-w4", "awq-w4-asym", "gptq-act-order", "w8a8"],
+)
+def test_the_expected_size_is_the_artifacts(tiny, tmp_path, options):
+    options = QuantizeOptions(**{"calibration": CALIB, **options})
+    plan = plan_quantization(tiny("phi3"), options)
+    quantize_model(tiny("phi3"), tmp_path / "out", options)
+    written = sum(p.stat().st_size for p in (tmp_path / "out").iterdir() if p.name != "optkit.json")
+    assert abs(plan.artifact_bytes - written) <= 0.01 * written, (plan.artifact_bytes, written)
+    assert plan.artifact_bytes < plan.base_bytes
+
+
+def test_experts_are_grouped_and_routers_kept(tiny):
+    plan = plan_quantization(tiny("mixtral"), QuantizeOptions(method="gptq"))
+    assert plan.family == "mixtral"
+    _, groups = plan.layers[0]
+    experts = [g for g in groups if any(".experts." in n for n in g)]
+    assert experts and all(len(g) == 2 * 4 or len(g) == 4 for g in experts)  # (w1, w3) or w2 of 4 experts
+    routers = next(k for k in plan.kept if k.what.startswith("routers"))
+    assert routers.count == TINY["num_hidden_layers"]
+
+
+def test_quantize_without_out_asks_for_it(run_cli, tiny):
+    code, _, err = run_cli("quantize", str(tiny("phi3")))
+    assert code == 2 and "--out is missing" in err
