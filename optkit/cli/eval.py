@@ -41,6 +41,13 @@ def eval_(
     exact_swaps: Annotated[
         int, typer.Option(help="--attribute: top layers swapped exactly to scale the estimate; -1: all.", min=-1)
     ] = 3,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the artifact through optkit's runtime with this KV cache: auto (the model's dtype), "
+            "int8 or fp8 (default: transformers, no paged cache)."
+        ),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
@@ -76,7 +83,7 @@ def eval_(
         top_k=top_k,
         task=task,
     )
-    result = evaluate(artifact, baseline, options)
+    result = evaluate(artifact, baseline, options, artifact_model=_paged_model(artifact, kv_cache_dtype, task))
     attribution = None
     if attribute:  # on held-out calibration windows, not the gate's set
         from optkit.gate.attribution import attribute as attribute_layers
@@ -95,3 +102,19 @@ def eval_(
 
             print_table(attribution_table(attribution))
     raise typer.Exit(0 if result.passed else 1)
+
+
+def _paged_model(artifact: str, kv_cache_dtype: str | None, task: str | None):
+    """--kv-cache-dtype: the artifact run by the runtime (paged attention, that KV cache), fp32."""
+    if kv_cache_dtype is None:
+        return None
+    from optkit.errors import OptkitError
+
+    if kv_cache_dtype not in ("auto", "int8", "fp8"):
+        raise OptkitError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}: choose auto, int8 or fp8")
+    if task is not None:
+        raise OptkitError("--kv-cache-dtype scores perplexity and KLD only: drop --task, or run the task without it")
+    from optkit.models.loader import load_runtime_model
+    from optkit.models.paged_lm import PagedLM
+
+    return PagedLM(load_runtime_model(artifact), kv_cache_dtype)

@@ -11,6 +11,7 @@ from optkit.cli.options import (
     Dtype,
     EnforceEager,
     JsonFlag,
+    KvCacheDtype,
     MaxNumSeqs,
     NumSpeculativeTokens,
     Speculative,
@@ -41,6 +42,7 @@ def generate(
     speculative: Speculative = None,
     num_speculative_tokens: NumSpeculativeTokens = None,
     enforce_eager: EnforceEager = None,
+    kv_cache_dtype: KvCacheDtype = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Generate text with the bundled runtime.
@@ -72,6 +74,7 @@ def generate(
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
         enforce_eager=enforce_eager,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = LLMEngine(model, args.engine_config())
     token_ids = [engine.tokenizer.encode(r["prompt"]) for r in requests]

@@ -49,6 +49,14 @@ NumSpeculativeTokens = Annotated[
     int | None,
     _engine_option("num_speculative_tokens", "Tokens proposed per sequence and step (--speculative).", min=1),
 ]
+KvCacheDtype = Annotated[
+    str | None,
+    _engine_option(
+        "kv_cache_dtype",
+        "KV cache: auto (the model's dtype), int8 or fp8 (8 bits, a scale per token and KV head; "
+        "--kv-cache-blocks then counts blocks at the model's dtype, which hold about twice as many).",
+    ),
+]
 EnforceEager = Annotated[
     bool | None,
     _engine_option("enforce_eager", "Run every step eagerly: no CUDA graphs for decode steps (CUDA)."),

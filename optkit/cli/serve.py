@@ -9,6 +9,7 @@ from optkit.cli.options import (
     Device,
     Dtype,
     EnforceEager,
+    KvCacheDtype,
     MaxModelLen,
     MaxNumBatchedTokens,
     MaxNumSeqs,
@@ -64,6 +65,7 @@ def serve(
     speculative: Speculative = None,
     num_speculative_tokens: NumSpeculativeTokens = None,
     enforce_eager: EnforceEager = None,
+    kv_cache_dtype: KvCacheDtype = None,
 ) -> None:
     """Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, plus
     /health and /metrics (Prometheus). Prints one line once it accepts requests.
@@ -112,6 +114,7 @@ def serve(
                 speculative=speculative,
                 num_speculative_tokens=num_speculative_tokens,
                 enforce_eager=enforce_eager,
+                kv_cache_dtype=kv_cache_dtype,
             )
         ),
     )

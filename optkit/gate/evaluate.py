@@ -56,10 +56,14 @@ class GateResult:
         }
 
 
-def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *, batch_size: int = 8) -> GateResult:
+def evaluate(
+    artifact: str | Path, baseline: str | Path, options: GateOptions, *, batch_size: int = 8, artifact_model=None
+) -> GateResult:
     """Score `artifact` against `baseline` on the token windows of `options.eval_set`: exactly over
     the whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
-    base model is then loaded only the first time); then check `options`' thresholds."""
+    base model is then loaded only the first time); then check `options`' thresholds.
+    artifact_model: what runs the artifact instead of transformers (`optkit eval --kv-cache-dtype`
+    passes the runtime's paged model, models/paged_lm.py): input_ids [B, S] -> .logits."""
     eval_set, seq_len, max_windows = options.eval_set, options.seq_len, options.max_windows
     reference_cache, top_k, task = options.reference_cache, options.top_k, options.task
     start = time.perf_counter()
@@ -86,7 +90,8 @@ def evaluate(artifact: str | Path, baseline: str | Path, options: GateOptions, *
         )
     key = reference_key(baseline_dir, windows, top_k) if reference_cache else None
     reference = load_reference(key) if key else None
-    artifact_model = _gguf_model(artifact_dir, seq_len) if gguf_file else load_model(artifact_dir)
+    if artifact_model is None:
+        artifact_model = _gguf_model(artifact_dir, seq_len) if gguf_file else load_model(artifact_dir)
     base_model = load_model(baseline_dir) if reference is None else None
     stats = TokenStats()
     parts = []

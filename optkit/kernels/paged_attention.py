@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
+from optkit.kernels.kv_cache import QuantizedKVCache
 
 
 @dataclass
@@ -176,7 +177,12 @@ class AttentionMetadata:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store the step's keys and values. k, v: [T, Hkv, D]; caches [N, block_size, Hkv, D]."""
+    """Store the step's keys and values. k, v: [T, Hkv, D]; caches [N, block_size, Hkv, D] (tensors, or
+    8-bit caches that quantize what they store: optkit/kernels/kv_cache.py)."""
+    if isinstance(k_cache, QuantizedKVCache):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     heads, dim = k_cache.shape[2:]
     assert k.shape == v.shape == (slot_mapping.shape[0], heads, dim), (k.shape, k_cache.shape)
     same_device = k.device == v.device == k_cache.device == v_cache.device == slot_mapping.device

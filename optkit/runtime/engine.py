@@ -48,6 +48,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int
     num_generation_tokens: int
     num_preemptions: int
+    kv_cache_bytes_per_token: int = 0  # K and V of one token in every layer (the 8-bit cache's scales included)
     # speculative decoding (zero when off); a step is one sequence's decode step with proposals reserved
     spec_proposer: str | None = None  # "ngram" or "draft"
     num_spec_steps: int = 0
@@ -88,9 +89,12 @@ class LLMEngine:
             raise OptkitError(f"--max-model-len {config.max_model_len} exceeds the model's context of {limit} tokens")
         self.max_model_len = config.max_model_len or limit
         self.model.set_context_limit(self.max_model_len)  # LongRoPE's factors follow it (docs/runtime.md)
-        num_blocks = config.kv_cache_blocks or _default_num_blocks(
-            config, self.max_model_len, kv_bytes_per_block(self.model, config.block_size)
-        )
+        full_block = kv_bytes_per_block(self.model, config.block_size)  # at the model's dtype
+        block = kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype)
+        if config.kv_cache_blocks:  # the memory of that many blocks at the model's dtype
+            num_blocks = max(1, config.kv_cache_blocks * full_block // block)
+        else:
+            num_blocks = _default_num_blocks(config, self.max_model_len, block)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -102,7 +106,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.kv_cache_dtype)
         # this machine's warm-up of the model (optkit compile), then the decode graphs (CUDA)
         warmed = compile_cache.lookup(resolve_model_dir(model), config.device, config.compile_dir)
         torch_compile = config.torch_compile or bool(warmed and warmed.record.get("torch_compile"))
@@ -239,6 +243,7 @@ class LLMEngine:
             num_prefix_cache_hit_tokens=scheduler.num_prefix_cache_hit_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_preemptions=scheduler.num_preemptions,
+            kv_cache_bytes_per_token=self.runner.kv_bytes_per_token,
             **self.decoding.stats.engine_fields(),
         )
 

@@ -24,6 +24,9 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_blocks: int | None = None  # default: max_num_seqs full-length sequences, capped by memory
+    # auto: the model's dtype; int8 / fp8: 8 bits with a scale per token and KV head (kernels/kv_cache.py).
+    # kv_cache_blocks counts blocks at the model's dtype: an 8-bit cache holds as many more as fit there.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
@@ -41,6 +44,8 @@ class EngineArgs(BaseModel):
                 raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
         if self.dtype not in (*DTYPES, "auto"):
             raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise OptkitError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}: choose auto, int8 or fp8")
         if self.speculative is not None:
             from optkit.runtime.proposers import parse_speculative
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from optkit.errors import OptkitError
+from optkit.kernels import kv_cache
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, kv_cache_shape
 from optkit.runtime.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
@@ -70,7 +71,7 @@ class ModelRunner:
     """Owns the model and its KV cache: one (k, v) pair of
     [num_blocks, block_size, num_kv_heads, head_dim] tensors per layer."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"):
         self.model = model
         self.block_size = block_size
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
@@ -78,10 +79,9 @@ class ModelRunner:
         self.device = param.device if param is not None else torch.device("cpu")
         dtype = _activation_dtype(model)
         shape = kv_cache_shape(model.config, num_blocks, block_size)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(model.config.num_hidden_layers)
-        ]
+        # plain tensors of the activation dtype, or 8-bit caches (kernels/kv_cache.py)
+        self.kv_caches = kv_cache.allocate(model.config.num_hidden_layers, shape, kv_cache_dtype, dtype, self.device)
+        self.kv_bytes_per_token = kv_bytes_per_block(model, 1, kv_cache_dtype)
 
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, enforce_eager: bool, torch_compile: bool = False
@@ -118,10 +118,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
     config = model.config
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * _activation_dtype(model).itemsize
+    per_token = kv_cache.bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_cache_dtype, _activation_dtype(model)
+    )
+    return per_token * block_size
 
 
 def _activation_dtype(model: CausalLM) -> torch.dtype:

@@ -12,7 +12,9 @@ Observed by the server, per request:
 Read from `engine.stats()` at scrape time:
 - `optkit:num_requests_running`, `optkit:num_requests_waiting` (gauges).
 - `optkit:kv_cache_usage_perc` (gauge): the fraction of KV blocks in use, 0..1;
-  `optkit:num_kv_blocks` (gauge): how many blocks there are.
+  `optkit:num_kv_blocks` (gauge): how many blocks there are; `optkit:kv_cache_bytes_per_token`
+  (gauge): the bytes one token takes in the KV cache, K and V of every layer (half with an 8-bit
+  `--kv-cache-dtype`, plus its scales).
 - `optkit:prompt_tokens_total`, `optkit:generation_tokens_total`,
   `optkit:prefix_cache_hit_tokens_total`, `optkit:num_preemptions_total` (counters): the engine's
   cumulative totals since it started (prompt tokens received, tokens sampled, prompt tokens
@@ -61,6 +63,11 @@ class EngineCollector(Collector):
             ("optkit:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
             ("optkit:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_cache_usage"),
             ("optkit:num_kv_blocks", "KV cache blocks, in use or free.", "num_kv_blocks"),
+            (
+                "optkit:kv_cache_bytes_per_token",
+                "KV cache bytes one token takes, K and V of every layer (--kv-cache-dtype).",
+                "kv_cache_bytes_per_token",
+            ),
         ]
         counters = [
             ("optkit:prompt_tokens", "Prompt tokens received.", "num_prompt_tokens"),
