@@ -5,10 +5,11 @@ side by side in one run, on two random-weight Llama shapes (issue 20):
       (its output head is a fifth of the fp32 bytes)
 Batch 1: one 64-token prompt, 32 new tokens. Batch 16: mixed prompt lengths (16-64), 32 new tokens
 each (transformers: left-padded). Every figure is the median of interleaved repeats (the runs rotate
-within each repeat), ratios against fp32 of the same run. Also the engine's per-step overhead (wall
-time of a step minus the time inside the model, median over 100 decode steps at batch 1) and the
-kernel each quantized layer takes. Models are built and quantized once, cached under
-$OPTKIT_CACHE/bench/cpu_decode. `--isa avx2` reruns under ATEN_CPU_CAPABILITY=avx2 (a CPU without AVX-512).
+within each repeat); ratios against fp32 are medians of the ratios within each repeat. Also the
+engine's per-step overhead (wall time of a step minus the time inside the model, median over 100
+decode steps at batch 1) and the kernel each quantized layer takes. Models are built and quantized
+once, cached under $OPTKIT_CACHE/bench/cpu_decode. `--isa avx2` reruns under
+ATEN_CPU_CAPABILITY=avx2 (a CPU without AVX-512).
 
 Usage: python bench/cpu_decode.py [--quick] [--threads N] [--repeats 3] [--head int8] [--isa avx2] [--json out.json]
 """
@@ -179,11 +180,10 @@ def bench_shape(shape: str, args, log) -> dict:
                 log(f"shape ({shape}) repeat {r + 1}/{repeats} batch {batch} {name}: {tps:.1f} tok/s")
     rows = []
     for batch in (1, BATCH):
-        base = statistics.median(samples[("fp32", batch)])
         for name in runners:
-            tps = statistics.median(samples[(name, batch)])
-            rows.append({"run": name, "batch": batch, "tokens_per_s": tps, "vs_fp32": tps / base,
-                         "samples": samples[(name, batch)]})  # fmt: skip
+            tps = samples[(name, batch)]
+            rows.append({"run": name, "batch": batch, "tokens_per_s": statistics.median(tps),
+                         "vs_fp32": paired_ratio(tps, samples[("fp32", batch)]), "samples": tps})  # fmt: skip
     steps = 20 if args.quick else OVERHEAD_STEPS
     overhead = {name: step_overhead(e, one[0], steps) for name, e in engines.items()}
     for name, o in overhead.items():
@@ -192,12 +192,18 @@ def bench_shape(shape: str, args, log) -> dict:
     return {"rows": rows, "overhead": overhead, "kernels": kernels}
 
 
+def paired_ratio(runs: list[float], baseline: list[float]) -> float:
+    """The median over repeats of run / baseline within the same repeat: the runs of one repeat are
+    minutes apart, so the machine's load (shared, and changing by 3x over a bench) mostly cancels."""
+    return statistics.median(r / b for r, b in zip(runs, baseline, strict=True))
+
+
 def ratio(result: dict, shape: str, run: str, batch: int, against: str) -> float | None:
     rows = result.get(shape, {}).get("rows", [])
-    get = {(r["run"], r["batch"]): r["tokens_per_s"] for r in rows}
+    get = {(r["run"], r["batch"]): r["samples"] for r in rows}
     if (run, batch) not in get or (against, batch) not in get:
         return None
-    return get[(run, batch)] / get[(against, batch)]
+    return paired_ratio(get[(run, batch)], get[(against, batch)])
 
 
 def targets(result: dict, isa: str) -> list[tuple[str, float | None, float]]:
