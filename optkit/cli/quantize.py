@@ -33,6 +33,13 @@ def quantize(
     num_samples: Annotated[int, typer.Option(help="Calibration sequences.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 256,
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampling.")] = 0,
+    moe_calibration: Annotated[
+        str,
+        typer.Option(
+            help="Mixture-of-experts models: 'all' sends every calibration token through every expert for its "
+            "statistics (the output still follows the router); 'routed' only the tokens the router chooses."
+        ),
+    ] = "all",
     damp: Annotated[float, typer.Option(help="GPTQ dampening, a fraction of the mean Hessian diagonal.")] = 0.01,
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
     act_order: Annotated[bool, typer.Option(help="GPTQ: quantize columns by descending Hessian diagonal.")] = False,
@@ -67,6 +74,10 @@ def quantize(
     from optkit.errors import OptkitError
     from optkit.quant import methods
     from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.moe import MOE_CALIBRATION
+
+    if moe_calibration not in MOE_CALIBRATION:
+        raise OptkitError(f"--moe-calibration {moe_calibration!r}: choose one of {', '.join(MOE_CALIBRATION)}")
     from optkit.quant.formats import format_names
     from optkit.quant.gptq import GPTQOptions
     from optkit.quant.quantize import QuantizeOptions, quantize_model
@@ -129,7 +140,9 @@ def quantize(
             double_quant=double_quant,
         ),
         gptq=gptq,
-        calibration=CalibrationOptions(calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed),
+        calibration=CalibrationOptions(
+            calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, moe_calibration=moe_calibration
+        ),
         smoothquant=smoothquant,
     )
     warn_if_unloadable(options)

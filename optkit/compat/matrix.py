@@ -104,6 +104,43 @@ CT_ASYM_TRANSFORMERS_5_23 = Breakage(
 )
 BREAKAGES = (CT_ASYM_TRANSFORMERS_5_23,)
 
+# Mixture-of-experts artifacts (measured by tests/compat and tests/quant/test_moe.py, transformers
+# 5.24.0 with compressed-tensors 0.20.1): transformers 5 builds each MoE block's experts as fused 3D
+# parameters (gate_up_proj [E, 2I, H], down_proj [E, H, I]), so it cannot keep the per-expert
+# quantized linears (the layout vLLM reads); its loader decompresses the experts into those dense
+# tensors through a stand-in module holding only weight_packed, weight_scale and weight_shape, in
+# the scales' dtype. Zero points (asymmetric) and g_idx (GPTQ act order) are dropped, every expert
+# ends up in bf16 inside an fp32 model, and int8 (W8A8) experts fail the weight conversion.
+# optkit's runtime and its gate (quant/formats/load.py: per-expert linears holding the artifact's
+# dequantized tensors) read them; vLLM reads them by spec (compat/vllm_spec.py).
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_TRANSFORMERS = Breakage(
+    loader=TRANSFORMERS,
+    broken={"transformers": ">=5.0.0"},
+    applies_format="compressed-tensors",
+    applies_symmetric=None,
+    summary="MoE experts fused into 3D parameters: decompressed without zero points or g_idx, in bf16; "
+    "int8 experts fail to convert (logits mismatch)",
+    upstream=(
+        "transformers 5 integrations/compressed_tensors.py CompressedTensorsDequantize.convert (experts "
+        "decompressed through a DummyModule of weight_packed/weight_scale/weight_shape) and "
+        "conversion_mapping.py (per-expert keys merged into experts.gate_up_proj/down_proj)"
+    ),
+    remedy="serve it with optkit or vLLM; optkit eval gates it on its own dequantized tensors",
+    measured_broken=({"transformers": "5.24.0", "compressed-tensors": "0.20.1"},),
+)
+
+
+def family_breakages(model_type: str | None, loader: str, versions: dict[str, str | None] | None = None) -> list:
+    """Breakages of a whole model family in `loader`, whatever the artifact's kind (MoE in transformers)."""
+    if (
+        model_type in MOE_MODEL_TYPES
+        and loader == TRANSFORMERS
+        and MOE_TRANSFORMERS.is_broken(_versions(MOE_TRANSFORMERS, versions))
+    ):
+        return [MOE_TRANSFORMERS]
+    return []
+
 
 def installed_version(package: str) -> str | None:
     try:
@@ -160,9 +197,13 @@ def vllm_path(kind: ArtifactKind) -> str | None:
     return None
 
 
-def expected_status(kind: ArtifactKind, loader: str, versions: dict[str, str | None] | None = None) -> str:
+def expected_status(
+    kind: ArtifactKind, loader: str, versions: dict[str, str | None] | None = None, model_type: str | None = None
+) -> str:
     """What the matrix expects: "loads", "fails" (a known breakage), "by spec", "no" (the loader
-    does not read this kind) or "untested"."""
+    does not read this kind) or "untested". `model_type`: the artifact's family, where it matters."""
+    if kind.format == "compressed-tensors" and family_breakages(model_type, loader, versions):
+        return "fails"
     if loader == OPTKIT:
         return "loads"
     if loader == TRANSFORMERS:

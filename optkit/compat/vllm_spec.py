@@ -110,6 +110,40 @@ def layer_spec(kind: ArtifactKind, quant_config: dict, out: int, inp: int) -> Sp
     return _awq(out, inp, inp // group_size)
 
 
+# Mixture-of-experts checkpoints: vLLM's models/mixtral.py, qwen2_moe.py and qwen3_moe.py `load_weights`
+# read each expert's linears through FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name,
+# ckpt_down_proj_name, ckpt_up_proj_name) as `{block}.experts.{N}.{name}.<tensor>`, each with the
+# tensors of a dense linear of its method (the spec above); the router `{block}.gate` is unquantized
+# (ReplicatedLinear with quant_config=None), as is Qwen2-MoE's shared_expert_gate.
+MOE_EXPERTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w2", "w3")),
+    "qwen2_moe": ("mlp", ("gate_proj", "down_proj", "up_proj")),
+    "qwen3_moe": ("mlp", ("gate_proj", "down_proj", "up_proj")),
+}
+
+
+def moe_problems(config: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Experts missing under the names vLLM reads, or a quantized router."""
+    if config.get("model_type") not in MOE_EXPERTS:
+        return []
+    block, names = MOE_EXPERTS[config["model_type"]]
+    num_experts = config.get("num_local_experts") or config.get("num_experts")
+    problems = []
+    for index in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{index}.{block}"
+        router = tensors.get(f"{prefix}.gate.weight")
+        if router is None:  # a dense layer (Qwen's mlp_only_layers)
+            continue
+        if not router.is_floating_point() or f"{prefix}.gate.weight_scale" in tensors:
+            problems.append(f"{prefix}.gate is quantized: vLLM reads the router in full precision")
+        present = {key.rsplit(".", 1)[0] for key in tensors if key.startswith(f"{prefix}.experts.")}
+        for expert in range(num_experts):
+            for name in names:
+                if f"{prefix}.experts.{expert}.{name}" not in present:
+                    problems.append(f"{prefix}.experts.{expert}.{name} missing: vLLM reads each expert by that name")
+    return problems
+
+
 def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]]) -> list[str]:
     """Problems that would stop vLLM loading: config keys, tensor names, shapes, dtypes.
 
@@ -121,6 +155,7 @@ def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict
     if path is None:
         return [f"vLLM has no loader for {kind.describe()} (see optkit/compat/vllm_spec.py)"]
     problems = [f"quantization_config lacks {key!r}" for key in REQUIRED_KEYS[kind.format] if key not in quant_config]
+    problems += moe_problems(config, tensors)
     if kind.format == "compressed-tensors" and not kind.w8a8:
         strategy = next(iter(quant_config["config_groups"].values()))["weights"].get("strategy")
         if strategy not in ("group", "channel"):

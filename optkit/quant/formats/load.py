@@ -7,8 +7,10 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
+from optkit.quant.families import family_for
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.mixed import dequantized_state_dict
+from optkit.quant.moe import calibration_modules, unfuse_experts
 
 
 def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -31,7 +33,12 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     del config.quantization_config
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    tensors = read_tensors(path)
+    family = family_for(config.model_type)
+    if family.moe is not None:  # each expert's linears, as the artifact stores them (quant/moe.py)
+        unfuse_experts(model.get_decoder().layers, family, config.to_dict(), mode="routed")
+        for block in calibration_modules(model):  # built on meta: their weights load below
+            block.to_empty(device="cpu").to(dtype).routed_tokens.zero_()
+    tensors = {family.module_name(k): v for k, v in read_tensors(path).items()}
     is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
     int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
     for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
