@@ -19,7 +19,11 @@ def resolve_device(device: str = "auto") -> str:
 
 
 def resolve_dtype(dtype: str | None, device: str) -> str:
-    """ "auto" (or None) -> bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
+    """ "auto" (or None) -> bfloat16 on CUDA, float32 on the CPU. Decided by bench/cpu_decode.py on the
+    2-core AVX-512 machines (AVX512-BF16, no AMX): bf16 decodes no faster than fp32 there (oneDNN's
+    bf16 GEMV at one row is no faster than fp32's on these layer sizes; docs/results.md, "CPU decode"),
+    and is less exact. Quantized artifacts take their own fast kernels either way (W4A16 runs bf16
+    activations inside its int4 kernel)."""
     if dtype in (None, "auto"):
         return "bfloat16" if device.startswith("cuda") else "float32"
     if dtype not in DTYPES:
