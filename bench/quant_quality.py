@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf_quality  # bench/gguf_quality.py, beside this script
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -228,6 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--no-warm-up", action="store_true", help="skip the warm-up GPTQ run (peak RSS then counts one-time costs)"
     )
+    parser.add_argument("--gguf", action="store_true", help="add the GGUF rows through llama.cpp (gguf_quality.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.model.endswith("+outliers") and not args.no_w8a8:
@@ -252,10 +254,13 @@ def main() -> None:
                         rows.append(run_variant(model, out, label, bits, group_size, args.eval_set, seed))
         w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set, args.w8a8_methods)
         bound = memory_bound(model, CalibrationOptions())
+        gguf = gguf_quality.rows(args.model, Path(tmp), args.eval_set) if args.gguf else []
     if args.json:
-        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound}, indent=2))
+        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound, "gguf": gguf}, indent=2))
         return
     print_tables(args, rows, w8a8, bound)
+    if gguf:
+        Console(width=140).print(gguf_quality.table(args.model, args.eval_set, gguf))
 
 
 def with_means(rows: list[dict]) -> list[dict]:
