@@ -5,6 +5,11 @@ A block is either held (ref_count > 0) or free. Free blocks sit in an LRU pool, 
 freed first; a free block may still carry the hash of the tokens whose KV it holds, so a later
 sequence with the same prefix can take it back instead of recomputing it. Taking a free block
 for new tokens evicts its hash.
+
+With a sliding window on every layer (Mistral; `sliding_window`), the blocks of a sequence that lie
+wholly before the window of every token it will still compute are released early
+(`free_out_of_window`; docs/runtime.md): their table entries stay, as positions the attention mask
+hides, and are skipped when the sequence frees its blocks.
 """
 
 import hashlib
@@ -33,7 +38,9 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be at least 1")
         self.num_blocks = num_blocks
@@ -45,6 +52,9 @@ class BlockManager:
         self.num_prefix_query_tokens = 0  # tokens looked up in the prefix cache on admission
         self.num_prefix_hit_tokens = 0  # ... of which were found
         self.num_evicted_blocks = 0
+        self.sliding_window = sliding_window
+        self._out_of_window: dict[int, int] = {}  # seq_id -> its leading blocks already released
+        self.num_window_freed_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,11 +142,43 @@ class BlockManager:
             self._free.move_to_end(block_id, last=False)
         del seq.block_table[keep:]
 
+    def free_out_of_window(self, seq: Sequence) -> int:
+        """Release the sequence's blocks that no token it computes from now on can see: every
+        position in them is before num_computed_tokens - sliding_window + 1, the first key the next
+        token (at position num_computed_tokens or later: speculative rejection never goes below it)
+        sees. With prefix caching, the last hashed block stays held, so `cache_full_blocks` always
+        finds its parent hash in a block of this sequence. Returns how many blocks were released."""
+        if self.sliding_window is None:
+            return 0
+        first_seen = max(0, seq.num_computed_tokens - self.sliding_window + 1)
+        end = min(first_seen // self.block_size, len(seq.block_table))
+        start = self._out_of_window.get(seq.seq_id, 0)
+        if self.enable_prefix_caching:  # the held blocks from `start` on are this sequence's: their hashes stay
+            hashed = start
+            while hashed < len(seq.block_table) and self.blocks[seq.block_table[hashed]].hash is not None:
+                hashed += 1
+            end = min(end, hashed - 1)
+        for block_id in seq.block_table[start : max(start, end)]:
+            self._release(self.blocks[block_id])
+        if end > start:
+            self._out_of_window[seq.seq_id] = end
+            self.num_window_freed_blocks += end - start
+        return max(0, end - start)
+
+    def _release(self, block: Block) -> None:
+        assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = None
+            if block.hash is None:
+                self._free.move_to_end(block.block_id, last=False)
+
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks. Tail blocks enter the pool first so they are evicted first
         (a prefix's first blocks are the most shareable); blocks without a hash hold nothing
         reusable and go to the very front."""
-        for block_id in reversed(seq.block_table):
+        released = self._out_of_window.pop(seq.seq_id, 0)  # those left behind by the window
+        for block_id in reversed(seq.block_table[released:]):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed more often than taken ({seq})"
             block.ref_count -= 1

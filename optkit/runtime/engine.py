@@ -95,7 +95,9 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_blocks * full_block // block)
         else:
             num_blocks = _default_num_blocks(config, self.max_model_len, block)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # a window on every layer (Mistral): blocks that leave it are released (docs/runtime.md)
+        window = model_config.sliding_window if model_config.all_layers_slide else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

@@ -185,6 +185,7 @@ class Scheduler:
             if item.num_lookahead_tokens:
                 self.block_manager.free_surplus(seq)  # the slots of rejected proposals
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.free_out_of_window(seq)  # with a window on every layer (Mistral)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
