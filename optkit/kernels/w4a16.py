@@ -104,16 +104,16 @@ class W4A16Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if x.device.type == "cpu" and x.numel() <= cpu_int4.MAX_KERNEL_ROWS * self.in_features:
-            packed = self.cpu_packed()
-            if not isinstance(packed, str):
-                return cpu_int4.int4_linear(x, packed, bias)
         if triton_kernels.use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
             from optkit.kernels.triton import w4a16 as kernels
 
             packed = kernels.packed_for(self)  # None when the layout needs the reference path
             if packed is not None:
                 return kernels.w4a16_linear(x, packed, bias)
+        elif x.device.type == "cpu" and x.numel() <= cpu_int4.MAX_KERNEL_ROWS * self.in_features:
+            packed = self.cpu_packed()
+            if not isinstance(packed, str):
+                return cpu_int4.int4_linear(x, packed, bias)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
