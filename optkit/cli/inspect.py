@@ -64,8 +64,9 @@ def where_it_loads_table(path):
     from optkit.compat.matrix import kind_from_quant_config, where_it_loads
     from optkit.modeldir import read_config
 
-    kind = kind_from_quant_config(read_config(path)["quantization_config"])
+    config = read_config(path)
+    kind = kind_from_quant_config(config["quantization_config"])
     table = Table(title=f"where it loads ({kind.describe()}; docs/compatibility.md)", show_header=False)
-    for loader, status in where_it_loads(kind):
+    for loader, status in where_it_loads(kind, model_type=config.get("model_type")):
         table.add_row(loader, status)
     return table

@@ -240,13 +240,15 @@ def kind_from_quant_config(quant_config: dict) -> ArtifactKind:
     raise ValueError(f"unknown quant_method {method!r}")
 
 
-def where_it_loads(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> list[tuple[str, str]]:
+def where_it_loads(
+    kind: ArtifactKind, versions: dict[str, str | None] | None = None, model_type: str | None = None
+) -> list[tuple[str, str]]:
     """(loader, status with its reason) for every loader, for `optkit inspect`."""
     rows = []
     for loader in LOADERS:
-        status = expected_status(kind, loader, versions)
+        status = expected_status(kind, loader, versions, model_type)
         if status == "fails":
-            b = known_breakages(kind, versions)[0]
+            b = (family_breakages(model_type, loader, versions) or known_breakages(kind, versions))[0]
             status = f"fails with {_installed(b, versions)} ({b.summary}): {b.remedy}"
         elif status == "by spec":
             status = f"by spec ({vllm_path(kind)}; not run here)"

@@ -193,3 +193,16 @@ def test_runtime_on_an_artifact_matches_the_dequantized_reference_of_its_own_ten
     diff = (_runtime_logits(out, sequences) - expected).abs().amax(dim=-1)  # per token
     # equal up to float rounding, except where rounding flips a near-tie between two experts
     assert (diff > 1e-4).float().mean() <= 0.01 and diff.max() <= 5e-2, diff.topk(5)
+
+
+def test_the_matrix_says_transformers_cannot_load_quantized_moe_artifacts_and_why():
+    from optkit.compat import matrix
+
+    kind = matrix.ArtifactKind("compressed-tensors", 4, True)
+    versions = {"transformers": "5.24.0", "compressed-tensors": "0.20.1"}
+    for model_type in MOE_FAMILIES:
+        assert matrix.expected_status(kind, matrix.TRANSFORMERS, versions, model_type) == "fails"
+        rows = dict(matrix.where_it_loads(kind, versions, model_type))
+        assert "MoE experts fused" in rows[matrix.TRANSFORMERS] and rows[matrix.OPTKIT] == "loads"
+        assert rows[matrix.VLLM].startswith("by spec")
+    assert matrix.expected_status(kind, matrix.TRANSFORMERS, versions, "llama") == "loads"
