@@ -101,6 +101,11 @@ def sample_sequences(vocab_size: int, lengths: tuple[int, ...] = (17, 5, 32), se
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
+def _uncap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """The logits before a soft-cap c·tanh(x / c)."""
+    return cap * torch.atanh((logits / cap).clamp(-1 + 1e-6, 1 - 1e-6))
+
+
 def check_transformers_load(
     path: Path, sequences: list[list[int]] | None = None, rtol: float | None = None, **kwargs
 ) -> LoadCheck:
@@ -112,10 +117,11 @@ def check_transformers_load(
     model, problems = load_transformers(path, **kwargs)
     if model is None:
         return LoadCheck(False, problems)
-    if sequences is None:  # the vocabulary as the runtime reads it (Gemma 3 keeps it in text_config)
-        from optkit.models.config import ModelConfig
+    from optkit.models.config import ModelConfig
 
-        sequences = sample_sequences(ModelConfig.from_hf(config).vocab_size)
+    runtime_config = ModelConfig.from_hf(config)
+    if sequences is None:  # the vocabulary as the runtime reads it (Gemma 3 keeps it in text_config)
+        sequences = sample_sequences(runtime_config.vocab_size)
     quant_config = config.get("quantization_config", {})
     w8a8 = quant_config.get("format") in ("int-quantized", "float-quantized")
     if rtol is None and quant_config.get("quant_method") == "bitsandbytes":
@@ -123,6 +129,9 @@ def check_transformers_load(
     expected = runtime_logits(path, sequences)
     with torch.inference_mode():
         got = [model(torch.tensor([s])).logits[0].float() for s in sequences]
+    cap = runtime_config.final_logit_softcapping
+    if cap is not None:  # Gemma 2: compare before c·tanh(x / c), which squeezes the logits' scale but not the noise
+        got, expected = ([_uncap(t, cap) for t in logits] for logits in (got, expected))
     diff = max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True))
     scale = max(e.abs().max().item() for e in expected)
     tolerance = ATOL + (RTOL[w8a8] if rtol is None else rtol) * scale
