@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH)" "$(TRITON)"
 	@# llama-cpp-python builds from source once per machine (pip caches the wheel); no llava, no tools
 	CMAKE_ARGS="$${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
-		$(PY) -m pip install -q -e ".[dev,eval,serve,gguf]"
+		$(PY) -m pip install -q -e ".[dev,eval,serve,gguf,bnb]"
 	@# the report test renders report.html in headless Chromium (Debian's package)
 	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 \
 		|| (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) \

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf_quality  # bench/gguf_quality.py, beside this script
@@ -69,6 +70,17 @@ VARIANTS = {
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+@dataclass
+class RunSettings:
+    """--max-windows and --num-samples: a shorter run (the defaults are the full measurement)."""
+
+    max_windows: int | None = None  # gate windows of the eval set (None: all)
+    num_samples: int = 128  # calibration sequences
+
+
+RUN = RunSettings()
 
 
 def _libc():
@@ -139,11 +151,16 @@ def w8a8_rows(model: str, tmp: Path, eval_set: str, only: list[str] | None = Non
                 continue
             out = tmp / f"{label}-{method}-{alpha}"
             weights = FP8_PER_CHANNEL if method.endswith("fp8") else W8_PER_CHANNEL
-            options = QuantizeOptions(method=method, weights=weights, smoothquant=SmoothQuantOptions(alpha=alpha))
+            options = QuantizeOptions(
+                method=method,
+                weights=weights,
+                smoothquant=SmoothQuantOptions(alpha=alpha),
+                calibration=CalibrationOptions(num_samples=RUN.num_samples),
+            )
             start = time.perf_counter()
             quantize_model(base, out, options)
             seconds = time.perf_counter() - start
-            m = evaluate(out, base, GateOptions(eval_set=eval_set)).metrics
+            m = evaluate(out, base, GateOptions(eval_set=eval_set, max_windows=RUN.max_windows)).metrics
             rows.append(
                 {
                     "model": label,
@@ -191,13 +208,13 @@ def run_variant(
         weights=WeightScheme(
             bits=bits, group_size=group_size, symmetric=symmetric, type=weight_type, double_quant=double_quant
         ),
-        calibration=CalibrationOptions(seed=seed or 0),
+        calibration=CalibrationOptions(seed=seed or 0, num_samples=RUN.num_samples),
     )
     start = time.perf_counter()
     with rss_follows_live_memory(), PeakMemory() as peak:
         quantize_model(model, out, options)
     seconds = time.perf_counter() - start
-    m = evaluate(out, model, GateOptions(eval_set=eval_set)).metrics
+    m = evaluate(out, model, GateOptions(eval_set=eval_set, max_windows=RUN.max_windows)).metrics
     return {
         "variant": label,
         "seed": seed,  # calibration seed; None for RTN
@@ -235,6 +252,7 @@ def main() -> None:
     if args.model.endswith("+outliers") and not args.no_w8a8:
         parser.error("--model NAME+outliers needs --no-w8a8: the W8A8 rows of NAME include its outlier copy")
     torch.manual_seed(0)
+    RUN.max_windows, RUN.num_samples = args.max_windows, args.num_samples
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,6 +5,8 @@
 #   3. optkit bench, bf16, batch 1,16,64, against transformers generate (--baseline hf)
 #   4. optkit bench, W4A16, batch 1,16,64
 #   5. CUDA graphs against --enforce-eager, decode at batch 8 (--baseline eager), bf16
+#   6. FP8 W8A8 through torch._scaled_mm (cc >= 8.9) against its exact emulation, and NF4 through the
+#      W4A16 Triton kernel's code-book mode against the reference: one PASS/FAIL line
 # Each step has its own timeout, so one failure keeps the others. JSON goes to $OUT (else bench/results/).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -35,6 +37,9 @@ step kernels 120 bash -c "python3 bench/gpu/kernels.py --quick --json > '$OUT/ke
 step bench_bf16 180 bash -c "${BENCH[*]} $MODELS/llama-1b --batch-sizes 1,16,64 --baseline hf > '$OUT/bench_bf16.json'"
 step bench_w4a16 90 bash -c "${BENCH[*]} $MODELS/llama-1b-w4 --batch-sizes 1,16,64 > '$OUT/bench_w4a16.json'"
 step graphs_vs_eager 60 bash -c "${BENCH[*]} $MODELS/llama-1b --batch-sizes 8 --baseline eager > '$OUT/graphs_vs_eager.json'"
+step fp8_nf4 120 bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_nf4.py \
+  && echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: PASS' \
+  || { echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: FAIL'; exit 1; }"
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):

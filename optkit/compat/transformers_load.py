@@ -24,8 +24,9 @@ ATOL = 1e-3
 RTOL = {False: 1e-4, True: 5e-2}  # w8a8 -> relative tolerance
 # bitsandbytes (NF4): transformers 5 keeps the checkpoint's bf16 for the tensors it does not quantize
 # (embeddings, norms) even when asked for fp32, so its logits sit within bf16 rounding of the
-# runtime's (measured 0.7% of max |logits| on draft); the NF4 weights themselves dequantize exactly.
-BNB_RTOL = 1e-2
+# runtime's (measured 0.7% of max |logits| on draft, up to 1.3% on tiny random OLMo 2 and Gemma);
+# the NF4 weights themselves dequantize exactly.
+BNB_RTOL = 3e-2
 
 
 @dataclass

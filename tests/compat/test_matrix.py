@@ -46,6 +46,8 @@ def _cells():
             "smoothquant", "compressed-tensors", 8, True, activations, id=f"smoothquant-w8a8-{activations}"
         )
         yield pytest.param("fp8", "compressed-tensors", 8, True, activations, id=f"fp8-w8a8-{activations}")
+    for double_quant in ("none", "double-quant"):  # NF4: "activations" carries double quantization
+        yield pytest.param("nf4", "bitsandbytes", 4, True, double_quant, id=f"nf4-bitsandbytes-{double_quant}")
 
 
 def _quantize(model_dir: Path, out: Path, method: str, fmt: str, bits: int, symmetric: bool, activations: str) -> Path:
@@ -56,6 +58,10 @@ def _quantize(model_dir: Path, out: Path, method: str, fmt: str, bits: int, symm
             calibration=CALIB,
             smoothquant=SmoothQuantOptions(activations=activations),
         )
+    elif method == "nf4":
+        pytest.importorskip("bitsandbytes")  # transformers reads NF4 through it (the bnb extra)
+        scheme = WeightScheme(bits=4, group_size=64, type="nf4", double_quant=activations == "double-quant")
+        options = QuantizeOptions(method=method, format=fmt, weights=scheme)
     else:
         scheme = WeightScheme(bits=bits, group_size=64, symmetric=symmetric)
         options = QuantizeOptions(method=method, format=fmt, weights=scheme, calibration=CALIB, awq=AWQ)
@@ -209,17 +215,26 @@ FAMILY_CELLS = {
     "awq-w4-asym": ("awq", "awq", 4, False),
     "w8a8": ("smoothquant", "compressed-tensors", 8, True),
     "fp8": ("fp8", "compressed-tensors", 8, True),
+    "nf4": ("nf4", "bitsandbytes", 4, True),
 }
 
 
 def _kind(method: str, fmt: str, bits: int, symmetric: bool) -> ArtifactKind:
     w8a8 = method in ("smoothquant", "fp8")
-    return ArtifactKind(fmt, bits, symmetric, w8a8=w8a8, type="float" if method == "fp8" else "int")
+    return ArtifactKind(fmt, bits, symmetric, w8a8=w8a8, type={"fp8": "float", "nf4": "nf4"}.get(method, "int"))
+
+
+# FP8 and NF4 of mixtures of experts: transformers fuses the experts' weights at load time, which
+# neither layout survives (measured: Mixtral/Qwen-MoE fp8 and nf4 fail in from_pretrained); not rows yet
+_NOT_FOR_MOE = {"fp8", "nf4"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
 
 
 def _family_cells():
     for family in FAMILIES:
         for name, cell in FAMILY_CELLS.items():
+            if family in _MOE and name in _NOT_FOR_MOE:
+                continue
             yield pytest.param(family, *cell, id=f"{family}-{name}")
 
 
