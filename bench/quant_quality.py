@@ -246,6 +246,8 @@ def main() -> None:
     parser.add_argument(
         "--no-warm-up", action="store_true", help="skip the warm-up GPTQ run (peak RSS then counts one-time costs)"
     )
+    parser.add_argument("--max-windows", type=int, default=None, help="gate on at most this many windows")
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration sequences")
     parser.add_argument("--gguf", action="store_true", help="add the GGUF rows through llama.cpp (gguf_quality.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
