@@ -23,12 +23,20 @@ from optkit.compat import matrix
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "docs" / "compatibility.template.md"
 MARKS = {"loads": "✔", "fails": "✘", "by spec": "by spec", "no": "—", "untested": "untested"}
-COLUMNS = (matrix.OPTKIT, matrix.TRANSFORMERS, "transformers, dequantize=True", matrix.GPTQMODEL, matrix.VLLM)
+COLUMNS = (
+    matrix.OPTKIT,
+    matrix.TRANSFORMERS,
+    "transformers, dequantize=True",
+    matrix.GPTQMODEL,
+    matrix.VLLM,
+    matrix.LLAMA_CPP,
+)
 
 
 def run_tests(results: Path) -> None:
     env = {**os.environ, "OPTKIT_COMPAT_RESULTS": str(results)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/compat/test_matrix.py"]
+    tests = ["tests/compat/test_matrix.py", "tests/compat/test_llama_cpp_column.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 

@@ -15,7 +15,8 @@ TRANSFORMERS = "transformers (+ compressed-tensors)"
 GPTQMODEL = "transformers + gptqmodel"
 OPTKIT = "optkit runtime"
 VLLM = "vLLM"
-LOADERS = (OPTKIT, TRANSFORMERS, GPTQMODEL, VLLM)
+LLAMA_CPP = "llama.cpp"  # GGUF files only (quant/formats/gguf.py)
+LOADERS = (OPTKIT, TRANSFORMERS, GPTQMODEL, VLLM, LLAMA_CPP)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class ArtifactKind:
     type: str = "int"  # the weights' numbers: int, float (FP8 E4M3) or nf4
 
     def describe(self) -> str:
+        if self.format == "gguf":
+            return f"gguf {'Q8_0' if self.bits == 8 else 'Q4_0' if self.symmetric else 'Q4_1'}"
         if self.w8a8:
             return f"{self.format} W8A8 {'fp8' if self.type == 'float' else 'int8'}"
         if self.type == "nf4":
@@ -202,6 +205,8 @@ def expected_status(
 ) -> str:
     """What the matrix expects: "loads", "fails" (a known breakage), "by spec", "no" (the loader
     does not read this kind) or "untested". `model_type`: the artifact's family, where it matters."""
+    if kind.format == "gguf" or loader == LLAMA_CPP:  # llama.cpp reads GGUF, and nothing else does
+        return "loads" if kind.format == "gguf" and loader == LLAMA_CPP else "no"
     if kind.format == "compressed-tensors" and family_breakages(model_type, loader, versions):
         return "fails"
     if loader == OPTKIT:
@@ -233,6 +238,8 @@ def kind_from_quant_config(quant_config: dict) -> ArtifactKind:
         )
     if method == "bitsandbytes":
         return ArtifactKind("bitsandbytes", 4, True, type=quant_config.get("bnb_4bit_quant_type", "nf4"))
+    if method == "gguf":
+        return ArtifactKind("gguf", quant_config["bits"], quant_config["sym"])
     if method == "gptq":
         return ArtifactKind("gptq", quant_config["bits"], quant_config.get("sym", True))
     if method == "awq":
