@@ -14,6 +14,7 @@ the caller keeps the dequantize-then-matmul reference. Activations are cast to b
 back, so the result equals the reference within bf16's precision (~3e-3 relative), not bit for bit.
 """
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -37,8 +38,11 @@ class Int4Packed:
     out_features: int
 
 
+_reference_only = 0  # > 0 inside `reference_only()`
+
+
 @functools.cache
-def available() -> bool:
+def _kernel_exists() -> bool:
     """The ops exist in this torch build, and OPTKIT_CPU_INT4 is not set to 0 (for A/B runs)."""
     ops = torch.ops.aten
     return (
@@ -46,6 +50,22 @@ def available() -> bool:
         and hasattr(ops, "_weight_int4pack_mm_for_cpu")
         and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
     )
+
+
+def available() -> bool:
+    return _reference_only == 0 and _kernel_exists()
+
+
+@contextlib.contextmanager
+def reference_only():
+    """W4A16 layers run the dequantize-then-matmul reference inside this block: for checks of an
+    artifact's semantics (the compatibility matrix) rather than of this kernel's rounding."""
+    global _reference_only
+    _reference_only += 1
+    try:
+        yield
+    finally:
+        _reference_only -= 1
 
 
 def _contiguous_groups(g_idx: torch.Tensor | None, in_features: int, groups: int) -> tuple[torch.Tensor | None, str]:
