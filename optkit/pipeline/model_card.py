@@ -22,9 +22,13 @@ def model_card(recipe, manifest: dict, gate: dict, verdict: str) -> str:
     )
     groups = "per channel" if scheme.group_size == -1 else f"group size {scheme.group_size}"
     symmetry = "symmetric" if scheme.symmetric else "asymmetric"
-    weights = (
-        "int8 weights and activations (W8A8)" if q.activations else f"{scheme.bits}-bit weights, {groups}, {symmetry}"
-    )
+    if q.activations:
+        weights = f"{'FP8 E4M3' if scheme.type == 'float' else 'int8'} weights and activations (W8A8)"
+    elif scheme.type == "nf4":
+        nested = ", double-quantized scales" if scheme.double_quant else ""
+        weights = f"NF4 weights, blocks of {scheme.group_size}{nested}"
+    else:
+        weights = f"{scheme.bits}-bit weights, {groups}, {symmetry}"
     return f"""# {recipe.output.rstrip("/").split("/")[-1]}
 
 **{status}.**
