@@ -71,6 +71,7 @@ def toy_plugins():
 def test_a_registered_method_and_format_run_end_to_end(toy_plugins, run_cli, tmp_path, draft_dir):
     from optkit.gate.evaluate import evaluate
     from optkit.gate.options import GateOptions
+    from optkit.kernels import cpu_int4
     from optkit.modeldir import read_config, read_tensors
     from optkit.models.loader import load_runtime_model
     from optkit.quant.formats.load import load_model
@@ -94,7 +95,8 @@ def test_a_registered_method_and_format_run_end_to_end(toy_plugins, run_cli, tmp
     sequence = list(range(1, 40))
     with torch.no_grad():
         expected = reference(torch.tensor([sequence])).logits[0].float()
-    (got,) = run_paged(runtime, [sequence], whole_prefills([len(sequence)]))
+    with cpu_int4.reference_only():  # the format's semantics, exactly (the int4 kernel: tests/models/test_loader.py)
+        (got,) = run_paged(runtime, [sequence], whole_prefills([len(sequence)]))
     assert (got - expected).abs().max().item() < 1e-4
 
     result = evaluate(artifact, draft_dir, GateOptions(max_windows=4, max_kld=1.0, max_ppl_increase=100, min_top1=0))
