@@ -77,3 +77,17 @@ def test_pack_refuses_integers_outside_the_block_type():
     q = torch.full((1, 32), 9, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         gguf_blocks.pack("Q4_0", q, torch.ones(1, 1, dtype=torch.float16))
+
+
+def test_awq_searches_onto_the_q4_1_grid_the_blocks_hold():
+    """AWQ's clipping search and its fake quantization round onto fp16 scales and minima: what it
+    measures is what Q4_1 blocks store."""
+    from optkit.quant import awq
+
+    torch.manual_seed(3)
+    w, x = torch.randn(4, 64), torch.randn(128, 64)
+    scheme = SCHEMES["Q4_1"]
+    clipped = awq.clip(w, awq.search_clip(w, x, scheme, steps=4))
+    qw = rtn_quantize(clipped, scheme)
+    data = gguf_blocks.pack("Q4_1", qw.q, qw.scale, qw.zero_point)
+    assert torch.equal(gguf_blocks.dequantize("Q4_1", data, 64), awq.fake_quantize(clipped, scheme))
