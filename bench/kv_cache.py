@@ -41,11 +41,11 @@ def quality(model: str, max_windows: int | None) -> list[dict]:
 def capacity(model: str, blocks: int) -> list[dict]:
     path = resolve_model_dir(model)
     ids = load_tokenizer(path).encode(" ".join(["the quick brown fox jumps over the lazy dog"] * 400))
-    prompts = [ids[i * 50 : i * 50 + 46] for i in range(64)]  # with 2 new tokens: 3 blocks of 16 each
+    prompts = [ids[i * 50 : i * 50 + 46] for i in range(32)]  # with 2 new tokens: 3 blocks of 16 each
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     rows = []
     for kv_dtype in ("auto", "int8"):
-        config = EngineConfig(dtype="bfloat16", kv_cache_blocks=blocks, max_num_seqs=64,
+        config = EngineConfig(dtype="bfloat16", kv_cache_blocks=blocks, max_num_seqs=32,
                               max_num_batched_tokens=4096, kv_cache_dtype=kv_dtype)  # fmt: skip
         engine = LLMEngine(path, config)
         for i, prompt in enumerate(prompts):
@@ -66,10 +66,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--max-windows", type=int, default=None)
-    parser.add_argument("--blocks", type=int, default=48, help="--kv-cache-blocks of the capacity rows")
+    parser.add_argument("--blocks", type=int, default=24, help="--kv-cache-blocks of the capacity rows")
+    parser.add_argument(
+        "--capacity-model", default="draft", help="the model of the capacity rows (bf16 on CPU is slow)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = {"capacity": capacity(args.model, args.blocks), "quality": quality(args.model, args.max_windows)}
+    result = {"capacity": capacity(args.capacity_model, args.blocks), "quality": quality(args.model, args.max_windows)}
     if args.json:
         print(json.dumps(result, indent=2))
         return
