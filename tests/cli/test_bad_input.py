@@ -233,7 +233,7 @@ def test_w8a8_with_a_weight_only_format(run_cli, tmp_path, draft_dir):
     "args,fragment",
     [
         (("--alpha", "1.5"), "--alpha 1.5 is invalid"),
-        (("--bits", "4"), "int8 per output channel"),
+        (("--bits", "4"), "quantizes to w8 per-channel sym"),
         (("--act-quant", "sometimes"), "--act-quant 'sometimes'"),
     ],
 )
