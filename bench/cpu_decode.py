@@ -61,7 +61,7 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from optkit.modeldir import resolve_model_dir
-    from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.calibration_data import CalibrationOptions
     from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.quant.smoothquant import W8_PER_CHANNEL
     from optkit.weights.schemes import WeightScheme

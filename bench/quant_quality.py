@@ -39,7 +39,7 @@ from optkit.memory import PeakMemory
 from optkit.modeldir import resolve_model_dir, weight_files
 from optkit.quant import methods
 from optkit.quant.awq_layer import AWQOptions
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme

@@ -73,7 +73,7 @@ def quantize(
     require_supported(model)
     from optkit.errors import OptkitError
     from optkit.quant import methods
-    from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.calibration_data import CalibrationOptions
     from optkit.quant.moe import MOE_CALIBRATION
 
     if moe_calibration not in MOE_CALIBRATION:

@@ -8,7 +8,7 @@ from optkit.errors import OptkitError
 
 def sampled_starts(num_tokens: int, seq_len: int, num_samples: int, seed: int) -> torch.Tensor:
     """The start of each of `num_samples` windows of `seq_len` tokens drawn at seeded random offsets
-    of a stream of `num_tokens`: the draw `quant/calibrate.calibration_data` makes (a test holds
+    of a stream of `num_tokens`: the draw `quant/calibration_data.calibration_data` makes (a test holds
     the two to the same windows)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, num_tokens - seq_len + 1, (num_samples,), generator=generator)

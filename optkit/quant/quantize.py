@@ -32,7 +32,8 @@ from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_m
 from optkit.progress import progress_bar
 from optkit.quant import methods, rtn
 from optkit.quant.awq_layer import AWQOptions
-from optkit.quant.calibrate import CalibrationOptions, LayerResult, calibrate_layerwise, calibration_data
+from optkit.quant.calibrate import LayerResult, calibrate_layerwise
+from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats import format_names, get_format
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.smoothquant_layer import SmoothQuantOptions

@@ -18,7 +18,7 @@ from optkit.compat.matrix import ArtifactKind
 from optkit.compat.transformers_load import check_transformers_load
 from optkit.compat.vllm_spec import check_vllm_spec
 from optkit.quant.awq_layer import AWQOptions
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.fp8 import FP8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL

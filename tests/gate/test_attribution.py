@@ -36,7 +36,7 @@ def test_heldout_windows_are_the_calibration_draw_complement(draft_dir):
     from optkit.data.eval_sets import load_text_set
     from optkit.data.packing import tokenize_stream
     from optkit.modeldir import load_tokenizer
-    from optkit.quant.calibrate import CalibrationOptions, calibration_data
+    from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 
     tokenizer = load_tokenizer(draft_dir)
     options = CalibrationOptions(num_samples=64, seq_len=128, seed=3)

@@ -11,7 +11,7 @@ from optkit.kernels import cpu_int4
 from optkit.kernels.w4a16 import W4A16Linear
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.loader import load_runtime_model
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL

@@ -7,7 +7,7 @@ from optkit.gate.options import GateOptions
 from optkit.modeldir import read_tensors
 from optkit.quant import awq
 from optkit.quant.awq_layer import AWQ_GROUPS
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats import awq as awq_format
 from optkit.quant.formats.load import load_model
 from optkit.quant.procedures import fold_scale

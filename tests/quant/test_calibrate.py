@@ -6,15 +6,14 @@ from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
 from optkit.modeldir import load_tokenizer
 from optkit.quant.calibrate import (
-    CalibrationOptions,
     LayerStream,
     LayerWork,
-    calibration_data,
     capture_hessians,
     capture_inputs,
     run_layer,
     sequential_groups,
 )
+from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats.load import load_model
 
 

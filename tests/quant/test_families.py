@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from optkit.gate.metrics import full_kld
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme

@@ -13,7 +13,7 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear
 from optkit.models.loader import load_runtime_model
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
 from optkit.quant.fp8 import FP8_PER_CHANNEL, fp8_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model

@@ -8,7 +8,7 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.modeldir import read_tensors
 from optkit.quant import formats
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats import gptq as gptq_format
 from optkit.quant.gptq import GPTQOptions, accumulate_hessian, empty_hessian, gptq_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from optkit.compat.vllm_spec import check_vllm_spec, moe_problems
 from optkit.gate.metrics import full_kld
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.plan import plan_quantization
 from optkit.quant.quantize import QuantizeOptions, quantize_model

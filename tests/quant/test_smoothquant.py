@@ -8,7 +8,7 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.quant import smoothquant as sq
-from optkit.quant.calibrate import CalibrationOptions
+from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
 from optkit.quant.procedures import fold_scale
 from optkit.quant.quantize import QuantizeOptions, quantize_model

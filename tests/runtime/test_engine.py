@@ -66,7 +66,7 @@ def test_greedy_matches_transformers_on_20_prompts(small_dir, heldout_ids):
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_quantized_artifact_greedy_matches_transformers(tmp_path, small_dir, heldout_ids, method):
     pytest.importorskip("compressed_tensors")
-    from optkit.quant.calibrate import CalibrationOptions
+    from optkit.quant.calibration_data import CalibrationOptions
     from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.weights.schemes import WeightScheme
 
