@@ -214,36 +214,6 @@ def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, wo
     return repaired, kept
 
 
-def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult):
-    """Repair the artifact the gate rejected (pipeline/repair.py) into work/repaired; returns the
-    artifact and manifest to package, and sets the run's gate result and verdict to the repaired's."""
-    from optkit.pipeline.repair import publish, repair
-
-    start = time.perf_counter()
-    inputs = _digest({"artifact": manifest["files"], "gate": recipe.gate.model_dump()})
-    repaired = work / "repaired"
-    done = _record(work, "repair")
-    kept = read_manifest(repaired) if repaired.exists() else None
-    if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
-        result.stages.append({"stage": "repair", "status": "skipped", "seconds": 0.0})
-    else:
-        steps = work / "repair-steps"
-        shutil.rmtree(steps, ignore_errors=True)
-        steps.mkdir()
-        outcome = repair(artifact, base, recipe.gate, steps)
-        if outcome.artifact == artifact:  # it passed on a second look: package a copy, keep the stage's
-            shutil.copytree(artifact, steps / "as-is")
-            outcome.artifact = steps / "as-is"
-        publish(outcome.artifact, repaired)
-        shutil.rmtree(steps, ignore_errors=True)
-        kept = read_manifest(repaired)
-        _write_record(work, "repair", {"inputs": inputs})
-        result.stages.append({"stage": "repair", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
-    result.gate = kept["gate"]
-    result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
-    return repaired, kept
-
-
 def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, result: RunResult) -> dict | None:
     """Warm the artifact (`optkit compile`) into this machine's compile cache; returns the warm-up
     record for the release's manifest, or None when the gate rejected the artifact."""
