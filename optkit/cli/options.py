@@ -53,8 +53,8 @@ KvCacheDtype = Annotated[
     str | None,
     _engine_option(
         "kv_cache_dtype",
-        "KV cache: auto (the model's dtype), int8 or fp8 (8 bits, a scale per token and KV head; "
-        "--kv-cache-blocks then counts blocks at the model's dtype, which hold about twice as many).",
+        "KV cache: auto (the model's dtype), int8 or fp8 (8 bits, a scale per block and KV head; "
+        "--kv-cache-blocks then counts blocks at the model's dtype: twice as many at 16 bits).",
     ),
 ]
 EnforceEager = Annotated[

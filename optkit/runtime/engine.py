@@ -48,7 +48,7 @@ class EngineStats:
     num_prefix_cache_hit_tokens: int
     num_generation_tokens: int
     num_preemptions: int
-    kv_cache_bytes_per_token: int = 0  # K and V of one token in every layer (the 8-bit cache's scales included)
+    kv_cache_bytes_per_token: float = 0.0  # K and V of one token in every layer (8-bit: block scales included)
     # speculative decoding (zero when off); a step is one sequence's decode step with proposals reserved
     spec_proposer: str | None = None  # "ngram" or "draft"
     num_spec_steps: int = 0
@@ -90,9 +90,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.model.set_context_limit(self.max_model_len)  # LongRoPE's factors follow it (docs/runtime.md)
         full_block = kv_bytes_per_block(self.model, config.block_size)  # at the model's dtype
-        block = kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype)
-        if config.kv_cache_blocks:  # the memory of that many blocks at the model's dtype
-            num_blocks = max(1, config.kv_cache_blocks * full_block // block)
+        block = kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype)  # 8-bit scales included
+        if config.kv_cache_blocks:  # the data of that many blocks at the model's dtype (8-bit: scales on top)
+            data = kv_bytes_per_block(self.model, config.block_size, config.kv_cache_dtype, scales=False)
+            num_blocks = max(1, config.kv_cache_blocks * full_block // data)
         else:
             num_blocks = _default_num_blocks(config, self.max_model_len, block)
         # a window on every layer (Mistral): blocks that leave it are released (docs/runtime.md)

@@ -24,8 +24,9 @@ class EngineArgs(BaseModel):
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_blocks: int | None = None  # default: max_num_seqs full-length sequences, capped by memory
-    # auto: the model's dtype; int8 / fp8: 8 bits with a scale per token and KV head (kernels/kv_cache.py).
-    # kv_cache_blocks counts blocks at the model's dtype: an 8-bit cache holds as many more as fit there.
+    # auto: the model's dtype; int8 / fp8: 8 bits with a scale per block and KV head (kernels/kv_cache.py).
+    # kv_cache_blocks counts blocks at the model's dtype: an 8-bit cache gets the blocks that data fits
+    # (2N at 16 bits), its scale side table (0.4% at head_dim 64) on top.
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True

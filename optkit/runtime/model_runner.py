@@ -81,7 +81,9 @@ class ModelRunner:
         shape = kv_cache_shape(model.config, num_blocks, block_size)
         # plain tensors of the activation dtype, or 8-bit caches (kernels/kv_cache.py)
         self.kv_caches = kv_cache.allocate(model.config.num_hidden_layers, shape, kv_cache_dtype, dtype, self.device)
-        self.kv_bytes_per_token = kv_bytes_per_block(model, 1, kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        # an 8-bit cache's per-block scales included, spread over the block's tokens
+        self.kv_bytes_per_token = kv_bytes_per_block(model, block_size, kv_cache_dtype) / block_size
 
     def capture_decode_graphs(
         self, max_num_seqs: int, max_model_len: int, enforce_eager: bool, torch_compile: bool = False
@@ -94,6 +96,8 @@ class ModelRunner:
                 raise OptkitError("--torch-compile needs --device cuda: on CPU the engine runs eagerly")
             forward = torch.compile(self.model, dynamic=False)
         reason = graphs_unavailable_reason(self.device, enforce_eager)
+        if reason is None and self.kv_cache_dtype != "auto":
+            reason = f"--kv-cache-dtype {self.kv_cache_dtype} (the 8-bit cache runs the PyTorch attention path)"
         if reason is not None:
             self.graphs = None
             return f"CUDA graphs off: {reason}"
@@ -118,12 +122,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto", *, scales: bool = True) -> int:
+    """K and V bytes of one block in every layer; an 8-bit cache's scale side table included unless
+    `scales` is False (kernels/kv_cache.py)."""
     config = model.config
-    per_token = kv_cache.bytes_per_token(
-        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_cache_dtype, _activation_dtype(model)
-    )
-    return per_token * block_size
+    return kv_cache.bytes_per_block(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, block_size, kv_cache_dtype,
+        _activation_dtype(model), scales=scales,
+    )  # fmt: skip
 
 
 def _activation_dtype(model: CausalLM) -> torch.dtype:
