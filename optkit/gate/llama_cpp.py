@@ -2,6 +2,7 @@
 llama.cpp itself through llama-cpp-python (the optional extra `optkit[gguf]`), so a .gguf is judged
 by the runtime that will serve it (its CPU dot products quantize activations to 8 bits)."""
 
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +12,27 @@ import torch
 from optkit.errors import OptkitError
 
 INSTALL_HINT = "pip install 'optkit[gguf]' (llama-cpp-python, built from source)"
+
+
+def idle_cores() -> int:
+    """The cores no other process keeps busy (this one's own share counted free), at least 1.
+
+    ggml's threads meet at a spinning barrier after every operation: when the cores are shared, one
+    descheduled thread stalls the rest. Measured on 2 shared cores (load average 5-7) with small's
+    Q4_0 file, 16 heldout windows: 1.2-1.4 s with 1 thread, 5-14 s with 2 (docs/results.md, GGUF).
+    The thread count does not change llama.cpp's logits (each row's dot product is one thread's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, min(cores, cores - round(busy) + 1))
+
+
+def _threads_from_env() -> int | None:
+    value = os.environ.get("OPTKIT_LLAMA_CPP_THREADS")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise OptkitError(f"OPTKIT_LLAMA_CPP_THREADS={value!r}: give a positive number of threads, or unset it")
+    return int(value)
 
 
 def llama_cpp_available() -> bool:
@@ -23,17 +45,26 @@ def llama_cpp_available() -> bool:
 
 class LlamaCppModel:
     """`model(tokens).logits` as a transformers model answers it: tokens [B, T] -> logits [B, T, V]
-    (float32), each row evaluated from an empty context."""
+    (float32), each row evaluated from an empty context. n_threads: llama.cpp's threads (None: the
+    environment's OPTKIT_LLAMA_CPP_THREADS, else `idle_cores()` when the file is loaded)."""
 
-    def __init__(self, path: str | Path, n_ctx: int = 2048):
+    def __init__(self, path: str | Path, n_ctx: int = 2048, n_threads: int | None = None):
         try:
             from llama_cpp import Llama
         except ImportError as e:
             raise OptkitError(f"evaluating a .gguf runs llama.cpp: {INSTALL_HINT}") from e
         self.n_ctx = n_ctx
+        self.n_threads = n_threads or _threads_from_env() or idle_cores()
         try:
             self.llm = Llama(
-                model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,
+                n_threads=self.n_threads,
+                n_threads_batch=self.n_threads,
+                logits_all=True,
+                verbose=False,
             )
         except (ValueError, RuntimeError) as e:
             raise OptkitError(f"llama.cpp cannot load {path} ({e}): re-create it with optkit quantize") from e

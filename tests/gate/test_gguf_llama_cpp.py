@@ -4,13 +4,15 @@ calibration pays in llama.cpp, and `optkit eval model.gguf` gates through it."""
 
 import json
 import math
+import os
 
 import pytest
 import torch
 
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
-from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
+from optkit.errors import OptkitError
+from optkit.gate.llama_cpp import LlamaCppModel, idle_cores, llama_cpp_available
 from optkit.modeldir import load_tokenizer, resolve_model_dir
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats.gguf_read import write_model_dir
@@ -90,6 +92,26 @@ def test_llama_cpp_agrees_with_optkits_runtime_on_the_same_weights(files, tmp_pa
     print(f"{name}: top-1 agreement {100 * top1:.2f}%, ppl ratio {ppl_ratio:.4f}")
     assert top1 >= 0.98
     assert abs(ppl_ratio - 1) <= 0.01
+
+
+def test_llama_cpps_logits_do_not_depend_on_its_thread_count(files, monkeypatch):
+    """The gate picks llama.cpp's threads by the idle cores (gate/llama_cpp.idle_cores): a verdict
+    must not depend on how busy the machine was."""
+    windows = heldout_windows(2)
+    logits = []
+    for threads in (1, 2):
+        llama = LlamaCppModel(files["rtn-Q4_0"], n_ctx=SEQ_LEN, n_threads=threads)
+        logits.append(llama(windows).logits)
+        llama.close()
+    assert torch.equal(logits[0], logits[1])
+    monkeypatch.setenv("OPTKIT_LLAMA_CPP_THREADS", "3")
+    llama = LlamaCppModel(files["rtn-Q4_0"], n_ctx=SEQ_LEN)
+    assert llama.n_threads == 3
+    llama.close()
+    monkeypatch.setenv("OPTKIT_LLAMA_CPP_THREADS", "many")
+    with pytest.raises(OptkitError, match="OPTKIT_LLAMA_CPP_THREADS='many': give a positive number"):
+        LlamaCppModel(files["rtn-Q4_0"], n_ctx=SEQ_LEN)
+    assert 1 <= idle_cores() <= (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
