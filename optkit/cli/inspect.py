@@ -1,5 +1,6 @@
 """`optkit inspect`: what an artifact is and how much each layer lost."""
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -8,13 +9,19 @@ from optkit.cli.options import JsonFlag, console, print_json, print_table, requi
 
 
 def inspect(
-    artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit.")],
+    artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit, or a .gguf file.")],
     json_output: JsonFlag = False,
 ) -> None:
-    """Show an artifact's manifest and per-layer quantization error.
+    """Show an artifact's manifest and per-layer quantization error; for a .gguf (any, not only
+    optkit's): its architecture, hyperparameters, tokenizer, chat template, tensors by type and shape.
 
-    Example: optkit inspect out/small-w4 --json
+    Example: optkit inspect out/small-w4 --json ; optkit inspect model.gguf
     """
+    from optkit.cli.gguf_file import inspect_gguf, is_file_argument
+
+    if is_file_argument(artifact):
+        inspect_gguf(Path(artifact), json_output)
+        return
     require_supported(artifact)
     from rich.table import Table
 

@@ -1,5 +1,6 @@
 """`optkit verify`: recheck an artifact against its manifest."""
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -8,19 +9,30 @@ from optkit.cli.options import JsonFlag, console, print_json, require_supported
 
 
 def verify(
-    artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit.")],
+    artifact: Annotated[str, typer.Argument(help="Artifact directory written by optkit, or a .gguf file.")],
     load: Annotated[
         str | None,
-        typer.Option(help="Also load it in this loader and compare logits with optkit's runtime: transformers."),
+        typer.Option(
+            help="Also load it in this loader: transformers (compares logits with optkit's runtime); "
+            "llama.cpp for a .gguf (the default when llama-cpp-python is installed)."
+        ),
     ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Recheck the sha256 of every file listed in optkit.json; exit 1 naming any that differ.
     With --load transformers, also exit 1 when transformers loads it with missing, unexpected or
     re-initialised keys, or with logits beyond tolerance of optkit's runtime.
+    A .gguf (any, not only optkit's): exit 2 naming each problem when it is truncated, not GGUF, lacks
+    metadata or tensors llama.cpp needs for its architecture, or has blocks that decode to NaN/inf, or
+    (with llama-cpp-python installed) when llama.cpp cannot load it.
 
-    Example: optkit verify out/small-gptq-w4 --load transformers
+    Example: optkit verify out/small-gptq-w4 --load transformers ; optkit verify model.gguf
     """
+    from optkit.cli.gguf_file import is_file_argument, verify_gguf
+
+    if is_file_argument(artifact):
+        verify_gguf(Path(artifact), load, json_output)
+        return
     require_supported(artifact)
     from optkit.errors import OptkitError
     from optkit.manifest import read_manifest, verify_files
