@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU kernel takes, largest first
-# Above this many rows (prompt tokens) the dequantize-then-matmul reference is faster on the 2-core
-# AVX-512 machines (1536x576 weight: 8.4 ms against 13.5 ms at 512 rows; 3.6 ms against 1.7 ms at 64).
-MAX_KERNEL_ROWS = 256
+# Above this many rows (prompt tokens) dequantizing once into a scratch buffer and running the fp32
+# GEMM (W4A16Linear._dequantize_fast) is faster: the kernel's time grows by a GEMV's per row
+# (2048x768 weight, one thread: ~45 us a row up to 32 rows, jumping to 6-10 ms from 48) while the
+# dequantization costs ~1 ms once and the fp32 GEMM ~22 us a row.
+MAX_KERNEL_ROWS = 32
 NAME = "cpu-int4 (aten _weight_int4pack_mm_for_cpu, bf16 activations)"
 
 
@@ -117,7 +119,7 @@ def pack(
 def int4_linear(x: torch.Tensor, packed: Int4Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., N] in x's dtype."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])  # the runtime's [T, K] needs no reshape
     if packed.perm is not None:
         x2 = x2.index_select(1, packed.perm)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -126,4 +128,4 @@ def int4_linear(x: torch.Tensor, packed: Int4Packed, bias: torch.Tensor | None =
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*shape[:-1], packed.out_features)
+    return y if x.dim() == 2 else y.reshape(*shape[:-1], packed.out_features)

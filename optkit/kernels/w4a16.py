@@ -12,8 +12,13 @@ triton imports and the layer's groups are contiguous (or act-order groups of equ
 it runs PyTorch's int4 kernel (optkit/kernels/cpu_int4.py: bits <= 4, groups of 32 columns or a
 multiple, act-order permuted once) for up to `cpu_int4.MAX_KERNEL_ROWS` rows, repacked once
 (`prepare`, called by the loader). The dequantize-then-matmul below is the path everywhere else;
-`kernel_for` names the path a layer takes.
+`kernel_for` names the path a layer takes. For 4-bit fields without act-order it dequantizes into a
+per-thread scratch buffer (`_dequantize_fast`: nibbles split as uint8, then (u + qmin - z) · s in
+float32), bit-identical to `dequantize` and 5-10x faster, with no allocation per call.
 """
+
+import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,18 @@ from optkit.kernels import cpu_int4
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.weights.packing import field_bits, pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight, dequantize
+
+_scratch_buffers = threading.local()  # per thread: a forward runs its layers one after another
+
+
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of `numel` elements that every layer this thread runs reuses (grown as needed):
+    a fresh multi-MB tensor per call costs page faults and more than the dequantization itself."""
+    buf = getattr(_scratch_buffers, name, None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        setattr(_scratch_buffers, name, buf)
+    return buf[:numel]
 
 
 class W4A16Linear(torch.nn.Module):
@@ -55,6 +72,25 @@ class W4A16Linear(torch.nn.Module):
             qweight = pack_int32(qw.q.to(torch.int64) - qw.scheme.qmin, width)
         return cls(qweight, qw.scale, qw.zero_point, bits, qw.q.shape[1], qw.g_idx, bias)
 
+    def _layout(self) -> tuple:
+        g_idx = None if self.g_idx is None else tuple(self.g_idx.tolist())
+        return self.bits, self.in_features, self.scale.shape[1], self.scale.dtype, self.bias is None, g_idx
+
+    @classmethod
+    def concatenate(cls, layers: list["W4A16Linear"]) -> "W4A16Linear | None":
+        """One layer computing `layers`' outputs side by side (their rows stacked), for linears that read
+        the same input (models/fusion.py); None unless their bits, groups, act-order and bias agree.
+        The storage is per output row, so the rows concatenate as they are."""
+        first = layers[0]
+        if any(type(m) is not cls or m._layout() != first._layout() for m in layers):
+            return None
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(m, name) for m in layers])
+
+        bias = None if first.bias is None else cat("bias")
+        return cls(cat("qweight"), cat("scale"), cat("zero_point"), first.bits, first.in_features, first.g_idx, bias)
+
     def int_weight(self) -> torch.Tensor:
         """The signed integer weight q [out, in] (int32 for packed storage, else int8)."""
         width = field_bits(self.bits)
@@ -66,17 +102,69 @@ class W4A16Linear(torch.nn.Module):
         """Ŵ [out, in] in `dtype`: the float32 math of `QuantizedWeight.dequantize`, then a cast."""
         return dequantize(self.int_weight(), self.scale, self.zero_point, self.g_idx).to(dtype)
 
+    def _fast_dequantize_terms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(qmin - z, s), float32 [out, G, 1], when `_dequantize_fast` applies to this layout (4-bit
+        fields in whole little-endian words, groups in column order); cached like `cpu_packed`."""
+        key = self._buffers_key()
+        cached = self.__dict__.get("_fast_terms")
+        if cached is None or cached[0] != key:
+            fits = (
+                field_bits(self.bits) == 4
+                and self.g_idx is None
+                and self.in_features % 8 == 0
+                and self.qweight.is_contiguous()
+                and sys.byteorder == "little"
+            )
+            terms = None
+            if fits:
+                offset = (-(1 << (self.bits - 1)) - self.zero_point.float()).unsqueeze(-1)  # qmin - z
+                terms = (offset, self.scale.float().unsqueeze(-1))
+            cached = (key, terms)
+            self.__dict__["_fast_terms"] = cached
+        return cached[1]
+
+    def _dequantize_fast(self) -> torch.Tensor | None:
+        """Ŵ [out, in] in float32, in this thread's scratch buffer (valid until its next call), equal
+        to `dequantized_weight()` bit for bit; None where the layout or autograd needs that instead."""
+        if torch.is_grad_enabled():
+            return None  # autograd would keep a buffer that the next layer overwrites
+        terms = self._fast_dequantize_terms()
+        if terms is None:
+            return None
+        offset, scale = terms
+        out_features, in_features, device = self.out_features, self.in_features, self.qweight.device
+        # byte i of a row holds columns 2i (low nibble) and 2i + 1 (high nibble): u = q - qmin
+        packed = self.qweight.view(torch.uint8)  # [out, in / 2]
+        low = _scratch("low", packed.numel(), torch.uint8, device).view_as(packed)
+        high = _scratch("high", packed.numel(), torch.uint8, device).view_as(packed)
+        torch.bitwise_and(packed, 15, out=low)
+        torch.bitwise_right_shift(packed, 4, out=high)
+        u = _scratch("u", out_features * in_features, torch.uint8, device).view(out_features, in_features // 2, 2)
+        torch.stack((low, high), dim=-1, out=u)
+        groups = scale.shape[1]
+        weight = _scratch("weight", u.numel(), torch.float32, device).view(out_features, groups, -1)
+        weight.copy_(u.view(out_features, groups, -1))
+        # (u + (qmin - z)) · s: u + qmin - z is a small integer, exact in float32, so this is
+        # dequantize()'s (q - z) · s to the bit
+        weight.add_(offset).mul_(scale)
+        return weight.view(out_features, in_features)
+
+    def _buffers_key(self) -> tuple:
+        """Changes when a buffer is replaced or modified in place. From the buffers dict, not
+        Module.__getattr__: this runs at every call and must cost ~1 µs."""
+        b = self._buffers
+        # inference tensors have no version counter (they cannot change outside inference mode)
+        return tuple(
+            None if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
+            for t in (b["qweight"], b["scale"], b["zero_point"], b["g_idx"])
+        )
+
     def cpu_packed(self) -> cpu_int4.Int4Packed | str:
         """The CPU int4 kernel's layout of this layer, packed once and cached until its buffers change;
         or why the kernel cannot take it."""
         if not cpu_int4.available():
             return "OPTKIT_CPU_INT4=0 or no int4 kernel in this torch"
-        b = self._buffers  # not Module.__getattr__: this runs at every call, the key must cost ~1 µs
-        # inference tensors have no version counter (they cannot change outside inference mode)
-        key = tuple(
-            None if t is None else (id(t), t.data_ptr(), None if t.is_inference() else t._version)
-            for t in (b["qweight"], b["scale"], b["zero_point"], b["g_idx"])
-        )
+        key = self._buffers_key()
         cached = self.__dict__.get("_cpu_int4")
         if cached is None or cached[0] != key:
             if self.qweight.device.type != "cpu":
@@ -114,7 +202,10 @@ class W4A16Linear(torch.nn.Module):
             packed = self.cpu_packed()
             if not isinstance(packed, str):
                 return cpu_int4.int4_linear(x, packed, bias)
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        weight = self._dequantize_fast()
+        if weight is None:
+            weight = self.dequantized_weight(x.dtype)
+        return F.linear(x, weight.to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         groups = self.scale.shape[1]

@@ -88,6 +88,30 @@ class W8A8Linear(torch.nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
+    @classmethod
+    def concatenate(cls, layers: list["W8A8Linear"]) -> "W8A8Linear | None":
+        """One layer computing `layers`' outputs side by side, for linears that read the same input
+        (models/fusion.py): the input is quantized once. None unless their static input scales (or
+        dynamic) and bias agree. Per-channel weight scales make the result equal to the parts'."""
+        first = layers[0]
+
+        def same(m: "W8A8Linear") -> bool:
+            scales = (m.input_scale, first.input_scale)
+            return (
+                type(m) is cls
+                and m.in_features == first.in_features
+                and (m.bias is None) == (first.bias is None)
+                and (scales[0] is None) == (scales[1] is None)
+                and (scales[0] is None or torch.equal(*scales))
+            )
+
+        if not all(same(m) for m in layers):
+            return None
+        weight = torch.cat([m.weight_t.t() for m in layers])  # [sum of out, in]
+        bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+        scale = torch.cat([m.weight_scale for m in layers])
+        return cls(weight, scale, bias, first.input_scale)
+
     def prepare(self) -> None:
         """On the CPU, store weight_t column-major (the same [in, out] values, the storage of [out, in]):
         `torch._int_mm` at one row takes 0.22 ms against 0.78 ms row-major for a 2048x2048 weight."""

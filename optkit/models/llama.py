@@ -43,6 +43,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
         # after it (Olmo2RMSNorm)
+        if x.dtype == torch.float32 and not self.offset:
+            # the same float32 operations in one call (in bf16, F.rms_norm scales before its cast)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -91,6 +94,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one linear once fused (models/fusion.py)
+        self.qkv_sizes = (q_size, kv_size, kv_size)
         self.qk_norm = config.qk_norm
         if config.qk_norm == "head":
             self.q_norm, self.k_norm = make_norm(config, self.head_dim), make_norm(config, self.head_dim)
@@ -99,7 +104,20 @@ class Attention(nn.Module):
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, hidden] -> q [T, Hq·D], k and v [T, Hkv·D] (models/phi3.py: from one fused linear)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(h).split(self.qkv_sizes, dim=-1)
         return self.q_proj(h), self.k_proj(h), self.v_proj(h)
+
+    def fuse_projections(self, concatenate) -> int:
+        """q_proj, k_proj and v_proj -> qkv_proj (rows [q | k | v]) where `concatenate` can join them."""
+        if "q_proj" not in self._modules:
+            return 0  # already fused, or fused in the checkpoint (Phi-3)
+        fused = concatenate([self.q_proj, self.k_proj, self.v_proj])
+        if fused is None:
+            return 0
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
+        return 1
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
@@ -127,12 +145,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inner, bias=bias)
         self.up_proj = nn.Linear(hidden, inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one linear once fused (models/fusion.py)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"  # Gemma: GeGLU with the tanh approximation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate, up = self.gate_proj(x), None
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))  # SwiGLU (GeGLU)
+        return self.down_proj(gate * (self.up_proj(x) if up is None else up))  # SwiGLU (GeGLU)
+
+    def fuse_projections(self, concatenate) -> int:
+        """gate_proj and up_proj -> gate_up_proj (rows [gate | up]) where `concatenate` can join them."""
+        if "gate_proj" not in self._modules:
+            return 0
+        fused = concatenate([self.gate_proj, self.up_proj])
+        if fused is None:
+            return 0
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = fused
+        return 1
 
 
 class DecoderLayer(nn.Module):

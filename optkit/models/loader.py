@@ -18,6 +18,7 @@ from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.w4a16 import W4A16Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
+from optkit.models.fusion import fuse_projections
 from optkit.models.llama import CausalLM
 from optkit.quant.families import family_for
 
@@ -27,9 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def load_runtime_model(
-    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    name_or_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    fuse: bool = True,
 ) -> CausalLM:
-    """A reference model name (`small`, `draft`) or a model directory, ready to run on `device`."""
+    """A reference model name (`small`, `draft`) or a model directory, ready to run on `device`.
+    `fuse`: q/k/v and gate/up as one matmul each where their layouts agree (models/fusion.py)."""
     path = resolve_model_dir(name_or_path)
     verify_weights(path)
     config_dict = read_config(path)
@@ -58,6 +64,8 @@ def load_runtime_model(
     if missing:
         raise OptkitError(f"{path}: the checkpoint lacks {', '.join(missing[:3])}: re-create or re-download it")
     model = model.to(device).eval().requires_grad_(False)
+    if fuse:
+        fuse_projections(model)
     for module in model.modules():  # quantized layers repack once for this device's kernel
         if hasattr(module, "prepare"):
             module.prepare()

@@ -124,3 +124,59 @@ def test_threads_flag_sets_torch_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scratch_dequantization_is_the_reference_bit_for_bit(bits, group_size, symmetric):
+    """Long prefills dequantize into the thread's scratch buffer: the same weight and output as
+    dequantize(), to the bit, with no copy allocated per call."""
+    layer, weight, bias = layer_and_reference(bits, group_size, symmetric, False)
+    x = torch.randn(cpu_int4.MAX_KERNEL_ROWS + 5, 512)
+    with torch.inference_mode():
+        fast = layer._dequantize_fast()
+        assert fast is not None and torch.equal(fast, weight)
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+        again = layer._dequantize_fast()
+    assert again.data_ptr() == fast.data_ptr()  # the scratch buffer is reused
+
+
+def test_scratch_dequantization_leaves_other_layouts_to_the_reference():
+    for bits, act_order in ((2, False), (8, False), (4, True)):
+        layer, weight, bias = layer_and_reference(bits, 64, True, act_order)
+        with torch.inference_mode():
+            assert layer._dequantize_fast() is None
+            x = torch.randn(cpu_int4.MAX_KERNEL_ROWS + 1, 512)
+            assert torch.equal(layer(x), F.linear(x, weight, bias))
+    layer, _, _ = layer_and_reference(4, 64, True, False)
+    assert layer._dequantize_fast() is None  # autograd on: the buffer would be overwritten under it
+
+
+def test_concatenated_w4a16_layers_compute_their_parts_side_by_side():
+    parts = [layer_and_reference(4, 64, False, False, out_features=n, seed=i)[0] for i, n in enumerate((48, 16, 16))]
+    fused = W4A16Linear.concatenate(parts)
+    assert fused.out_features == 80 and fused.kernel_for("cpu") == cpu_int4.NAME
+    with torch.inference_mode():
+        for rows in (1, 16, cpu_int4.MAX_KERNEL_ROWS + 3):  # the kernel, then the scratch reference
+            x = torch.randn(rows, 512)
+            want = torch.cat([p(x) for p in parts], dim=-1)
+            assert torch.equal(fused(x), want)
+    other = layer_and_reference(3, 64, False, False, out_features=16)[0]
+    assert W4A16Linear.concatenate([parts[0], other]) is None  # 4-bit with 3-bit: kept apart
+    grouped = layer_and_reference(4, 128, False, False, out_features=16)[0]
+    assert W4A16Linear.concatenate([parts[0], grouped]) is None
+
+
+def test_concatenated_w8a8_layers_quantize_the_input_once_and_equal_their_parts():
+    gen = torch.Generator().manual_seed(0)
+
+    def layer(out_features, input_scale=None):
+        weight = torch.randint(-127, 128, (out_features, 96), generator=gen, dtype=torch.int8)
+        return W8A8Linear(weight, torch.rand(out_features, generator=gen) / 100, None, input_scale)
+
+    parts = [layer(64), layer(32)]
+    fused = W8A8Linear.concatenate(parts)
+    x = torch.randn(5, 96, generator=gen)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert W8A8Linear.concatenate([parts[0], layer(32, torch.tensor(0.1))]) is None  # dynamic with static

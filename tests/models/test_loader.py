@@ -104,7 +104,7 @@ def test_quantized_artifact_matches_the_evaluation_loader(artifacts, token_promp
     reference_kernels_only(monkeypatch)
     model = load_runtime_model(path)
     quantized = [m for m in model.modules() if isinstance(m, layer_class)]
-    assert len(quantized) == 7 * model.config.num_hidden_layers  # q k v o gate up down
+    assert len(quantized) == 4 * model.config.num_hidden_layers  # qkv o gate_up down (models/fusion.py)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())  # lm_head is tied
     reference = load_model(path).eval()
     with torch.no_grad():
