@@ -7,9 +7,12 @@ Batch 1: one 64-token prompt, 32 new tokens. Batch 16: mixed prompt lengths (16-
 each (transformers: left-padded). Every figure is the median of interleaved repeats (the runs rotate
 within each repeat); ratios against fp32 are medians of the ratios within each repeat. Also the
 engine's per-step overhead (wall time of a step minus the time inside the model, median over 100
-decode steps at batch 1) and the kernel each quantized layer takes. Models are built and quantized
-once, cached under $OPTKIT_CACHE/bench/cpu_decode. `--isa avx2` reruns under
-ATEN_CPU_CAPABILITY=avx2 (a CPU without AVX-512).
+decode steps at batch 1) and the kernel each quantized layer takes. With llama-cpp-python installed,
+llama.cpp decodes the Q4_0 GGUF of the same weights (symmetric 4-bit g32, `--format gguf`; the tied
+embedding/head stays fp32 as optkit writes it) with the same prompts, new tokens and thread count
+(bench/llama_cpp_decode.py). Models are built and quantized once, cached under
+$OPTKIT_CACHE/bench/cpu_decode. `--isa avx2` reruns under ATEN_CPU_CAPABILITY=avx2 (a CPU without
+AVX-512; llama.cpp is left out there: ggml picks its own instructions).
 
 Usage: python bench/cpu_decode.py [--quick] [--threads N] [--repeats 3] [--head int8] [--isa avx2] [--json out.json]
 """
@@ -23,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))  # bench/llama_cpp_decode.py
+
 SHAPES = {
     "a": dict(hidden_size=768, num_hidden_layers=12, intermediate_size=2048, num_attention_heads=12,
               num_key_value_heads=12, vocab_size=4096),
@@ -32,7 +37,7 @@ SHAPES = {
 PROMPT_LEN, GEN_LEN, BATCH, MIXED = 64, 32, 16, (16, 64)
 OVERHEAD_STEPS = 100
 MAX_MODEL_LEN = PROMPT_LEN + OVERHEAD_STEPS + 8
-RUNS = ("fp32", "bf16", "w4a16", "w8a8", "transformers")
+RUNS = ("fp32", "bf16", "w4a16", "w8a8", "transformers", "llama.cpp")
 
 
 def parse_args():
@@ -68,6 +73,7 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
 
     root = cache_dir() / shape
     paths = {"base": root / "base", "w4a16": root / f"w4a16-g{group_size}", "w8a8": root / "w8a8"}
+    paths["q4_0"] = root / "q4_0.gguf"
     if not (paths["base"] / "config.json").exists():
         log(f"shape ({shape}): building the random model")
         torch.manual_seed(0)
@@ -89,7 +95,20 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
         if not (paths[name] / "config.json").exists():
             log(f"shape ({shape}): quantizing {name}")
             quantize_model(str(paths["base"]), paths[name], opts)
+    if llama_cpp_installed() and not paths["q4_0"].exists():
+        log(f"shape ({shape}): writing the Q4_0 GGUF")
+        quantize_model(
+            str(paths["base"]),
+            paths["q4_0"],
+            QuantizeOptions(weights=WeightScheme(bits=4, group_size=32), format="gguf"),
+        )
     return paths
+
+
+def llama_cpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def engine(path: Path, dtype: str, head: str | None = None):
@@ -133,6 +152,14 @@ def run_hf(model, prompts: list[list[int]], gen_len: int) -> float:
     return len(prompts) * gen_len / wall
 
 
+def run_llama_cpp(decoder, prompts: list[list[int]], gen_len: int) -> float:
+    start = time.perf_counter()
+    outputs = decoder.generate(prompts, gen_len)
+    wall = time.perf_counter() - start
+    assert all(len(o) == gen_len for o in outputs)
+    return len(prompts) * gen_len / wall
+
+
 def kernels_of(model) -> dict[str, int]:
     """How many quantized layers take each path at one row (decode)."""
     counts: dict[str, int] = {}
@@ -167,6 +194,11 @@ def bench_shape(shape: str, args, log) -> dict:
     hf = load_hf(paths["base"], torch.float32, "cpu")
     runners = {name: (lambda p, e=e: run_engine(e, p, gen_len)) for name, e in engines.items()}
     runners["transformers"] = lambda p: run_hf(hf, p, gen_len)
+    if args.isa == "native" and paths["q4_0"].exists():
+        from llama_cpp_decode import LlamaCppDecoder
+
+        decoder = LlamaCppDecoder(str(paths["q4_0"]), BATCH, MAX_MODEL_LEN, torch.get_num_threads())
+        runners["llama.cpp"] = lambda p: run_llama_cpp(decoder, p, gen_len)
     for run in runners.values():  # warm-up: first-call costs are not throughput
         run([one[0][:8]])
     samples: dict[tuple[str, int], list[float]] = {}
@@ -223,6 +255,11 @@ def targets(result: dict, isa: str) -> list[tuple[str, float | None, float]]:
         out.append((f"bf16 batch 1, shape ({s}), vs fp32", ratio(result, s, "bf16", 1, "fp32"), 1.0))
         out.append((f"engine fp32 vs transformers, batch {BATCH} mixed, shape ({s})",
                     ratio(result, s, "fp32", BATCH, "transformers"), 1.2))  # fmt: skip
+    for s in result:
+        for b, goal in ((1, 0.8), (BATCH, 1.0)):
+            out.append(
+                (f"W4A16 vs llama.cpp Q4_0, batch {b}, shape ({s})", ratio(result, s, "w4a16", b, "llama.cpp"), goal)
+            )
     if "b" in result:
         share = result["b"]["overhead"]["fp32"]["overhead_share"]
         out.append(("per-step overhead, batch 1, shape (b), fp32 (at most)", share, 0.10))
@@ -242,7 +279,7 @@ def markdown(payload: dict) -> str:
                   f"medians of {meta['repeats']} interleaved repeats:", "",
                   f"| run | batch 1 tok/s | vs fp32 | batch {BATCH} tok/s (mixed prompts) | vs fp32 | step overhead |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
-        for run in RUNS:
+        for run in (run for run in RUNS if (run, 1) in by):
             o = r["overhead"].get(run)
             cells = [run]
             for b in (1, BATCH):
@@ -291,7 +328,7 @@ def main() -> None:
         for column in ("run", "batch 1 tok/s", "vs fp32", f"batch {BATCH} tok/s", "vs fp32 ", "step overhead"):
             table.add_column(column, justify="left" if column == "run" else "right")
         by = {(row["run"], row["batch"]): row for row in r["rows"]}
-        for run in RUNS:
+        for run in (run for run in RUNS if (run, 1) in by):
             o = r["overhead"].get(run)
             cells = [run]
             for b in (1, BATCH):
