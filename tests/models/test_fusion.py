@@ -13,7 +13,7 @@ from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
-LENGTHS = [5, 37, 70]  # prefills under and over cpu_int4.MAX_KERNEL_ROWS, chunks of up to 40, decodes
+LENGTHS = [5, 37, 120]  # prefills under and over cpu_int4.MAX_KERNEL_ROWS, chunks of up to 40, decodes
 ARTIFACTS = {
     "w4a16": (QuantizeOptions(weights=WeightScheme(bits=4, group_size=64, symmetric=False)), W4A16Linear),
     "w8a8": (
