@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import EvalSet, JsonFlag, SeqLen, print_json, print_table, require_supported
+from optkit.cli.options import EvalSet, JsonFlag, SeqLen, Threads, print_json, print_table, require_supported
 
 
 def eval_(
@@ -48,6 +48,7 @@ def eval_(
             "int8 or fp8 (default: transformers, no paged cache)."
         ),
     ] = None,
+    threads: Threads = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
@@ -60,6 +61,7 @@ def eval_(
     """
     require_supported(artifact, baseline, runtime=True)
     from optkit.artifacts import check_writable_dir
+    from optkit.devices import set_cpu_threads
     from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate
     from optkit.gate.options import GateOptions
@@ -71,6 +73,7 @@ def eval_(
         if report.is_dir():
             raise OptkitError(f"--report {report} is a directory: give a file name such as {report / 'gate.json'}")
         check_writable_dir(report.parent, "--report", named=report)
+    set_cpu_threads(threads)
     options = GateOptions(
         max_ppl_increase=max_ppl_increase,
         max_kld=max_kld,

@@ -10,11 +10,13 @@ from optkit.cli.options import (
     Device,
     Dtype,
     EnforceEager,
+    Head,
     JsonFlag,
     KvCacheDtype,
     MaxNumSeqs,
     NumSpeculativeTokens,
     Speculative,
+    Threads,
     console,
     print_json,
     require_supported,
@@ -43,6 +45,8 @@ def generate(
     num_speculative_tokens: NumSpeculativeTokens = None,
     enforce_eager: EnforceEager = None,
     kv_cache_dtype: KvCacheDtype = None,
+    threads: Threads = None,
+    head: Head = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Generate text with the bundled runtime.
@@ -75,6 +79,8 @@ def generate(
         num_speculative_tokens=num_speculative_tokens,
         enforce_eager=enforce_eager,
         kv_cache_dtype=kv_cache_dtype,
+        threads=threads,
+        head=head,
     )
     engine = LLMEngine(model, args.engine_config())
     token_ids = [engine.tokenizer.encode(r["prompt"]) for r in requests]

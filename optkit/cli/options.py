@@ -61,6 +61,17 @@ EnforceEager = Annotated[
     bool | None,
     _engine_option("enforce_eager", "Run every step eagerly: no CUDA graphs for decode steps (CUDA)."),
 ]
+Threads = Annotated[
+    int | None, _engine_option("threads", "CPU threads for torch's kernels (default: every core torch sees).", min=1)
+]
+Head = Annotated[
+    str | None,
+    _engine_option(
+        "head",
+        "Output head: full (the model's dtype), bf16, or int8 (per-row int8 weights, per-token int8 activations: "
+        "on CPU the faster head for a large vocabulary; logits stay float32).",
+    ),
+]
 TorchCompile = Annotated[
     bool | None,
     _engine_option("torch_compile", "Also torch.compile each decode bucket (CUDA only; experimental)."),

@@ -9,12 +9,14 @@ from optkit.cli.options import (
     Device,
     Dtype,
     EnforceEager,
+    Head,
     KvCacheDtype,
     MaxModelLen,
     MaxNumBatchedTokens,
     MaxNumSeqs,
     NumSpeculativeTokens,
     Speculative,
+    Threads,
     require_supported,
 )
 
@@ -66,6 +68,8 @@ def serve(
     num_speculative_tokens: NumSpeculativeTokens = None,
     enforce_eager: EnforceEager = None,
     kv_cache_dtype: KvCacheDtype = None,
+    threads: Threads = None,
+    head: Head = None,
 ) -> None:
     """Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, plus
     /health and /metrics (Prometheus). Prints one line once it accepts requests.
@@ -115,6 +119,8 @@ def serve(
                 num_speculative_tokens=num_speculative_tokens,
                 enforce_eager=enforce_eager,
                 kv_cache_dtype=kv_cache_dtype,
+                threads=threads,
+                head=head,
             )
         ),
     )

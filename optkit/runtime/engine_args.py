@@ -37,6 +37,10 @@ class EngineArgs(BaseModel):
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
     torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
     compile_dir: str | None = None  # the local compile cache (default: $OPTKIT_CACHE/compile; never a model dir)
+    # CPU: torch's threads for the process (None: torch's default, every core it sees; set_num_threads
+    # is process-wide, so the last engine built sets it), and the output head (runtime/head_policy.py)
+    threads: int | None = None
+    head: str = "full"  # full (the model's dtype), bf16, or int8 (per-row weights, per-token activations)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
@@ -45,6 +49,10 @@ class EngineArgs(BaseModel):
                 raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
         if self.dtype not in (*DTYPES, "auto"):
             raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.threads is not None and self.threads < 1:
+            raise OptkitError(f"--threads {self.threads}: give a positive number of CPU threads")
+        if self.head not in ("full", "bf16", "int8"):  # runtime/head_policy.py's HEAD_POLICIES
+            raise OptkitError(f"unknown --head {self.head!r}: choose full, bf16 or int8")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise OptkitError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}: choose auto, int8 or fp8")
         if self.speculative is not None:

@@ -74,3 +74,36 @@ def test_every_engine_command_takes_device_and_dtype_defaulting_to_auto(run_cli,
     code, out, _ = run_cli(command, "--help")
     assert code == 0
     assert "--device" in out and "--dtype" in out and "default: auto" in out
+
+
+def test_threads_and_head_are_engine_settings_with_flags_named_in_errors():
+    with pytest.raises(OptkitError, match="unknown --head 'int4'"):
+        EngineArgs(head="int4")
+    with pytest.raises(OptkitError, match="--threads 0"):
+        EngineArgs(threads=0)
+    assert EngineArgs.from_cli_args(threads=None, head=None) == EngineArgs()
+
+
+def test_the_engine_takes_its_threads_and_output_head_from_its_config():
+    from optkit.kernels.w8a8 import W8A8Linear
+    from optkit.runtime.engine import LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine("draft", EngineConfig(threads=1, head="int8", max_model_len=64))
+        assert torch.get_num_threads() == 1
+        assert isinstance(engine.model.lm_head, W8A8Linear)
+        assert LLMEngine("draft", EngineConfig(max_model_len=64)).model.lm_head is None  # full: the tied embedding
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_generate_takes_the_threads_and_head_flags(run_cli):
+    before = torch.get_num_threads()
+    try:
+        flags = ("--max-tokens", "2", "--threads", "1", "--head", "int8")
+        code, _, err = run_cli("generate", "draft", "def f(x):", *flags)
+        assert code == 0, err
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
