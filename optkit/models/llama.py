@@ -244,10 +244,11 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache],
     ) -> torch.Tensor:
-        """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm."""
+        """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm. `meta`: one
+        for every layer, or one per layer (its KV cache group's block tables: runtime/kv_groups.py)."""
         h = self.model.embed_tokens(input_ids)  # h: [T, hidden]
         if self.config.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
@@ -258,8 +259,9 @@ class CausalLM(nn.Module):
         if self.local_rope:
             local = rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype)
             rope = [local if is_local else (cos, sin) for is_local in self.local_rope]
-        for layer, kv_cache, (cos, sin) in zip(self.model.layers, kv_caches, rope, strict=True):
-            h = layer(h, cos, sin, meta, kv_cache)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.model.layers)
+        for layer, kv_cache, (cos, sin), layer_meta in zip(self.model.layers, kv_caches, rope, metas, strict=True):
+            h = layer(h, cos, sin, layer_meta, kv_cache)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.decoding import make_decoding
 from optkit.runtime.detokenizer import Detokenizer
 from optkit.runtime.engine_args import EngineConfig
+from optkit.runtime.kv_groups import KVCacheGroups
 from optkit.runtime.sampler import Sampler, TokenLogprobs
 from optkit.runtime.scheduler import Scheduler, SchedulerConfig
 from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
@@ -100,9 +101,15 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_blocks * full_block // data)
         else:
             num_blocks = _default_num_blocks(config, self.max_model_len, block)
-        # a window on every layer (Mistral): blocks that leave it are released (docs/runtime.md)
-        window = model_config.sliding_window if model_config.all_layers_slide else None
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
+        # KV cache groups: one table per kind of layer; the sliding ones release the blocks that leave
+        # their window (Mistral: every layer, Gemma: the local ones; docs/runtime.md)
+        self.kv_groups = KVCacheGroups.for_windows(
+            [model_config.window(i) for i in range(model_config.num_hidden_layers)]
+        )
+        num_full_blocks, num_blocks = num_blocks, self.kv_groups.num_block_ids(num_blocks)  # same memory
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, group_windows=self.kv_groups.windows
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -113,7 +120,7 @@ class LLMEngine:
             ),
             self.block_manager,
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, config.kv_cache_dtype, self.kv_groups)
         # this machine's warm-up of the model (optkit compile), then the decode graphs (CUDA)
         warmed = compile_cache.lookup(resolve_model_dir(model), config.device, config.compile_dir)
         torch_compile = config.torch_compile or bool(warmed and warmed.record.get("torch_compile"))
@@ -123,7 +130,7 @@ class LLMEngine:
         if warmed is not None:
             self.cuda_graphs_note += f"; {warmed.note}"
         self.sampler = Sampler()
-        self.decoding = make_decoding(config, self.model, self.tokenizer, num_blocks)
+        self.decoding = make_decoding(config, self.model, self.tokenizer, num_full_blocks)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0

@@ -16,6 +16,7 @@ from optkit.kernels import kv_cache
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, kv_cache_shape
 from optkit.runtime.cuda_graphs import DecodeGraphs, graphs_unavailable_reason
+from optkit.runtime.kv_groups import KVCacheGroups
 from optkit.runtime.scheduler import ScheduledSequence
 from optkit.runtime.sequence import Sequence
 
@@ -24,17 +25,19 @@ from optkit.runtime.sequence import Sequence
 class PackedBatch:
     input_ids: torch.Tensor  # long [T]
     positions: torch.Tensor  # long [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # the first KV cache group's
+    group_metas: list[AttentionMetadata]  # per KV cache group: its block tables and slots
     sample_rows: torch.Tensor  # long [R]: each sampling sequence's last new token, then its proposals
     sampling_seqs: list[Sequence]
 
 
-def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device) -> PackedBatch:
-    """Token t of a sequence is written to slot block_table[t // block_size] * block_size + t % block_size.
-    Proposals take the positions after the sequence's end (the scheduler reserved their slots)."""
+def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device, num_groups: int = 1) -> PackedBatch:
+    """Token t of a sequence is written to slot block_table[t // block_size] * block_size + t % block_size,
+    in each KV cache group's table. Proposals take the positions after the sequence's end (the
+    scheduler reserved their slots)."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]
     query_lens: list[int] = []
     context_lens: list[int] = []
     sample_rows: list[int] = []
@@ -48,39 +51,53 @@ def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.devi
             input_ids += spec
             end += len(spec)
         positions += range(start, end)
-        table = seq.block_table
-        slots += [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
+        for group_slots, table in zip(slots, seq.block_tables, strict=True):
+            group_slots += [table[t // block_size] * block_size + t % block_size for t in range(start, end)]
         query_lens.append(end - start)
         context_lens.append(end)
         if item.samples:  # the step reaches the end of the sequence: its next token is sampled
             sample_rows.extend(range(len(input_ids) - 1 - len(spec), len(input_ids)))
             sampling_seqs.append(seq)
-    meta = AttentionMetadata.build(
-        query_lens, context_lens, [item.seq.block_table for item in scheduled], slots, device
-    )
+    metas = [
+        AttentionMetadata.build(
+            query_lens, context_lens, [item.seq.block_tables[g] for item in scheduled], slots[g], device
+        )
+        for g in range(num_groups)
+    ]
     return PackedBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=meta,
+        meta=metas[0],
+        group_metas=metas,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sampling_seqs=sampling_seqs,
     )
 
 
 class ModelRunner:
-    """Owns the model and its KV cache: one (k, v) pair of
-    [num_blocks, block_size, num_kv_heads, head_dim] tensors per layer."""
+    """Owns the model and its KV cache: one (k, v) pair of [num_blocks, block_size, num_kv_heads,
+    head_dim] tensors per layer, or per slot of the KV cache groups (runtime/kv_groups.py: layers of
+    different groups share a slot's tensors, each through its own group's block table)."""
 
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        groups: KVCacheGroups | None = None,
+    ):
         self.model = model
         self.block_size = block_size
+        self.groups = groups or KVCacheGroups.single(model.config.num_hidden_layers)
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
         param = next(model.parameters(), None)
         self.device = param.device if param is not None else torch.device("cpu")
         dtype = _activation_dtype(model)
         shape = kv_cache_shape(model.config, num_blocks, block_size)
         # plain tensors of the activation dtype, or 8-bit caches (kernels/kv_cache.py)
-        self.kv_caches = kv_cache.allocate(model.config.num_hidden_layers, shape, kv_cache_dtype, dtype, self.device)
+        slots = kv_cache.allocate(self.groups.num_slots, shape, kv_cache_dtype, dtype, self.device)
+        self.kv_caches = [slots[slot] for slot in self.groups.layer_slots]
         self.kv_cache_dtype = kv_cache_dtype
         # an 8-bit cache's per-block scales included, spread over the block's tokens
         self.kv_bytes_per_token = kv_bytes_per_block(model, block_size, kv_cache_dtype) / block_size
@@ -96,6 +113,8 @@ class ModelRunner:
                 raise OptkitError("--torch-compile needs --device cuda: on CPU the engine runs eagerly")
             forward = torch.compile(self.model, dynamic=False)
         reason = graphs_unavailable_reason(self.device, enforce_eager)
+        if reason is None and self.groups.num_groups > 1:  # the captured decode has one block table
+            reason = "several KV cache groups (sliding and full layers: each its own block table)"
         if reason is None and self.kv_cache_dtype != "auto":
             reason = f"--kv-cache-dtype {self.kv_cache_dtype} (the 8-bit cache runs the PyTorch attention path)"
         if reason is not None:
@@ -115,8 +134,9 @@ class ModelRunner:
         hidden = self.graphs.run(scheduled) if self.graphs is not None else None
         if hidden is not None:
             return self.model.compute_logits(hidden), [item.seq for item in scheduled]
-        batch = pack(scheduled, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        batch = pack(scheduled, self.block_size, self.device, self.groups.num_groups)
+        meta = batch.meta if self.groups.num_groups == 1 else [batch.group_metas[g] for g in self.groups.layer_groups]
+        hidden = self.model(batch.input_ids, batch.positions, meta, self.kv_caches)
         if not batch.sampling_seqs:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs

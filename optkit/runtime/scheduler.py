@@ -98,7 +98,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; refuse one whose prompt can never fit."""
-        num_blocks = self.block_manager.num_blocks_for(seq.num_prompt_tokens)
+        num_blocks = self.block_manager.max_blocks_held(seq.num_prompt_tokens)
         if seq.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"the prompt has {seq.num_prompt_tokens} tokens but max_model_len is {self.config.max_model_len}: "
@@ -111,7 +111,7 @@ class Scheduler:
             )
         if seq.request_id in self._unfinished:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"{seq} is not new"
+        assert seq.status is SequenceStatus.WAITING and not any(seq.block_tables), f"{seq} is not new"
         self._unfinished[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -185,7 +185,7 @@ class Scheduler:
             if item.num_lookahead_tokens:
                 self.block_manager.free_surplus(seq)  # the slots of rejected proposals
             self.block_manager.cache_full_blocks(seq)
-            self.block_manager.free_out_of_window(seq)  # with a window on every layer (Mistral)
+            self.block_manager.free_out_of_window(seq)  # in the sliding-window groups
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
@@ -218,7 +218,7 @@ class Scheduler:
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
             return FinishReason.LENGTH
         # The next step needs KV for every token; a sequence the whole cache cannot hold stops here.
-        if self.block_manager.num_blocks_for(len(seq)) > self.block_manager.num_blocks:
+        if self.block_manager.max_blocks_held(len(seq)) > self.block_manager.num_blocks:
             return FinishReason.LENGTH
         return None
 
@@ -231,7 +231,7 @@ class Scheduler:
         if len(seq) - seq.num_computed_tokens != 1:  # a prefill, or a recompute after preemption
             return 0
         remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq))
-        room = self.block_manager.num_blocks * self.block_manager.block_size - len(seq)
+        room = self.block_manager.max_tokens_held - len(seq)
         return max(0, min(k, remaining - 1, room))
 
     def _preempt(self, seq: Sequence) -> None:

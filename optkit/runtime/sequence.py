@@ -1,5 +1,5 @@
 """A request's state as the scheduler sees it: token ids, how many of them have KV in the cache,
-its block table, and how it samples. No torch."""
+its block tables, and how it samples. No torch."""
 
 import itertools
 import math
@@ -86,7 +86,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []  # one per KV cache group (runtime/kv_groups.py); [] when none held
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -106,6 +106,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's block table (the only one, but for Gemma's mixed layers)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def last_token_id(self) -> int:

@@ -110,9 +110,9 @@ def test_double_free_asserts():
     bm = BlockManager(num_blocks=4, block_size=4)
     seq = Sequence([1, 2, 3])
     assert bm.allocate_slots(seq, 3)
-    table = list(seq.block_table)
+    tables = [list(t) for t in seq.block_tables]
     bm.free(seq)
-    seq.block_table = table
+    seq.block_tables = tables
     with pytest.raises(AssertionError):
         bm.free(seq)
 
