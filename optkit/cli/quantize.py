@@ -40,6 +40,12 @@ def quantize(
             "statistics (the output still follows the router); 'routed' only the tokens the router chooses."
         ),
     ] = "all",
+    quantize_router: Annotated[
+        bool,
+        typer.Option(
+            "--quantize-router", help="Mixture-of-experts models: quantize the routers too (default: full precision)."
+        ),
+    ] = False,
     damp: Annotated[float, typer.Option(help="GPTQ dampening, a fraction of the mean Hessian diagonal.")] = 0.01,
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
     act_order: Annotated[bool, typer.Option(help="GPTQ: quantize columns by descending Hessian diagonal.")] = False,
@@ -144,8 +150,9 @@ def quantize(
             calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, moe_calibration=moe_calibration
         ),
         smoothquant=smoothquant,
+        quantize_router=quantize_router,
     )
-    warn_if_unloadable(options)
+    warn_if_unloadable(options, model)
     if dry_run:  # config.json and the safetensors headers only: nothing is loaded, run or written
         from optkit.cli.quantize_plan import print_plan
 
@@ -218,13 +225,15 @@ def _quantize_and_repair(model, out, options, gate, device, overwrite, json_outp
         raise typer.Exit(1)
 
 
-def warn_if_unloadable(options) -> None:
-    """One line on stderr when the installed loaders cannot read what is about to be written."""
+def warn_if_unloadable(options, model: str) -> None:
+    """One line on stderr when the installed loaders cannot read what is about to be written (of
+    this model's family: transformers loads no quantized mixture of experts)."""
     from optkit.compat.matrix import ArtifactKind, check_installed_versions
+    from optkit.modeldir import read_config, resolve_model_dir
 
     w = options.weights
     kind = ArtifactKind(options.format, w.bits, w.symmetric, w8a8=options.activations is not None)
-    warning = check_installed_versions(kind)
+    warning = check_installed_versions(kind, model_type=read_config(resolve_model_dir(model)).get("model_type"))
     if warning:
         typer.echo(f"warning: {warning}", err=True)
 

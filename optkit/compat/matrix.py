@@ -168,17 +168,23 @@ def _installed(breakage: Breakage, versions: dict[str, str | None] | None) -> st
     return " with ".join(f"{package} {found.get(package)}" for package in breakage.broken)
 
 
-def check_installed_versions(kind: ArtifactKind, versions: dict[str, str | None] | None = None) -> str | None:
-    """One line for the user when an installed loader cannot read what is about to be written."""
-    hits = known_breakages(kind, versions)
+def check_installed_versions(
+    kind: ArtifactKind, versions: dict[str, str | None] | None = None, model_type: str | None = None
+) -> str | None:
+    """One line for the user when an installed loader cannot read what is about to be written;
+    `model_type`: the model's family (transformers loads no quantized MoE artifact)."""
+    family = family_breakages(model_type, TRANSFORMERS, versions) if kind.format == "compressed-tensors" else []
+    hits = family + known_breakages(kind, versions)
     if not hits:
         return None
     b = hits[0]
-    remedy = b.remedy + (" or --format awq" if kind.bits == 4 else "")
-    if vllm_path(kind):
-        remedy += "; vLLM reads it"
+    remedy = b.remedy
+    if not family:  # a kind's breakage: another format or vLLM may still read the model
+        remedy += " or --format awq" if kind.bits == 4 else ""
+        remedy += "; vLLM reads it" if vllm_path(kind) else ""
+    what = f"{model_type} (mixture-of-experts) {kind.describe()}" if family else kind.describe()
     return (
-        f"{_installed(b, versions)} cannot load {kind.describe()} artifacts by default "
+        f"{_installed(b, versions)} cannot load {what} artifacts by default "
         f"({b.summary}; see docs/compatibility.md): {remedy}"
     )
 

@@ -86,7 +86,9 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
         raise OptkitError(f"model {base} is already quantized: give its full-precision base model")
     hf_config = AutoConfig.from_pretrained(base)
     family = family_for(config.get("model_type"))
-    targets, ignored = select_targets(decoder_linears(hf_config), options.ignore)
+    targets, ignored = select_targets(
+        decoder_linears(hf_config, quantize_router=options.quantize_router), options.ignore
+    )
     for target in targets:
         options.weights.check_layer(target.name, target.in_features)
     fmt = get_format(options.format)
@@ -94,7 +96,8 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
     fmt.check(options.weights, options.act_order, shapes, options.activations)
     headers = read_headers(base)
     linears = {t.name: (t.out_features, t.in_features) for t in targets}
-    kept = _kept(headers, linears, ignored, full_precision_gates(hf_config), outside_decoder_linears(hf_config))
+    gates = full_precision_gates(hf_config, quantize_router=options.quantize_router)
+    kept = _kept(headers, linears, ignored, gates, outside_decoder_linears(hf_config))
     size_of = _linear_size_law(fmt, options)
     kept_bytes = sum(k.bytes for k in kept)
     quantized_bytes = sum(size_of(out, inp) for out, inp in linears.values())

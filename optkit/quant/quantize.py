@@ -66,6 +66,8 @@ class QuantizeOptions(BaseModel):
     awq: AWQOptions = Field(default_factory=AWQOptions)
     smoothquant: SmoothQuantOptions = Field(default_factory=SmoothQuantOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    # mixture-of-experts models: quantize the routers too (by default they stay in full precision)
+    quantize_router: bool = False
     _plugin_sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 
     @field_validator("method", mode="before")
@@ -206,7 +208,9 @@ def quantize_model(
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(base)
-    targets, ignored = select_targets(decoder_linears(hf_config), options.ignore)
+    targets, ignored = select_targets(
+        decoder_linears(hf_config, quantize_router=options.quantize_router), options.ignore
+    )
     for target in targets:
         options.weights.check_layer(target.name, target.in_features)
     fmt = get_format(options.format)
@@ -236,7 +240,9 @@ def quantize_model(
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights,
             options.act_order,
-            ignored + full_precision_gates(hf_config) + outside_decoder_linears(hf_config),
+            ignored
+            + full_precision_gates(hf_config, quantize_router=options.quantize_router)
+            + outside_decoder_linears(hf_config),
             options.activations,
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")

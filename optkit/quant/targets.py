@@ -17,18 +17,24 @@ class LinearTarget:
     out_features: int
 
 
-def decoder_linears(config) -> list[LinearTarget]:
+def decoder_linears(config, *, quantize_router: bool = False) -> list[LinearTarget]:
     """The decoder layers' linear modules, found on a weightless (meta) copy of the model, under
     their checkpoint names. Mixture-of-experts models: each expert's linears (transformers fuses
-    them into 3D parameters), and not the routers and shared-expert gates (`full_precision_gates`)."""
+    them into 3D parameters), and not the routers and shared-expert gates (`full_precision_gates`)
+    unless `quantize_router` (the routers then are, the shared-expert gates never)."""
     from transformers import AutoModelForCausalLM
 
+    family = family_for(config.model_type)
+    if quantize_router and family.moe is None:
+        raise OptkitError(
+            f"quantize_router (--quantize-router): {config.model_type} is not a mixture of experts and has no router; "
+            "drop the option"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    family = family_for(config.model_type)
     if family.moe is not None:
         unfuse_experts(model.get_decoder().layers, family, config.to_dict())
-    gates = set(full_precision_gates(config))
+    gates = set(full_precision_gates(config, quantize_router=quantize_router))
     # the decoder's layers only: not a vision tower's (Gemma 3's SigLIP also has `layers`)
     decoder = next(name for name, module in model.named_modules() if module is model.get_decoder())
     return [
@@ -40,15 +46,17 @@ def decoder_linears(config) -> list[LinearTarget]:
     ]
 
 
-def full_precision_gates(config) -> list[str]:
+def full_precision_gates(config, *, quantize_router: bool = False) -> list[str]:
     """The routers and shared-expert gates of a mixture-of-experts model (checkpoint names): they
-    choose experts rather than compute, and stay in full precision."""
+    choose experts rather than compute, and stay in full precision; with `quantize_router`, only
+    the shared-expert gates (a [1, hidden] linear) do."""
     family = family_for(config.model_type)
     if family.moe is None:
         return []
     prefix = "model.layers"
     sparse = [i for i in range(config.num_hidden_layers) if family.moe.is_sparse(config.to_dict(), i)]
-    return [family.checkpoint_name(f"{prefix}.{i}.{gate}") for i in sparse for gate in family.moe.full_precision]
+    gates = [g for g in family.moe.full_precision if not (quantize_router and g == family.moe.router_name)]
+    return [family.checkpoint_name(f"{prefix}.{i}.{gate}") for i in sparse for gate in gates]
 
 
 def outside_decoder_linears(config) -> list[str]:

@@ -66,3 +66,21 @@ def test_where_it_loads_names_every_loader_and_the_remedy():
     assert rows[matrix.TRANSFORMERS].startswith("fails") and "dequantize=True" in rows[matrix.TRANSFORMERS]
     assert rows[matrix.VLLM].startswith("by spec")
     assert dict(matrix.where_it_loads(ASYM, {**BROKEN, "transformers": "5.22.2"}))[matrix.TRANSFORMERS] == "loads"
+
+
+@pytest.mark.parametrize("model_type", matrix.MOE_MODEL_TYPES)
+def test_quantizing_a_moe_model_into_a_format_transformers_reads_warns_that_it_cannot_load_it(model_type):
+    for kind in (ArtifactKind("compressed-tensors", 4, True), ArtifactKind("compressed-tensors", 8, True, w8a8=True)):
+        warning = matrix.check_installed_versions(kind, BROKEN, model_type)
+        assert warning.startswith(f"transformers 5.24.0 cannot load {model_type} (mixture-of-experts) ")
+        assert matrix.MOE_TRANSFORMERS.summary in warning and "\n" not in warning
+        assert "optkit or vLLM" in warning and "--format awq" not in warning
+    # nothing to say where transformers would not load it anyway, or before transformers 5
+    assert matrix.check_installed_versions(ArtifactKind("gptq", 4, True), BROKEN, model_type) is None
+    assert (
+        matrix.check_installed_versions(
+            ArtifactKind("compressed-tensors", 4, True), {"transformers": "4.57.1"}, model_type
+        )
+        is None
+    )
+    assert matrix.check_installed_versions(ArtifactKind("compressed-tensors", 4, True), BROKEN, "llama") is None

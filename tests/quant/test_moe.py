@@ -10,6 +10,7 @@ from safetensors import safe_open
 
 from optkit.compat.vllm_spec import check_vllm_spec, moe_problems
 from optkit.gate.metrics import full_kld
+from optkit.kernels import cpu_int4
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
@@ -206,3 +207,38 @@ def test_the_matrix_says_transformers_cannot_load_quantized_moe_artifacts_and_wh
         assert "MoE experts fused" in rows[matrix.TRANSFORMERS] and rows[matrix.OPTKIT] == "loads"
         assert rows[matrix.VLLM].startswith("by spec")
     assert matrix.expected_status(kind, matrix.TRANSFORMERS, versions, "llama") == "loads"
+
+
+def test_quantize_router_quantizes_the_routers_and_the_runtime_serves_them(tmp_path, moe_model):
+    """Off by default (above); with quantize_router the routers are quantized linears like the
+    experts (listed in the manifest, packed in the artifact, not in the ignore list), the
+    shared-expert gate stays in full precision, and the runtime matches the dequantized reference."""
+    from optkit.quant.formats.load import load_model
+
+    out = tmp_path / "router"
+    options = QuantizeOptions(
+        method="gptq", weights=WeightScheme(bits=4, group_size=64), calibration=CALIB, quantize_router=True
+    )
+    manifest = quantize_model(moe_model("qwen2_moe"), out, options)
+    tensors = _tensors(out)
+    router = "model.layers.0.mlp.gate"
+    assert router in {layer["name"] for layer in manifest["layers"]}
+    assert tensors[f"{router}.weight_packed"].dtype == torch.int32 and f"{router}.weight" not in tensors
+    listed = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert router not in listed and "model.layers.0.mlp.shared_expert_gate" in listed
+    assert tensors["model.layers.0.mlp.shared_expert_gate.weight"].dtype == torch.float32
+    sequences = _sequences(out)
+    with torch.no_grad():
+        expected = torch.cat([load_model(out)(torch.tensor([s])).logits[0] for s in sequences])
+    with cpu_int4.reference_only():  # the artifact's semantics; the int4 kernel is bounded in tests/models
+        diff = (_runtime_logits(out, sequences) - expected).abs().amax(dim=-1)
+    # equal up to float rounding, except where rounding flips a near-tie between two experts
+    assert (diff > 1e-4).float().mean() <= 0.01 and diff.max() <= 5e-2, diff.topk(5)
+
+
+def test_quantize_router_on_a_dense_model_is_refused_in_one_line(tmp_path, draft_dir):
+    from optkit.errors import OptkitError
+
+    with pytest.raises(OptkitError, match="not a mixture of experts and has no router"):
+        quantize_model(draft_dir, tmp_path / "out", QuantizeOptions(quantize_router=True))
+    assert not (tmp_path / "out").exists()

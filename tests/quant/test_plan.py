@@ -88,3 +88,22 @@ def test_experts_are_grouped_and_routers_kept(tiny):
 def test_quantize_without_out_asks_for_it(run_cli, tiny):
     code, _, err = run_cli("quantize", str(tiny("phi3")))
     assert code == 2 and "--out is missing" in err
+
+
+def test_quantize_router_flag_plans_the_router_first_and_warns_transformers_cannot_load_it(run_cli, tiny):
+    code, out, err = run_cli("quantize", str(tiny("mixtral")), "--method", "gptq", "--dry-run", "--json")
+    assert code == 0, err
+    assert "transformers" in err and "cannot load mixtral (mixture-of-experts)" in err  # the compat matrix's reason
+    assert "model.layers.0.block_sparse_moe.gate" not in json.loads(out)["linears"]
+    code, out, err = run_cli(
+        "quantize", str(tiny("mixtral")), "--method", "gptq", "--quantize-router", "--dry-run", "--json"
+    )
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["linears"]["model.layers.0.block_sparse_moe.gate"] == [4, TINY["hidden_size"]]
+    groups = plan["layers"][0][1]
+    first_expert_group = next(i for i, g in enumerate(groups) if any(".experts." in n for n in g))
+    assert groups[first_expert_group - 1] == ["block_sparse_moe.gate"]  # routed by the quantized router
+    code, _, err = run_cli("quantize", str(tiny("phi3")), "--quantize-router", "--dry-run")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "phi3 is not a mixture of experts" in errors[0]

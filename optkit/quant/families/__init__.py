@@ -40,6 +40,11 @@ class MoELayout:
         return next((config[k] for k in self.num_experts_keys if config.get(k) is not None), 0)
 
     @property
+    def router_name(self) -> str:
+        """The router's name local to the decoder layer, e.g. "mlp.gate"."""
+        return f"{self.block}.{self.router}"
+
+    @property
     def full_precision(self) -> tuple[str, ...]:
         """The gates: linears that route rather than compute, kept in full precision."""
         return tuple(f"{self.block}.{n}" for n in (self.router, self.shared_expert_gate) if n)

@@ -21,6 +21,7 @@ MIXTRAL = register_family(
         model_types=("mixtral",),
         sequential_groups=(
             *_ATTENTION_GROUPS,
+            ("mlp.gate",),  # the router, when quantized (--quantize-router): the experts then see its routing
             ("mlp.experts.*.w1", "mlp.experts.*.w3"),
             ("mlp.experts.*.w2",),
         ),

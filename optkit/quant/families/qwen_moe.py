@@ -26,6 +26,7 @@ QWEN2_MOE_LAYOUT = Family(
     model_types=("qwen2_moe",),
     sequential_groups=(
         *LLAMA_LAYOUT.sequential_groups[:2],
+        ("mlp.gate",),  # the router, when quantized (--quantize-router): the experts then see its routing
         (f"{_EXPERT}.gate_proj", f"{_EXPERT}.up_proj", f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj")
         + LLAMA_LAYOUT.sequential_groups[2],
         (f"{_EXPERT}.down_proj", f"{_SHARED}.down_proj") + LLAMA_LAYOUT.sequential_groups[3],
