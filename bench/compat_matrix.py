@@ -4,6 +4,14 @@
     python bench/compat_matrix.py --results F [G]   # renders F, G (JSON lines written by
                                                     # OPTKIT_COMPAT_RESULTS=F pytest ...); a later
                                                     # file's cell replaces an earlier one's
+    python bench/compat_matrix.py --results F --keep docs/compatibility.md
+                                                    # update: F's cells replace the same cells of
+                                                    # the current matrix, every other cell is kept
+
+`--keep` is how a part of the matrix is regenerated from a run of only the tests that measure it
+(e.g. the llama.cpp column: OPTKIT_COMPAT_RESULTS=F pytest tests/compat/test_llama_cpp_column.py),
+or how cells measured in another environment (the gptqmodel venv) survive a run without it. Kept
+cells keep their marks and the versions line keeps the versions they were measured with.
 
 Cells: ✔ loaded with logits within tolerance of optkit's runtime; ✘ failed (the known breakage
 named below); "by spec" matches what vLLM's loader creates but was not run; "—" the loader does not
@@ -40,8 +48,29 @@ def run_tests(results: Path) -> None:
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 
-def render(cells: list[dict]) -> str:
+def parse_matrix(text: str) -> tuple[dict[tuple, dict[str, str]], list[str]]:
+    """A rendered matrix back as ((row, method, kind) -> {column: mark}, the version sets of its
+    "Measured with" line): the cells `--keep` carries over. Columns are read by their header, so a
+    matrix rendered before a column existed parses too (its rows lack that column's marks)."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("| model | method | artifact |")), None)
+    if start is None:
+        raise SystemExit("--keep: no matrix in that file (no '| model | method | artifact |' header)")
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
     rows: dict[tuple, dict[str, str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        values = [c.strip() for c in line.strip().strip("|").split("|")]
+        row = dict(zip(header, values, strict=True))
+        rows[(row["model"], row["method"], row["artifact"])] = {c: row[c] for c in header[3:]}
+    measured = next((line for line in lines if line.startswith("Measured with ")), "Measured with .")
+    return rows, [v for v in measured.removeprefix("Measured with ").removesuffix(".").split("; ") if v]
+
+
+def render(cells: list[dict], kept: tuple[dict[tuple, dict[str, str]], list[str]] | None = None) -> str:
+    """The matrix of `cells`; with `kept` (parse_matrix's answer), on top of those cells."""
+    rows: dict[tuple, dict[str, str]] = {key: dict(marks) for key, marks in (kept[0] if kept else {}).items()}
     version_sets = {json.dumps(cell["versions"], sort_keys=True) for cell in cells}
     for cell in cells:
         key = (cell["row"], cell["method"], cell["kind"])
@@ -50,15 +79,14 @@ def render(cells: list[dict]) -> str:
             mark = "✘ (1)"
         elif cell["status"] == "by spec":
             mark = f"by spec ({cell['path']})"
-        elif cell["status"] == "no" and cell["loader"] == matrix.VLLM:
+        elif cell["status"] == "no" and cell["loader"] == matrix.VLLM and cell["kind"].startswith("compressed"):
             mark = "✘ by spec (2)"
         rows.setdefault(key, {})[cell["loader"]] = mark
     lines = ["| model | method | artifact | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (3 + len(COLUMNS))]
     for (row, method, kind), marks in sorted(rows.items()):
         lines.append(f"| {row} | {method} | {kind} | " + " | ".join(marks.get(c, "—") for c in COLUMNS) + " |")
-    measured = "; ".join(
-        ", ".join(f"{k} {v}" for k, v in sorted(json.loads(vs).items()) if v) for vs in sorted(version_sets)
-    )
+    measured_sets = [", ".join(f"{k} {v}" for k, v in sorted(json.loads(vs).items()) if v) for vs in version_sets]
+    measured = "; ".join(sorted(set(measured_sets) | set(kept[1] if kept else [])))
     b = matrix.CT_ASYM_TRANSFORMERS_5_23
     notes = [
         f"Measured with {measured}.",
@@ -83,6 +111,9 @@ def main() -> None:
     parser.add_argument(
         "--results", type=Path, nargs="+", help="JSON lines from test runs (default: run the tests now)"
     )
+    parser.add_argument(
+        "--keep", type=Path, help="a rendered matrix (docs/compatibility.md) whose cells this run does not measure stay"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
     args = parser.parse_args()
     results = args.results
@@ -90,9 +121,13 @@ def main() -> None:
         results = [Path(tempfile.mkdtemp()) / "compat.jsonl"]
         run_tests(results[0])
     cells = [json.loads(line) for file in results for line in file.read_text().splitlines() if line.strip()]
-    text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells))
-    args.out.write_text(text)
-    print(f"wrote {args.out} ({len(cells)} results)")
+    kept = parse_matrix(args.keep.read_text()) if args.keep else None
+    text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells, kept))
+    tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, args.out)
+    what = f", on top of {len(kept[0])} rows of {args.keep}" if kept else ""
+    print(f"wrote {args.out} ({len(cells)} results{what})")
 
 
 if __name__ == "__main__":

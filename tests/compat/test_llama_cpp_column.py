@@ -66,7 +66,8 @@ def test_gguf_loads_in_llama_cpp_where_the_matrix_says(
     # llama.cpp multiplies with 8-bit activations: close to optkit's logits, not equal
     assert (got - want).abs().mean().item() < 0.05 * want.std().item()
     label = "draft (llama, trained)" if row == "draft" else f"{row} (tiny, random)"
-    cell = {"row": label, "method": method, "kind": kind.describe(), "format": "gguf", "versions": _versions()}
+    versions = {**_versions(), "llama-cpp-python": matrix.installed_version("llama-cpp-python")}
+    cell = {"row": label, "method": method, "kind": kind.describe(), "format": "gguf", "versions": versions}
     cell.update(bits=bits, symmetric=symmetric, w8a8=False, type="int")
     record({**cell, "loader": matrix.LLAMA_CPP, "status": "loads"})
     for loader in (matrix.OPTKIT, matrix.TRANSFORMERS, matrix.GPTQMODEL, matrix.VLLM):
