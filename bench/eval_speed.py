@@ -60,7 +60,7 @@ def main() -> None:
 
     def timed(path, runtime: bool) -> float:
         start = time.perf_counter()
-        model = PagedLM(load_runtime_model(path)) if runtime else None
+        model = PagedLM(load_runtime_model(path, prepare=False)) if runtime else None  # as optkit eval does
         evaluate(path, args.model, options, artifact_model=model)
         return time.perf_counter() - start
 

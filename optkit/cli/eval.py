@@ -120,4 +120,4 @@ def _paged_model(artifact: str, kv_cache_dtype: str | None, task: str | None):
     from optkit.models.loader import load_runtime_model
     from optkit.models.paged_lm import PagedLM
 
-    return PagedLM(load_runtime_model(artifact), kv_cache_dtype)
+    return PagedLM(load_runtime_model(artifact, prepare=False), kv_cache_dtype)  # windows: no decode kernel

@@ -149,6 +149,11 @@ class W4A16Linear(torch.nn.Module):
         weight.add_(offset).mul_(scale)
         return weight.view(out_features, in_features)
 
+    def keep_dequantized(self, dtype: torch.dtype = torch.float32) -> None:
+        """Hold Ŵ in `dtype` for inputs over the kernel's rows (an evaluation's long windows): the
+        memory of a full-precision layer, for no dequantization per call. Dropped if a buffer changes."""
+        self.__dict__["_kept"] = (self._buffers_key(), self.dequantized_weight(dtype))
+
     def _buffers_key(self) -> tuple:
         """Changes when a buffer is replaced or modified in place. From the buffers dict, not
         Module.__getattr__: this runs at every call and must cost ~1 µs."""
@@ -202,6 +207,9 @@ class W4A16Linear(torch.nn.Module):
             packed = self.cpu_packed()
             if not isinstance(packed, str):
                 return cpu_int4.int4_linear(x, packed, bias)
+        kept = self.__dict__.get("_kept")
+        if kept is not None and kept[1].dtype == x.dtype and kept[0] == self._buffers_key():
+            return F.linear(x, kept[1], bias)
         weight = self._dequantize_fast()
         if weight is None:
             weight = self.dequantized_weight(x.dtype)

@@ -33,9 +33,12 @@ def load_runtime_model(
     device: torch.device | str = "cpu",
     *,
     fuse: bool = True,
+    prepare: bool = True,
 ) -> CausalLM:
     """A reference model name (`small`, `draft`) or a model directory, ready to run on `device`.
-    `fuse`: q/k/v and gate/up as one matmul each where their layouts agree (models/fusion.py)."""
+    `fuse`: q/k/v and gate/up as one matmul each where their layouts agree (models/fusion.py).
+    `prepare`: repack quantized layers for this device's kernel now rather than at their first call
+    (serving wants it at load; an evaluation of long windows never calls the decode kernel)."""
     path = resolve_model_dir(name_or_path)
     verify_weights(path)
     config_dict = read_config(path)
@@ -66,7 +69,7 @@ def load_runtime_model(
     model = model.to(device).eval().requires_grad_(False)
     if fuse:
         fuse_projections(model)
-    for module in model.modules():  # quantized layers repack once for this device's kernel
+    for module in model.modules() if prepare else ():  # quantized layers repack once for this device's kernel
         if hasattr(module, "prepare"):
             module.prepare()
     return model

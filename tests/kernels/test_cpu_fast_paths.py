@@ -180,3 +180,16 @@ def test_concatenated_w8a8_layers_quantize_the_input_once_and_equal_their_parts(
     x = torch.randn(5, 96, generator=gen)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
     assert W8A8Linear.concatenate([parts[0], layer(32, torch.tensor(0.1))]) is None  # dynamic with static
+
+
+def test_a_kept_dequantized_weight_serves_long_inputs_until_the_weights_change():
+    """An evaluation holds Ŵ for its run (models/paged_lm.py): the reference's output, to the bit."""
+    layer, weight, bias = layer_and_reference(4, 64, False, False)
+    layer.keep_dequantized()
+    x = torch.randn(cpu_int4.MAX_KERNEL_ROWS + 1, 512)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+    with torch.no_grad():
+        layer.scale.mul_(2)
+    with torch.inference_mode():  # the kept copy is stale now: the layer dequantizes the new weights
+        assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), bias))
