@@ -5,6 +5,10 @@ peak memory, with RTN measured in the same run as the baseline, then the memory 
 layer-by-layer pipeline: model size + 3 × largest layer (fp32) + activation cache.
 
 Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--seeds 0 1 2] [--json]
+On a mixture of experts (`--model small-moe`) it also prints each expert's share of the eval set's
+routing choices (base model), each expert's calibration tokens from the manifests (the default,
+every token through every expert, and `gptq routed`: only the routed tokens), and the issue-19
+checks: GPTQ's Δppl ≤ 0.6× RTN's, and the default calibration's KLD ≤ the routed one's.
 With several --seeds, each calibrated method runs once per calibration seed and a "mean" row gives
 the mean (± standard deviation of Δppl): on a small model one seed's Δppl can move by more than
 the difference between methods.
@@ -50,6 +54,9 @@ VARIANTS = {
     "rtn": ("rtn", "compressed-tensors", True, {}),
     "gptq": ("gptq", "compressed-tensors", True, {}),
     "gptq act-order": ("gptq", "gptq", True, {"gptq": GPTQOptions(act_order=True)}),
+    # mixtures of experts: each expert's statistics from the tokens routed to it only (the default:
+    # every calibration token through every expert)
+    "gptq routed": ("gptq", "compressed-tensors", True, {"moe_calibration": "routed"}),
     "gptq act-order static": (
         "gptq",
         "compressed-tensors",
@@ -181,8 +188,9 @@ def memory_bound(model: str | Path, calibration: CalibrationOptions) -> dict[str
     path = resolve_model_dir(model)
     config = AutoConfig.from_pretrained(path)
     h, i = config.hidden_size, config.intermediate_size
+    experts = getattr(config, "num_local_experts", None) or 1  # Mixtral: intermediate_size is one expert's
     kv = config.num_key_value_heads * (h // config.num_attention_heads)
-    layer_params = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h
+    layer_params = h * h * 2 + h * kv * 2 + 3 * h * i * experts + 2 * h
     sizes = {
         "model_bytes": sum(f.stat().st_size for f in weight_files(path)),
         "largest_layer_fp32_bytes": 4 * layer_params,
@@ -201,6 +209,7 @@ def run_variant(
     method_options = dict(method_options)
     weight_type = methods.resolve(method).weights.weight_type  # nf4 for NF4
     double_quant = method_options.pop("double_quant", False)
+    moe_calibration = method_options.pop("moe_calibration", "all")
     options = QuantizeOptions(
         method=method,
         format=fmt,
@@ -208,11 +217,11 @@ def run_variant(
         weights=WeightScheme(
             bits=bits, group_size=group_size, symmetric=symmetric, type=weight_type, double_quant=double_quant
         ),
-        calibration=CalibrationOptions(seed=seed or 0, num_samples=RUN.num_samples),
+        calibration=CalibrationOptions(seed=seed or 0, num_samples=RUN.num_samples, moe_calibration=moe_calibration),
     )
     start = time.perf_counter()
     with rss_follows_live_memory(), PeakMemory() as peak:
-        quantize_model(model, out, options)
+        manifest = quantize_model(model, out, options)
     seconds = time.perf_counter() - start
     m = evaluate(out, model, GateOptions(eval_set=eval_set, max_windows=RUN.max_windows)).metrics
     return {
@@ -229,7 +238,37 @@ def run_variant(
         "quantize_s": seconds,
         "peak_rss_bytes": peak.rss_bytes,
         "peak_cuda_bytes": peak.cuda_bytes,
+        "experts": expert_tokens(manifest),
     }
+
+
+def expert_tokens(manifest: dict) -> dict[str, dict[str, int]]:
+    """Each expert (`model.layers.0.block_sparse_moe.experts.1`) -> the calibration tokens its first
+    linear's statistics came from and the tokens the router sent it, as the manifest records them."""
+    experts = {}
+    for layer in manifest["layers"]:
+        if "routed_tokens" in layer:
+            expert = layer["name"].rsplit(".", 1)[0]
+            counts = {k: layer[k] for k in ("calibration_tokens", "routed_tokens") if k in layer}
+            experts.setdefault(expert, counts | ({"fallback": layer["fallback"]} if "fallback" in layer else {}))
+    return experts
+
+
+def routing_shares(model: str | Path, eval_set: str) -> list[list[float]] | None:
+    """[layer][expert]: the base model's share of the eval set's routing choices (None: not an MoE)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optkit.data.eval_sets import load_text_set
+    from optkit.data.packing import pack_windows, tokenize_stream
+    from optkit.modeldir import load_tokenizer
+    from optkit.zoo.train import expert_token_shares
+
+    path = resolve_model_dir(model)
+    if AutoConfig.from_pretrained(path).model_type != "mixtral":
+        return None
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    windows = pack_windows(tokenize_stream(load_tokenizer(path), load_text_set(eval_set).texts), 256)
+    return expert_token_shares(hf, windows[: RUN.max_windows]).tolist()
 
 
 def main() -> None:
@@ -275,10 +314,13 @@ def main() -> None:
         w8a8 = [] if args.no_w8a8 else w8a8_rows(args.model, Path(tmp), args.eval_set, args.w8a8_methods)
         bound = memory_bound(model, CalibrationOptions())
         gguf = gguf_quality.rows(args.model, Path(tmp), args.eval_set) if args.gguf else []
+        shares = routing_shares(model, args.eval_set)
     if args.json:
-        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound, "gguf": gguf}, indent=2))
+        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound, "gguf": gguf, "shares": shares}, indent=2))
         return
     print_tables(args, rows, w8a8, bound)
+    if shares is not None:
+        print_moe_tables(args, rows, shares)
     if gguf:
         Console(width=140).print(gguf_quality.table(args.model, args.eval_set, gguf))
 
@@ -357,6 +399,42 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
         if peaks
         else ""
     )
+
+
+def print_moe_tables(args, rows: list[dict], shares: list[list[float]]) -> None:
+    """The eval set's routing shares, each expert's calibration tokens, and the issue-19 checks."""
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    calibrated = {r["variant"]: r for r in rows if r["experts"]}  # one (bits, group) of each suffices
+    table = Table(title=f"per expert: {args.eval_set} routing share (base model) and calibration tokens (manifest)")
+    for column in ("expert", f"{args.eval_set} share", *(f"{v}: tokens" for v in calibrated)):
+        table.add_column(column, justify="left" if column == "expert" else "right")
+    num_experts = len(shares[0])
+    for name in next(iter(calibrated.values()))["experts"] if calibrated else []:
+        layer, expert = int(name.split(".layers.")[1].split(".")[0]), int(name.rsplit(".", 1)[1])
+        cells = []
+        for r in calibrated.values():
+            counts = r["experts"][name]
+            cell = f"{counts.get('calibration_tokens', '-')} (routed {counts['routed_tokens']})"
+            cells.append(cell + (f" {counts['fallback']}" if "fallback" in counts else ""))
+        table.add_row(f"layer {layer} expert {expert}", f"{shares[layer][expert]:.1%}", *cells)
+    console.print(table)
+    console.print(
+        f"routing share: min {min(min(s) for s in shares):.1%}, max {max(max(s) for s in shares):.1%} "
+        f"(even: {1 / num_experts:.1%})"
+    )
+    by = {(r["variant"], r["bits"], r["group_size"]): r for r in rows if r["seed"] in (None, args.seeds[0])}
+    for bits, group in itertools.product(args.bits, args.group_sizes):
+        rtn, gptq, routed = (by.get((v, bits, group)) for v in ("rtn", "gptq", "gptq routed"))
+        if rtn and gptq:
+            ratio = gptq["ppl_increase_pct"] / rtn["ppl_increase_pct"]
+            verdict = "met" if ratio <= 0.6 else "MISSED"
+            console.print(f"w{bits} g{group}: GPTQ Δppl / RTN Δppl = {ratio:.2f} (target ≤ 0.6: {verdict})")
+        if gptq and routed:
+            verdict = "met" if gptq["kld_mean"] <= routed["kld_mean"] else "MISSED"
+            console.print(
+                f"w{bits} g{group}: KLD default calibration {gptq['kld_mean']:.5f} vs routed "
+                f"{routed['kld_mean']:.5f} (target default ≤ routed: {verdict})"
+            )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ def small_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_moe_dir() -> Path:
+    from optkit.modeldir import resolve_model_dir
+
+    return resolve_model_dir("small-moe")
+
+
+@pytest.fixture(scope="session")
 def small_outliers_dir(tmp_path_factory, small_dir) -> Path:
     """`small` with activation outliers and the same function (optkit/zoo/outliers.py)."""
     from optkit.zoo.outliers import add_activation_outliers

@@ -12,7 +12,7 @@ app = typer.Typer(help="Build and list the bundled reference models.", no_args_i
 
 @app.command("build")
 def build(
-    name: Annotated[str, typer.Argument(help="Reference model: small or draft.")],
+    name: Annotated[str, typer.Argument(help="Reference model: small, draft or small-moe.")],
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Where to write it (default: the bundled location).")
     ] = None,
@@ -38,7 +38,10 @@ def build(
         "steps": result.steps,
         "heldout_perplexity": result.heldout_perplexity,
         "seconds": result.seconds,
+        "cpu_seconds": result.cpu_seconds,
     }
+    if result.expert_shares is not None:
+        data["expert_shares"] = result.expert_shares
     if json_output:
         print_json(data)
     else:
@@ -46,6 +49,10 @@ def build(
             f"[bold green]built[/] {name}: {result.num_parameters:,} parameters, {result.steps} steps, "
             f"held-out perplexity {result.heldout_perplexity:.2f}, {result.seconds:.0f}s -> {result.path}"
         )
+        for layer, shares in enumerate(result.expert_shares or []):
+            console().print(
+                f"  layer {layer} held-out routing share per expert: " + " ".join(f"{s:.1%}" for s in shares)
+            )
 
 
 @app.command("list")

@@ -22,6 +22,26 @@ class ZooSpec:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     seed: int = 0
+    # a mixture of experts (Mixtral) when num_experts > 0: intermediate_size is then one expert's
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss added while training
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict:
+        """The transformers config of the architecture (LlamaConfig, or MixtralConfig for an MoE)."""
+        kwargs = self.llama_config_kwargs(vocab_size, eos_token_id)
+        if self.is_moe:
+            kwargs |= dict(
+                num_local_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                sliding_window=None,
+            )
+        return kwargs
 
     def llama_config_kwargs(self, vocab_size: int, eos_token_id: int) -> dict:
         return dict(
@@ -49,6 +69,22 @@ SPECS = {
     # ~0.9M parameters, same tokenizer: speculative-decoding draft and the fast test fixture.
     "draft": ZooSpec(
         "draft", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, steps=700
+    ),
+    # Mixtral, 4 experts of intermediate 384, 2 per token: small's active MLP (768) and attention, ~6.6M
+    # parameters in all; the reference mixture of experts (routing, per-expert calibration). A step
+    # costs ~1.1x small's (bench/zoo_moe_step.py); 400 steps of 8 windows, so that the build fit the
+    # shared cores it was made on (docs/results.md).
+    "small-moe": ZooSpec(
+        "small-moe",
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=384,
+        steps=400,
+        batch_size=8,
+        num_experts=4,
+        experts_per_token=2,
     ),
 }
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
 from optkit.artifacts import atomic_output_dir
 from optkit.cache import cache_dir
@@ -26,6 +26,9 @@ class BuildResult:
     steps: int
     heldout_perplexity: float
     seconds: float
+    cpu_seconds: float  # of this process: at one thread, about its wall time on an idle core
+    # a mixture of experts: [layer][expert], the share of held-out routing choices each expert gets
+    expert_shares: list[list[float]] | None = None
 
 
 def reference_tokenizer(train_texts: list[str]) -> PreTrainedTokenizerFast:
@@ -46,6 +49,19 @@ def learning_rate(step: int, spec: ZooSpec, total_steps: int) -> float:
     return spec.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def new_model(
+    spec: ZooSpec, vocab_size: int, eos_token_id: int, *, experts_implementation: str | None = None
+) -> LlamaForCausalLM | MixtralForCausalLM:
+    """The spec's untrained model. An MoE trains with the load-balancing loss added to its loss, and
+    with transformers' default experts forward (grouped_mm: bench/zoo_moe_step.py measured it
+    fastest on CPU) unless `experts_implementation` names another."""
+    kwargs = spec.config_kwargs(vocab_size, eos_token_id)
+    if not spec.is_moe:
+        return LlamaForCausalLM(LlamaConfig(**kwargs))
+    config = MixtralConfig(**kwargs, output_router_logits=True)
+    return MixtralForCausalLM._from_config(config, experts_implementation=experts_implementation)
+
+
 @torch.no_grad()
 def perplexity(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> float:
     """exp(mean next-token NLL) over token windows [N, T]."""
@@ -58,21 +74,32 @@ def perplexity(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int =
     return math.exp(total_nll / total_tokens)
 
 
+@torch.no_grad()
+def expert_token_shares(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """[layers, experts]: the fraction of the routing choices (token, top-k slot) on `windows` [N, T]
+    that go to each expert; every row sums to 1 (an even router: 1/experts each, a dead expert: 0)."""
+    top_k = model.config.num_experts_per_tok
+    counts = torch.zeros(model.config.num_hidden_layers, model.config.num_local_experts)
+    for batch in windows.split(batch_size):
+        for layer, logits in enumerate(model(batch, output_router_logits=True).router_logits):  # [B·T, E] each
+            counts[layer] += torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=counts.shape[1])
+    return counts / counts.sum(dim=1, keepdim=True)
+
+
 def build_reference_model(
     spec: ZooSpec, out_dir: Path, *, steps: int | None = None, overwrite: bool = True
 ) -> BuildResult:
     """Train `spec` for `steps` (default: the spec's) and save it, bf16 safetensors, to `out_dir`."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(spec.seed)
     train_texts = read_texts("train")
     tokenizer = reference_tokenizer(train_texts)
     windows = pack_windows(tokenize_stream(tokenizer, train_texts), spec.seq_len)
     heldout = pack_windows(tokenize_stream(tokenizer, load_text_set("heldout").texts), spec.seq_len)
 
-    config = LlamaConfig(**spec.llama_config_kwargs(len(tokenizer), tokenizer.eos_token_id))
-    model = LlamaForCausalLM(config)
-    decay = [p for n, p in model.named_parameters() if p.ndim == 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim != 2 or "embed" in n]
+    model = new_model(spec, len(tokenizer), tokenizer.eos_token_id)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=spec.learning_rate,
@@ -102,11 +129,14 @@ def build_reference_model(
             bar.update(task, advance=1, info=f"loss {loss.item():.3f}  {tokens_per_s:,.0f} tok/s")
 
     model.eval()
+    model.config.output_router_logits = False  # the auxiliary loss is for training only
     heldout_ppl = perplexity(model, heldout)
+    shares = expert_token_shares(model, heldout).tolist() if spec.is_moe else None
     model.to(torch.bfloat16)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return BuildResult(out_dir, model.num_parameters(), total_steps, heldout_ppl, time.perf_counter() - start)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    return BuildResult(out_dir, model.num_parameters(), total_steps, heldout_ppl, seconds, cpu_seconds, shares)

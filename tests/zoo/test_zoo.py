@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from optkit.data.corpus import split_of, stdlib_files
@@ -56,3 +57,69 @@ def test_short_build_through_the_cli(run_cli, tmp_path):
     assert next(model.parameters()).dtype == torch.bfloat16
     assert len(tokenizer) == model.config.vocab_size
     assert list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
+
+
+def _heldout_windows(model_dir, count: int, length: int = 128) -> torch.Tensor:
+    from optkit.data.eval_sets import load_text_set
+    from optkit.data.packing import pack_windows, tokenize_stream
+    from optkit.modeldir import load_tokenizer
+
+    return pack_windows(tokenize_stream(load_tokenizer(model_dir), load_text_set("heldout").texts), length)[:count]
+
+
+def test_small_moe_is_a_standard_mixtral_checkpoint_that_routes(small_moe_dir, small_dir):
+    """4 experts, 2 per token, small's active MLP width and tokenizer; the router spreads held-out
+    tokens over every expert (no dead or monopolizing expert)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optkit.zoo.train import expert_token_shares
+
+    model = AutoModelForCausalLM.from_pretrained(small_moe_dir, dtype=torch.float32).eval()
+    small = AutoModelForCausalLM.from_pretrained(small_dir)
+    assert model.config.model_type == "mixtral" and model.config.num_local_experts == 4
+    experts_per_token = model.config.num_experts_per_tok
+    assert experts_per_token * model.config.intermediate_size == small.config.intermediate_size
+    assert (
+        AutoTokenizer.from_pretrained(small_moe_dir).get_vocab() == AutoTokenizer.from_pretrained(small_dir).get_vocab()
+    )
+    shares = expert_token_shares(model, _heldout_windows(small_moe_dir, 8))
+    assert torch.allclose(shares.sum(dim=1), torch.ones(shares.shape[0]))
+    assert shares.min() > 0.05 and shares.max() < 0.6, shares
+
+
+def test_small_moe_gives_the_same_logits_in_transformers_and_the_runtime(small_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    from optkit.models.loader import load_runtime_model
+    from tests.models.paged import run_paged, whole_prefills
+
+    hf = AutoModelForCausalLM.from_pretrained(small_moe_dir, dtype=torch.float32).eval()
+    runtime = load_runtime_model(small_moe_dir)
+    sequences = _heldout_windows(small_moe_dir, 3, 96).tolist()
+    with torch.no_grad():
+        expected = torch.cat([hf(torch.tensor([s])).logits[0] for s in sequences])
+    got = torch.cat(run_paged(runtime, sequences, whole_prefills([len(s) for s in sequences]), block_size=16))
+    diff = (got.float() - expected).abs().amax(dim=-1)  # per token
+    # equal up to float rounding, except where rounding flips a near-tie between two experts
+    assert (diff > 1e-3).float().mean() <= 0.01 and diff.max() <= 5e-2, diff.topk(5)
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.99
+
+
+@pytest.mark.slow
+def test_short_moe_build_saves_a_mixtral_checkpoint_and_reports_the_routing(run_cli, tmp_path):
+    """`optkit zoo build small-moe`, 2 steps: trained with the load-balancing loss, saved as a
+    standard Mixtral checkpoint (per-expert keys, no training-only config), routing shares reported."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    out = tmp_path / "small-moe"
+    code, stdout, stderr = run_cli("zoo", "build", "small-moe", "--out", out, "--steps", "2", "--json")
+    assert code == 0, stderr
+    shares = json.loads(stdout)["expert_shares"]
+    assert len(shares) == SPECS["small-moe"].num_layers and all(abs(sum(s) - 1) < 1e-5 for s in shares)
+    config = AutoConfig.from_pretrained(out)
+    assert config.model_type == "mixtral" and not config.output_router_logits
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in set(f.keys())
