@@ -1,14 +1,18 @@
-"""Repair against the uniform settings and against a hand-made --ignore choice, in one run.
+"""Repair against every uniform rung of the ladder and against a hand-made --ignore choice, in one run.
 
 For each model (`small`, `small+outliers`):
 1. Spearman rank correlation of the cheap per-layer estimate (one backward pass) with exact swaps
-   of every layer to full precision, on the held-out calibration windows.
-2. For each target KLD: the repaired artifact (from uniform 4-bit g128 RTN, the default) beside the
-   smallest uniform artifact that passes the same gate (4-bit per-channel/g128/g64/g32, 8-bit), and beside an
-   --ignore choice of at most the repaired artifact's size: the layers with the largest relative
-   weight error in the manifest kept in full precision.
+   of every layer to full precision, on the held-out calibration windows (on uniform 4-bit g128,
+   optkit's default).
+2. Every rung of repair's ladder quantized uniformly (RTN: 3-bit g128, 4-bit per channel, g128, g64,
+   g32, 8-bit g128) and gated.
+3. For each target KLD: the repaired artifact, from the smallest rung (`start: smallest`: uniform
+   3-bit g128, layers raised along the ladder), beside the smallest uniform artifact that passes the
+   same gate, and beside the best --ignore choice of at most the repaired artifact's size: for each
+   uniform rung smaller than the repaired artifact, the layers with the largest relative weight error
+   in its manifest kept in full precision while they fit; the lowest KLD among them is shown.
 
-Usage: python bench/repair.py [--windows 24] [--targets 0.005 0.004 0.003 0.002] [--models small small+outliers]
+Usage: python bench/repair.py [--windows 24] [--targets 0.01 0.005 0.002] [--models small small+outliers]
 """
 
 import argparse
@@ -24,12 +28,15 @@ from optkit.gate.options import GateOptions, RepairOptions
 from optkit.manifest import read_manifest
 from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.repair import repair, size_mb
-from optkit.quant.mixed_artifact import artifact_scheme, layer_bytes, write_mixed_artifact
+from optkit.quant.ladder import Rung, layer_bytes, nominal_bits
+from optkit.quant.mixed_artifact import artifact_scheme, write_mixed_artifact
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 
-START = WeightScheme(bits=4, group_size=128)  # optkit's default: what a release engineer starts from
-UNIFORM = [WeightScheme(bits=4, group_size=g) for g in (-1, 64, 32)] + [WeightScheme(bits=8, group_size=128)]
+DEFAULT = WeightScheme(bits=4, group_size=128)  # optkit's default: the Spearman check runs on it
+LADDER = [
+    r.scheme(DEFAULT) for r in sorted(RepairOptions().rungs, key=lambda r: nominal_bits(r, DEFAULT)) if not r.full
+]
 
 
 def model_dir(name: str, root: Path) -> Path:
@@ -40,14 +47,16 @@ def model_dir(name: str, root: Path) -> Path:
     return resolve_model_dir(name)
 
 
-def ignore_choice(start: Path, base: Path, max_mb: float, out: Path) -> Path:
+def ignore_choice(start: Path, base: Path, max_mb: float, out: Path) -> Path | None:
     """Full precision for the layers of largest manifest error, as many as fit in `max_mb`."""
     manifest = read_manifest(start)
     scheme = artifact_scheme(manifest)
     room = (max_mb - size_mb(start)) * 2**20
+    if room < 0:
+        return None
     chosen: dict[str, int] = {}
     for layer in sorted(manifest["layers"], key=lambda x: x["rel_error"], reverse=True):
-        extra = layer_bytes(layer["shape"], 16, scheme) - layer_bytes(layer["shape"], scheme.bits, scheme)
+        extra = layer_bytes(layer["shape"], Rung(16), scheme) - layer_bytes(layer["shape"], Rung.of(scheme), scheme)
         if extra <= room:
             chosen[layer["name"]], room = 16, room - extra
     write_mixed_artifact(start, base, chosen, out, {})
@@ -58,15 +67,15 @@ def bench_model(name: str, targets: list[float], windows: int, root: Path, spear
     base = model_dir(name, root)
     gate = GateOptions(max_windows=windows)
     artifacts = {}
-    for scheme in [START, *UNIFORM]:
+    for scheme in LADDER:
         out = root / f"{name}-{scheme.describe().replace(' ', '-')}"
         quantize_model(base, out, QuantizeOptions(weights=scheme), overwrite=True)
         artifacts[scheme.describe()] = (out, evaluate(out, base, gate))
-    start_dir, start_gate = artifacts[START.describe()]
+    start_dir, _ = artifacts[LADDER[0].describe()]
     result = {"model": name, "spearman": None, "uniform": {}, "targets": []}
     if spearman:
         t = time.perf_counter()
-        ranked = attribute(start_dir, base, windows=4, exact=-1)
+        ranked = attribute(artifacts[DEFAULT.describe()][0], base, windows=4, exact=-1)
         seconds = time.perf_counter() - t
         print(f"\n## {name}: per-layer sensitivity ({len(ranked.layers)} linears, {ranked.tokens} tokens)")
         print(f"Spearman(estimate, exact swaps) = {ranked.spearman:.3f}   (estimate + all swaps: {seconds:.0f}s)")
@@ -76,43 +85,50 @@ def bench_model(name: str, targets: list[float], windows: int, root: Path, spear
         print(f"uniform {label:18s} {size_mb(out):6.3f} MB  KLD {g.metrics['kld_mean']:.5f}")
     print(
         "\n| target KLD | repaired MB | repaired KLD | evals | smallest uniform that passes | its MB | size ratio "
-        "| --ignore MB | --ignore KLD | KLD ratio (ignore/repaired) |"
+        "| --ignore from | --ignore MB | --ignore KLD | KLD ratio (ignore/repaired) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for target in targets:
-        options = GateOptions(max_windows=windows, max_kld=target, repair=RepairOptions(windows=8))
+        options = GateOptions(max_windows=windows, max_kld=target, repair=RepairOptions(windows=8, start="smallest"))
         work = root / f"{name}-work-{target}"
         outcome = repair(start_dir, base, options, work, initial=evaluate(start_dir, base, options))
         passing = [(size_mb(o), label) for label, (o, g) in artifacts.items() if g.metrics["kld_mean"] <= target]
         smallest = min(passing) if passing else (float("nan"), "none")
         repaired_mb = size_mb(outcome.artifact)
-        ignore = ignore_choice(start_dir, base, repaired_mb, root / f"{name}-ignore-{target}")
-        ignore_gate = evaluate(ignore, base, options)
+        ignores = []  # (KLD, MB, from): the best --ignore choice of at most the repaired size
+        for label, (uniform_dir, _) in artifacts.items():
+            ignore = ignore_choice(uniform_dir, base, repaired_mb, root / f"{name}-ignore-{target}-{label}")
+            if ignore is not None:
+                ignores.append((evaluate(ignore, base, options).metrics["kld_mean"], size_mb(ignore), label))
+        ignore_kld, ignore_mb, ignore_from = min(ignores) if ignores else (float("nan"), float("nan"), "none")
         row = {
             "target": target,
             "passed": outcome.passed,
             "repaired_mb": repaired_mb,
             "repaired_kld": outcome.gate.metrics["kld_mean"],
             "evaluations": len(outcome.steps) - 1,
-            "raised": outcome.raised,
+            "raised": {k: v.label for k, v in outcome.raised.items()},
             "uniform": smallest[1],
             "uniform_mb": smallest[0],
-            "ignore_mb": size_mb(ignore),
-            "ignore_kld": ignore_gate.metrics["kld_mean"],
+            "ignore_from": ignore_from,
+            "ignore_mb": ignore_mb,
+            "ignore_kld": ignore_kld,
         }
         result["targets"].append(row)
         print(
             f"| {target:g} | {repaired_mb:.3f} | {row['repaired_kld']:.5f} {'pass' if outcome.passed else 'FAIL'} "
             f"| {row['evaluations']} | {smallest[1]} | {smallest[0]:.3f} | {repaired_mb / smallest[0]:.3f} "
-            f"| {row['ignore_mb']:.3f} | {row['ignore_kld']:.5f} | {row['ignore_kld'] / row['repaired_kld']:.2f} |"
+            f"| {ignore_from} | {ignore_mb:.3f} | {ignore_kld:.5f} | {ignore_kld / row['repaired_kld']:.2f} |"
         )
+        rungs = sorted({v.label for v in outcome.raised.values()})
+        print(f"  raised {len(outcome.raised)} linears to {', '.join(rungs) or 'nothing'}", flush=True)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["small", "small+outliers"])
-    parser.add_argument("--targets", nargs="+", type=float, default=[0.005, 0.004, 0.003, 0.002])
+    parser.add_argument("--targets", nargs="+", type=float, default=[0.01, 0.005, 0.002])
     parser.add_argument("--windows", type=int, default=24, help="gate windows of 256 tokens (heldout)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--no-spearman", action="store_true", help="skip the exact swaps of every layer")

@@ -63,6 +63,13 @@ def quantize(
     ] = None,
     max_size_mb: Annotated[float | None, typer.Option(help="Repair: size budget of the weights, MiB.")] = None,
     max_evaluations: Annotated[int, typer.Option(help="Repair: gate evaluations at most.", min=1)] = 8,
+    repair_start: Annotated[
+        str,
+        typer.Option(
+            help="Repair: 'artifact' raises layers of the artifact quantized as asked; 'smallest' quantizes on the "
+            "ladder's smallest rung (3-bit g128) and raises from there, for the smallest artifact that passes."
+        ),
+    ] = "artifact",
     gate_windows: Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan: linears by group, what stays, size, peak memory.")
@@ -161,7 +168,7 @@ def quantize(
     if out is None:
         raise OptkitError("--out is missing: give the directory to write (or --dry-run to see the plan)")
     if target_kld is not None or target_ppl_increase is not None:
-        gate = _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows)
+        gate = _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows, repair_start)
         _quantize_and_repair(model, out, options, gate, device, overwrite, json_output)
         return
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
@@ -184,7 +191,7 @@ def quantize(
     )
 
 
-def _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows):
+def _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows, repair_start):
     from optkit.gate.options import GateOptions, RepairOptions
 
     return _options(
@@ -195,9 +202,10 @@ def _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, 
         max_windows=gate_windows,
         repair=_options(
             RepairOptions,
-            {"max_size_mb": "--max-size-mb", "max_evaluations": "--max-evaluations"},
+            {"max_size_mb": "--max-size-mb", "max_evaluations": "--max-evaluations", "start": "--repair-start"},
             max_size_mb=max_size_mb,
             max_evaluations=max_evaluations,
+            start=repair_start,
         ),
     )
 

@@ -6,13 +6,23 @@ costs one backward pass for all layers. With ΔW = Ŵ − W (all layers) and g_l
 the artifact's weights, a first-order Taylor step from Ŵ towards W_l gives
 
   drop_l ≈ ⟨g_l, Ŵ_l − W_l⟩                                  (to full precision)
-  drop_l(8 bits) ≈ ⟨g_l, Ŵ_l − W8_l⟩   W8_l = RTN 8-bit of W_l  (to 8 bits, same gradient)
 
 Since KLD(W + ΔW) ≈ ½ ΔWᵀ F ΔW (F: the Fisher matrix at the base, where the KLD and its gradient
 vanish), g ≈ F ΔW, so ⟨g_l, ΔW_l⟩ = ΔW_lᵀ F_ll ΔW_l + Σ_k≠l ΔW_lᵀ F_lk ΔW_k: the layer's own
 quadratic term plus its interaction with the other layers' errors. The exact drop is that minus
 ½ ΔW_lᵀ F_ll ΔW_l, so the raw score overestimates; a few exact swaps of the top layers give the
 scale that turns the scores into nats (`scale`, least squares through the origin).
+
+A move to another quantized rung r (quant/ladder.py: 8 bits, a finer group) leaves the error
+e_r = Q_r(W_l) − W_l. The same first-order step, ⟨g_l, Ŵ_l − Q_r(W_l)⟩, cannot price it: e_r is a
+fresh rounding error, nearly orthogonal to g_l, so every rung would look as good as full precision.
+What a rung keeps is its own quadratic term, which scales with its error in the layer's metric.
+With F_ll ≈ (the input's second moments H = E[x xᵀ]) ⊗ (something on the outputs) and H taken
+diagonal, that term is ∝ E(e) = Σ_ij e_ij² H_jj, so
+
+  drop_l(r) ≈ drop_l · (1 − E(e_r) / E(Ŵ_l − W_l))
+
+H_jj is summed over the attribution windows in the same forward pass as the gradient.
 """
 
 from dataclasses import dataclass, field
@@ -29,8 +39,9 @@ from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
+from optkit.quant.ladder import Rung, layer_bytes
+from optkit.quant.mixed_artifact import artifact_scheme, layer_rungs
 from optkit.quant.rtn import rtn_quantize
-from optkit.weights.schemes import WeightScheme
 
 
 @dataclass
@@ -39,6 +50,7 @@ class LayerSensitivity:
     first_order: float  # ⟨g, Ŵ − W⟩, raw
     estimate: float  # scale · first_order: estimated KLD drop (nats) with this layer in full precision
     estimate_8bit: float | None = None  # the same with this layer at 8 bits
+    moves: dict[str, float] = field(default_factory=dict)  # rung label -> estimated drop on that rung
     exact: float | None = None  # measured drop, when this layer was swapped
 
     def to_json(self, kld: float) -> dict:
@@ -119,9 +131,12 @@ def attribute(
     seq_len: int = 256,
     exact: int = 3,
     batch_size: int = 4,
+    rungs: list[Rung] | None = None,
 ) -> Attribution:
     """Rank the artifact's quantized linears by the KLD each causes (module doc). `exact`: how many
-    of the top layers are swapped exactly to set the scale (-1: every layer, for benchmarks)."""
+    of the top layers are swapped exactly to set the scale (-1: every layer, for benchmarks).
+    `rungs`: the quantized rungs to price a move to, for each layer whose own rung takes fewer
+    bytes (default: 8 bits)."""
     artifact_dir, base_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
     manifest = read_manifest(artifact_dir)
     if manifest is None or not manifest.get("layers"):
@@ -131,15 +146,28 @@ def attribute(
     if is_w8a8 and is_w8a8(quant_config):
         raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
     tokens, source = attribution_windows(base_dir, manifest, seq_len, windows)
-    scheme = WeightScheme.model_validate(manifest["options"]["weights"])
-    precision = manifest.get("precision_overrides", {})
-    names = [layer["name"] for layer in manifest["layers"] if precision.get(layer["name"], scheme.bits) < 16]
+    scheme = artifact_scheme(manifest)
+    on = layer_rungs(manifest)
+    shapes = {layer["name"]: layer["shape"] for layer in manifest["layers"]}
+    names = [name for name, rung in on.items() if not rung.full]
+    eight = Rung(8).resolve(scheme)
+    targets = [r.resolve(scheme) for r in (rungs if rungs is not None else [eight]) if not r.full]
 
     base_model, model = load_model(base_dir), load_model(artifact_dir)
     model.requires_grad_(False)
     linears = {name: model.get_submodule(name).weight for name in names}
     for weight in linears.values():
         weight.requires_grad_(True)
+    second_moments = {name: torch.zeros(w.shape[1], dtype=torch.float64) for name, w in linears.items()}
+
+    def accumulate(name: str):
+        def hook(module, inputs, output):  # inputs[0]: [B, T, in] -> H_jj += Σ x_j²
+            x = inputs[0].detach()
+            second_moments[name] += x.double().pow(2).reshape(-1, x.shape[-1]).sum(0)
+
+        return hook
+
+    hooks = [model.get_submodule(name).register_forward_hook(accumulate(name)) for name in names]
     batches = [tokens[i : i + batch_size] for i in range(0, len(tokens), batch_size)]
     count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
     with torch.no_grad():
@@ -149,6 +177,8 @@ def attribute(
         loss = _kld_sum(reference, model(batch).logits) / count
         loss.backward()
         total += loss.item()
+    for hook in hooks:
+        hook.remove()
 
     def mean_kld() -> float:
         with torch.no_grad():
@@ -159,11 +189,17 @@ def attribute(
         for name, weight in linears.items():
             original = base_model.get_submodule(name).weight.float()
             first_order = (weight.grad * (weight - original)).sum().item()
-            eight = None
-            if precision.get(name, scheme.bits) < 8 and getattr(scheme, "type", "int") == "int":
-                w8 = rtn_quantize(original, scheme.model_copy(update={"bits": 8})).dequantize()
-                eight = (weight.grad * (weight - w8)).sum().item()
-            layers.append(LayerSensitivity(name, first_order, first_order, eight))
+            moves = {}
+            h = second_moments[name]
+            error = ((weight.double() - original.double()).pow(2) @ h).sum().item()  # E(Ŵ − W)
+            if getattr(scheme, "type", "int") == "int" and error > 0:
+                shape, current = shapes[name], layer_bytes(shapes[name], on[name], scheme)
+                for rung in targets:
+                    if rung.fits(shape[1]) and layer_bytes(shape, rung, scheme) > current:
+                        target = rtn_quantize(original, rung.scheme(scheme)).dequantize()
+                        kept = ((target.double() - original.double()).pow(2) @ h).sum().item() / error
+                        moves[rung.label] = first_order * (1 - kept)
+            layers.append(LayerSensitivity(name, first_order, first_order, moves.get(eight.label), moves))
         layers.sort(key=lambda x: x.first_order, reverse=True)
         swaps = layers if exact < 0 else layers[:exact]
         with progress_bar() as bar:
@@ -182,4 +218,5 @@ def attribute(
         layer.estimate = scale * layer.first_order
         if layer.estimate_8bit is not None:
             layer.estimate_8bit *= scale
+        layer.moves = {label: scale * value for label, value in layer.moves.items()}
     return Attribution(total, source, count, scale, layers)

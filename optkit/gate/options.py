@@ -1,19 +1,30 @@
 """What a gate checks and what it evaluates on: `optkit eval`'s flags and a recipe's `gate:` section
 (field names are the keys)."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optkit.gate.thresholds import Thresholds
+from optkit.quant.ladder import DEFAULT_LADDER, parse_rung
 
 
 class RepairOptions(BaseModel):
     """`gate.repair`: when the gate fails, raise the precision of the layers that cause the most KLD
-    per byte (pipeline/repair.py) until it passes, the size budget is spent or the evaluations are."""
+    per byte (pipeline/repair.py) until it passes, the size budget is spent or the evaluations are.
+
+    `precisions` is the per-layer ladder (quant/ladder.py): 8 and 16 (full precision) as before, and
+    schemes such as 'w4g32' (a finer group), 'w4ch' (per channel), 'w3g128'. A layer only moves to a
+    rung that takes more bytes than the one it is on. `start`: 'artifact' repairs the artifact as it
+    was quantized; 'smallest' quantizes every layer on the ladder's smallest rung first and raises
+    from there, so the result is the smallest mixed artifact repair finds, even when the artifact
+    quantized as asked would already pass."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_size_mb: float | None = Field(default=None, gt=0)  # model.safetensors, MiB; None: no budget
-    precisions: list[int] = Field(default_factory=lambda: [8, 16], min_length=1)  # 8 bits, 16 = full precision
+    precisions: list[int | str] = Field(default_factory=lambda: list(DEFAULT_LADDER), min_length=1)
+    start: Literal["artifact", "smallest"] = "artifact"
     max_evaluations: int = Field(default=8, ge=1)  # gate evaluations of repaired candidates
     windows: int = Field(default=8, ge=1)  # attribution windows (held-out calibration text)
     exact_swaps: int = Field(default=3, ge=0)  # exact swaps that calibrate the estimate
@@ -21,10 +32,15 @@ class RepairOptions(BaseModel):
 
     @field_validator("precisions")
     @classmethod
-    def _known_precisions(cls, value: list[int]) -> list[int]:
-        if not set(value) <= {8, 16}:
-            raise ValueError(f"precisions are 8 (bits) and 16 (full precision), got {value}")
-        return sorted(set(value))
+    def _known_precisions(cls, value: list[int | str]) -> list[int | str]:
+        labels = {}
+        for item in value:
+            labels.setdefault(parse_rung(item).label, item)  # ValueError names what is accepted
+        return list(labels.values())
+
+    @property
+    def rungs(self):
+        return [parse_rung(item) for item in self.precisions]
 
 
 class GateOptions(Thresholds):

@@ -1,6 +1,7 @@
 """The release's README.md: what was done, the gate's numbers, and how to load it."""
 
 from optkit.gate.report import ROWS
+from optkit.quant.ladder import parse_rung
 
 
 def model_card(recipe, manifest: dict, gate: dict, verdict: str) -> str:
@@ -67,17 +68,19 @@ def _kept_at_higher_precision(manifest: dict) -> str:
     repair = manifest.get("repair") or {}
     attribution = {x["name"]: x for x in (repair.get("attribution") or {}).get("layers", [])}
     rows = []
-    for name, bits in sorted(raised.items(), key=lambda item: -attribution.get(item[0], {}).get("estimate", 0)):
+    for name, rung in sorted(raised.items(), key=lambda item: -attribution.get(item[0], {}).get("estimate", 0)):
         layer = attribution.get(name, {})
         why = f"caused ~{100 * layer['share']:.1f}% of the KLD" if "share" in layer else "raised by repair"
-        rows.append(f"| `{name}` | {'full precision' if bits >= 16 else f'{bits}-bit'} | {why} |")
+        rows.append(f"| `{name}` | {parse_rung(rung).describe()} | {why} |")
     steps = repair.get("steps") or []
+    weights = (manifest.get("options") or {}).get("weights") or {}
+    start = f"{weights.get('bits', '?')}-bit, group size {weights.get('group_size', '?')}"
     history = " → ".join(f"{s['kld_mean']:.5f}" for s in steps)
     return f"""## Layers kept at higher precision
 
-The gate failed the uniform artifact; repair raised the layers that caused the most KL divergence per
-byte (estimated on held-out calibration text, checked by the gate) until it passed. Mean KLD by step:
-{history}.
+Repair started from a uniform artifact ({start}) and raised the layers that caused the most KL
+divergence per byte (estimated on held-out calibration text, checked by the gate) until it passed.
+Mean KLD by step: {history}.
 
 | layer | precision | why |
 |---|---|---|

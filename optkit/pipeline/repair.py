@@ -2,16 +2,21 @@
 byte until the gate passes, the size budget is spent or the evaluations are.
 
 1. Attribute the failing artifact (gate/attribution.py, on calibration text neither the calibration
-   nor the gate read): each linear's estimated KLD drop at 8 bits and in full precision.
-2. Group the linears as vLLM fuses them (q/k/v, gate/up) and order the moves (unit, 4 → 8 → 16
-   bits) by estimated drop per extra byte; a unit's next move is eligible once its previous one is
-   taken, and a level whose next step pays more per byte is skipped (the lower convex hull).
+   nor the gate read): each linear's estimated KLD drop on every rung above its own and in full
+   precision. With `start: smallest` the caller quantizes that artifact on the smallest rung
+   (`start_options`), so repair builds the smallest mixed artifact up from below.
+2. Group the linears as vLLM fuses them (q/k/v, gate/up) and order the moves (unit, rung of the
+   ladder in quant/ladder.py: more bits or a finer group, up to full precision) by estimated drop
+   per extra byte; a unit's next move is eligible once its previous one is taken, a rung with more
+   bytes and no more estimated drop is left out, and a level whose next step pays more per byte is
+   skipped (the upper concave hull of drop against bytes).
 3. Take moves until the predicted KLD on the gate's set is under the target with a 10% margin
    (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
    the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails, refit
    the rescaling to what the gate measured and take more moves. Once one passes, spend up to
-   `shrink_evaluations` bisecting between the last failing and the passing number of moves, and
-   keep the smallest artifact that passes. Every evaluation is a step in the manifest.
+   `shrink_evaluations` on shorter prefixes of the moves, each chosen by interpolating the gate's
+   KLD between the last failing and the last passing prefix in the cumulative estimated drop
+   (regula falsi), and keep the smallest artifact that passes. Every evaluation is a step in the manifest.
 """
 
 import heapq
@@ -28,17 +33,19 @@ from optkit.gate.evaluate import GateResult, evaluate
 from optkit.gate.options import GateOptions, RepairOptions
 from optkit.manifest import read_manifest, write_manifest
 from optkit.modeldir import weight_files
-from optkit.quant.formats.mixed import FULL_PRECISION, check_mixed, fused_units
-from optkit.quant.mixed_artifact import WEIGHTS, artifact_scheme, layer_bytes, write_mixed_artifact
+from optkit.quant.formats.mixed import check_mixed, fused_units
+from optkit.quant.ladder import Rung, layer_bytes, nominal_bits, smallest
+from optkit.quant.mixed_artifact import WEIGHTS, artifact_scheme, layer_rungs, write_mixed_artifact
 from optkit.safetensors_stream import lazy_tensors_in
 
 MARGIN = 0.9  # aim this far under the target: the prediction is an estimate
+SHRINK_AIM = 0.97  # closer once a passing artifact brackets the answer (interpolated, not extrapolated)
 
 
 @dataclass
 class Move:
     unit: list[str]
-    bits: int
+    rung: Rung
     gain: float  # estimated KLD drop on the attribution set, nats
     extra_bytes: int
 
@@ -51,19 +58,19 @@ class RepairOutcome:
     steps: list[dict] = field(default_factory=list)
     attribution: Attribution | None = None
     reason: str | None = None
-    raised: dict[str, int] = field(default_factory=dict)
+    raised: dict[str, Rung] = field(default_factory=dict)
 
 
 def size_mb(artifact: Path) -> float:
     return (artifact / WEIGHTS).stat().st_size / 2**20
 
 
-def _step(index: int, raised: dict[str, int], result: GateResult, artifact: Path, changed: list[str]) -> dict:
+def _step(index: int, raised: dict[str, Rung], result: GateResult, artifact: Path, changed: list[str]) -> dict:
     m = result.metrics
     return {
         "step": index,
         "changed": changed,
-        "raised": dict(sorted(raised.items())),
+        "raised": {name: rung.to_json() for name, rung in sorted(raised.items())},
         "kld_mean": m["kld_mean"],
         "ppl_increase_pct": m["ppl_increase_pct"],
         "top1_pct": m["top1_pct"],
@@ -72,39 +79,50 @@ def _step(index: int, raised: dict[str, int], result: GateResult, artifact: Path
     }
 
 
-def plan_moves(attribution: Attribution, manifest: dict, base: Path, precisions: list[int]) -> list[Move]:
+def plan_moves(attribution: Attribution, manifest: dict, base: Path, rungs: list[Rung]) -> list[Move]:
     """Every move worth making, best estimated KLD drop per extra byte first (module doc, 2)."""
     scheme = artifact_scheme(manifest)
     shapes = {layer["name"]: layer["shape"] for layer in manifest["layers"]}
-    current = manifest.get("precision_overrides", {})
+    on = layer_rungs(manifest)
     itemsize = {}
     for file in weight_files(base):
         itemsize.update({k: t.dtype.itemsize for k, t in lazy_tensors_in(file).items()})
+
+    def unit_bytes(unit: list[str], rung: Rung | None) -> int:  # None: where each layer is now
+        return sum(
+            layer_bytes(shapes[n], on[n] if rung is None else rung, scheme, itemsize.get(f"{n}.weight", 2))
+            for n in unit
+        )
+
     by_name = {layer.name: layer for layer in attribution.layers}
+    resolved = sorted({r.resolve(scheme) for r in rungs}, key=lambda r: nominal_bits(r, scheme))
     heap, ladders = [], []
     for unit in fused_units([layer.name for layer in attribution.layers]):
-        start = min(current.get(n, scheme.bits) for n in unit)
-        levels = [(start, 0.0, 0)]
-        for bits in (b for b in precisions if b > start):
-            if bits < FULL_PRECISION and any(by_name[n].estimate_8bit is None for n in unit):
+        now = unit_bytes(unit, None)
+        levels = [(None, 0.0, 0)]  # (rung, estimated drop, extra bytes) from where the unit is now
+        for rung in sorted(resolved, key=lambda r: unit_bytes(unit, r)):
+            extra = unit_bytes(unit, rung) - now
+            if extra <= 0 or not rung.fits(shapes[unit[0]][1]):
                 continue
-            gain = sum(by_name[n].estimate if bits >= FULL_PRECISION else by_name[n].estimate_8bit for n in unit)
-            extra = sum(
-                layer_bytes(shapes[n], bits, scheme, itemsize.get(f"{n}.weight", 2))
-                - layer_bytes(shapes[n], current.get(n, scheme.bits), scheme, itemsize.get(f"{n}.weight", 2))
-                for n in unit
-            )
-            while len(levels) > 1 and _ratio(levels[-2], levels[-1]) <= _ratio(levels[-1], (bits, gain, extra)):
+            if rung.full:
+                gain = sum(by_name[n].estimate for n in unit)
+            elif all(rung.label in by_name[n].moves for n in unit):
+                gain = sum(by_name[n].moves[rung.label] for n in unit)
+            else:
+                continue  # not priced (a rung the attribution was not asked about)
+            if gain <= levels[-1][1]:
+                continue  # more bytes for no more gain
+            while len(levels) > 1 and _ratio(levels[-2], levels[-1]) <= _ratio(levels[-1], (rung, gain, extra)):
                 levels.pop()  # the step after it pays more per byte: go straight past it
-            levels.append((bits, gain, extra))
+            levels.append((rung, gain, extra))
         ladders.append((unit, levels))
         _push(heap, len(ladders) - 1, 1, levels)
     moves = []
     while heap:
         _, index, level = heapq.heappop(heap)
         unit, levels = ladders[index]
-        (_, gain0, bytes0), (bits, gain1, bytes1) = levels[level - 1], levels[level]
-        moves.append(Move(unit, bits, gain1 - gain0, bytes1 - bytes0))
+        (_, gain0, bytes0), (rung, gain1, bytes1) = levels[level - 1], levels[level]
+        moves.append(Move(unit, rung, gain1 - gain0, bytes1 - bytes0))
         _push(heap, index, level + 1, levels)
     return moves
 
@@ -148,14 +166,16 @@ def repair(
     if result.passed:
         return RepairOutcome(True, artifact, result, steps)
     target = target_kld(gate, result)
-    attribution = attribute(artifact, base, windows=options.windows, seq_len=gate.seq_len, exact=options.exact_swaps)
-    moves = plan_moves(attribution, manifest, base, options.precisions)
+    attribution = attribute(
+        artifact, base, windows=options.windows, seq_len=gate.seq_len, exact=options.exact_swaps, rungs=options.rungs
+    )
+    moves = plan_moves(attribution, manifest, base, options.rungs)
     budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
     start_bytes = (artifact / WEIGHTS).stat().st_size
     rescale = result.metrics["kld_mean"] / max(attribution.kld, 1e-12)  # attribution set -> gate set
-    best = (result.metrics["kld_mean"], artifact, result, {})
+    best = (result.metrics["kld_mean"], artifact, result, {}, 0)  # (KLD, directory, gate, rungs, step)
     taken: list[Move] = []
-    failed_count = 0  # moves of the largest prefix that failed
+    failed_count, failed_kld = 0, result.metrics["kld_mean"]  # the largest prefix that failed, its KLD
     reason = None
     evaluation = 0
 
@@ -167,7 +187,8 @@ def repair(
         shutil.rmtree(out, ignore_errors=True)
         write_mixed_artifact(artifact, base, raised, out, {})
         result = evaluate(out, base, gate)
-        changed = sorted(set(raised) ^ set(_raised(previous)))
+        before = _raised(previous)
+        changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
         steps.append(_step(evaluation, raised, result, out, changed))
         log(
             f"repair step {evaluation}: raised {len(raised)} linears, KLD {result.metrics['kld_mean']:.5f} "
@@ -175,7 +196,7 @@ def repair(
         )
         smaller = result.passed and (not best[2].passed or size_mb(out) < size_mb(best[1]))
         if smaller or (not best[2].passed and result.metrics["kld_mean"] < best[0]):
-            best = (result.metrics["kld_mean"], out, result, raised)
+            best = (result.metrics["kld_mean"], out, result, raised, evaluation)
         return result
 
     while evaluation < options.max_evaluations:
@@ -185,18 +206,19 @@ def repair(
             reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
             break
         result = trial(chosen, taken)
-        if result.passed:  # shrink: bisect between the last failing prefix and this one
-            passing = len(chosen)
+        if result.passed:  # shrink: search between the last failing prefix and this one
+            passing, passing_kld = len(chosen), result.metrics["kld_mean"]
             for _ in range(options.shrink_evaluations):
                 if passing - failed_count <= 1 or evaluation >= options.max_evaluations:
                     break
-                middle = (failed_count + passing) // 2
-                if trial(chosen[:middle], chosen[:passing]).passed:
-                    passing = middle
+                k = _secant(chosen, failed_count, failed_kld, passing, passing_kld, SHRINK_AIM * target)
+                shorter = trial(chosen[:k], chosen[:passing])
+                if shorter.passed:
+                    passing, passing_kld = k, shorter.metrics["kld_mean"]
                 else:
-                    failed_count = middle
+                    failed_count, failed_kld = k, shorter.metrics["kld_mean"]
             break
-        failed_count = len(chosen)
+        failed_count, failed_kld = len(chosen), result.metrics["kld_mean"]
         taken = chosen
         if result.metrics["kld_mean"] <= target:  # another threshold failed: aim lower
             target = 0.8 * result.metrics["kld_mean"]
@@ -205,7 +227,7 @@ def repair(
             rescale = max((steps[0]["kld_mean"] - result.metrics["kld_mean"]) / gained, 1e-3)
     else:
         reason = f"{options.max_evaluations} gate evaluations (max_evaluations) did not reach it"
-    _, chosen_dir, chosen_result, raised = best
+    _, chosen_dir, chosen_result, raised, chosen_step = best
     passed = chosen_result.passed
     if not passed and reason is None:
         reason = "no layer left to raise"
@@ -217,7 +239,7 @@ def repair(
             "attribution": attribution.to_json(),
             "steps": steps,
             "result": "passed" if passed else f"failed: {reason}",
-            "chosen_step": next(s["step"] for s in reversed(steps) if s["raised"] == dict(sorted(raised.items()))),
+            "chosen_step": chosen_step,
         },
         "gate": chosen_result.to_json(),
     }
@@ -254,16 +276,37 @@ def _extend(
     return chosen, bool(passed_over)
 
 
+def _secant(moves: list[Move], low: int, low_kld: float, high: int, high_kld: float, aim: float) -> int:
+    """The shortest prefix of `moves` strictly between `low` (failed, `low_kld`) and `high` (passed,
+    `high_kld`) whose KLD, interpolated linearly in the cumulative estimated drop between the two
+    measured prefixes, is under `aim`: regula falsi on the gate's own measurements, which brackets
+    the answer faster than bisecting the number of moves."""
+    cumulative = [0.0]
+    for move in moves[:high]:
+        cumulative.append(cumulative[-1] + move.gain)
+    span = cumulative[high] - cumulative[low]
+    for k in range(low + 1, high):
+        if span <= 0:
+            return (low + high) // 2
+        if low_kld - (low_kld - high_kld) * (cumulative[k] - cumulative[low]) / span <= aim:
+            return k
+    return high - 1
+
+
 def _predict(kld: float, rescale: float, moves: list[Move]) -> float:
     return kld - rescale * sum(m.gain for m in moves)
 
 
-def _raised(moves: list[Move]) -> dict[str, int]:
-    raised: dict[str, int] = {}
-    for move in moves:
-        for name in move.unit:
-            raised[name] = max(raised.get(name, 0), move.bits)
-    return raised
+def _raised(moves: list[Move]) -> dict[str, Rung]:
+    """Each layer on the rung of its unit's last move (a unit's moves are taken in ladder order)."""
+    return {name: move.rung for move in moves for name in move.unit}
+
+
+def record_pass_without_repair(outcome: RepairOutcome) -> None:
+    """The start passed the gate: its manifest records the gate and the one step all the same."""
+    fields = {k: v for k, v in read_manifest(outcome.artifact).items() if k not in ("files", "created")}
+    record = {"steps": outcome.steps, "result": "passed without repair"}
+    write_manifest(outcome.artifact, {**fields, "repair": record, "gate": outcome.gate.to_json()})
 
 
 def publish(source: Path, out: Path) -> None:
@@ -276,6 +319,16 @@ def publish(source: Path, out: Path) -> None:
         shutil.rmtree(trash)
     else:
         os.replace(source, out)
+
+
+def start_options(options, gate: GateOptions):
+    """The quantize options repair starts from: as given, or with `start: smallest` every layer on
+    the ladder's smallest rung (the method, format and calibration kept)."""
+    repair_options = gate.repair or RepairOptions()
+    if repair_options.start != "smallest":
+        return options
+    rung = smallest(repair_options.rungs, options.weights)
+    return options.model_copy(update={"weights": rung.scheme(options.weights)})
 
 
 def quantize_and_repair(
@@ -294,12 +347,10 @@ def quantize_and_repair(
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        quantize_model(base, work / "uniform", options, overwrite=True, device=device)
+        quantize_model(base, work / "uniform", start_options(options, gate), overwrite=True, device=device)
         outcome = repair(work / "uniform", base, gate, work, log=log)
         if outcome.artifact == work / "uniform":  # passed as it was: record the gate all the same
-            fields = {k: v for k, v in read_manifest(outcome.artifact).items() if k not in ("files", "created")}
-            record = {"steps": outcome.steps, "result": "passed without repair"}
-            write_manifest(outcome.artifact, {**fields, "repair": record, "gate": outcome.gate.to_json()})
+            record_pass_without_repair(outcome)
         destination = out if outcome.passed else out.with_name(f"{out.name}.rejected")
         publish(outcome.artifact, destination)
         outcome.artifact = destination

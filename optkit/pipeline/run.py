@@ -147,13 +147,11 @@ def run_recipe(
         result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
 
-    # 2b. repair: the recipe asks the gate to raise the layers that caused the failure
-    if recipe.gate.repair is not None and not result.passed:
-        artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result)
-
-    # 2b. repair: the recipe asks the gate to raise the layers that caused the failure
-    if recipe.gate.repair is not None and not result.passed:
-        artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result)
+    # 2b. repair: the recipe asks the gate to raise the layers that caused the failure, or (start:
+    # smallest) for the smallest mixed artifact that passes, whatever the gate said of this one
+    repair_options = recipe.gate.repair
+    if repair_options is not None and (not result.passed or repair_options.start == "smallest"):
+        artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result, device)
 
     # 3. compile: only what will be released is worth warming
     compiled = _compile_stage(recipe, manifest, artifact, work, result) if recipe.compile else None
@@ -184,10 +182,12 @@ def run_recipe(
     return result
 
 
-def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult):
+def _repair_stage(
+    recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult, device: str
+):
     """Repair the artifact the gate rejected (pipeline/repair.py) into work/repaired; returns the
     artifact and manifest to package, and sets the run's gate result and verdict to the repaired's."""
-    from optkit.pipeline.repair import publish, repair
+    from optkit.pipeline.repair import publish, record_pass_without_repair, repair, start_options
 
     start = time.perf_counter()
     inputs = _digest({"artifact": manifest["files"], "gate": recipe.gate.model_dump()})
@@ -200,10 +200,14 @@ def _repair_stage(recipe: Recipe, base: Path, artifact: Path, manifest: dict, wo
         steps = work / "repair-steps"
         shutil.rmtree(steps, ignore_errors=True)
         steps.mkdir()
+        if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
+            artifact = steps / "start"
+            quantize_model(base, artifact, start_options(recipe.quantize, recipe.gate), overwrite=True, device=device)
         outcome = repair(artifact, base, recipe.gate, steps)
-        if outcome.artifact == artifact:  # it passed on a second look: package a copy, keep the stage's
+        if outcome.artifact == artifact:  # it passed as it was: package a copy, keep the stage's
             shutil.copytree(artifact, steps / "as-is")
             outcome.artifact = steps / "as-is"
+            record_pass_without_repair(outcome)
         publish(outcome.artifact, repaired)
         shutil.rmtree(steps, ignore_errors=True)
         kept = read_manifest(repaired)

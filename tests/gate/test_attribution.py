@@ -18,7 +18,7 @@ def damaged_artifact(tmp_path_factory, draft_dir):
 
     root = tmp_path_factory.mktemp("attribution")
     quantize_model(draft_dir, root / "w8", QuantizeOptions(weights=WeightScheme(bits=8, group_size=128)))
-    write_mixed_artifact(root / "w8", draft_dir, {DAMAGED: 2}, root / "damaged", {})
+    write_mixed_artifact(root / "w8", draft_dir, {DAMAGED: "w2g128"}, root / "damaged", {})
     return root / "damaged"
 
 
@@ -30,6 +30,21 @@ def test_attribution_ranks_a_deliberately_damaged_layer_first(damaged_artifact, 
     assert found.spearman is not None and found.spearman > 0.5
     top = found.to_json()["layers"][0]
     assert top["name"] == DAMAGED and 0.5 < top["share"] <= 1.5
+
+
+def test_moves_to_finer_rungs_keep_what_their_error_keeps(damaged_artifact, draft_dir):
+    """A move's estimated drop is the full-precision drop less the share of the error the rung keeps
+    (module doc): it rises with the rung, never past the drop to full precision."""
+    from optkit.quant.ladder import parse_rung
+
+    rungs = [parse_rung(x) for x in ("w3g128", "w4g128", "w4g32", 8)]
+    found = attribute(damaged_artifact, draft_dir, windows=2, seq_len=128, exact=1, rungs=rungs)
+    top = found.layers[0]
+    assert top.name == DAMAGED and list(top.moves) == ["w3g128", "w4g128", "w4g32", "w8g128"]
+    drops = list(top.moves.values())
+    assert 0 < drops[0] < drops[1] < drops[2] < drops[3] <= top.estimate
+    assert top.estimate_8bit == drops[3]
+    assert all(not layer.moves for layer in found.layers[1:])  # already 8-bit: no rung above but 16
 
 
 def test_heldout_windows_are_the_calibration_draw_complement(draft_dir):

@@ -34,14 +34,15 @@ def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, 
     assert not uniform.passed  # uniform 4-bit draft: KLD ~0.011
     outcome = repair(uniform_w4, draft_dir, options, tmp_path, initial=uniform)
     assert outcome.passed and outcome.gate.metrics["kld_mean"] <= 0.006
-    assert 0 < len(outcome.raised) < 14 and set(outcome.raised.values()) <= {8, 16}
+    assert 0 < len(outcome.raised) and sum(r.bits >= 8 for r in outcome.raised.values()) < 14
+    assert all(r.bits in (4, 8, 16) and r.label != "w4g128" for r in outcome.raised.values())
     assert size_mb(outcome.artifact) < 1.5 * size_mb(uniform_w4)
     manifest = read_manifest(outcome.artifact)
     steps = manifest["repair"]["steps"]
     assert steps[0]["passed"] is False and steps[manifest["repair"]["chosen_step"]]["passed"] is True
     for step in steps[1:]:
         assert step["changed"] and step["kld_mean"] > 0 and step["size_mb"] > 0
-    assert manifest["precision_overrides"] == outcome.raised
+    assert manifest["precision_overrides"] == {name: rung.to_json() for name, rung in outcome.raised.items()}
     assert manifest["repair"]["attribution"]["layers"][0]["estimate"] > 0
     # a mixed-scheme artifact as every reader loads it: transformers (compressed-tensors) = runtime
     # (its reference path: the question is the per-layer schemes, not the CPU int4 kernel's rounding)
@@ -53,6 +54,32 @@ def test_repair_passes_a_target_that_uniform_4_bit_fails(uniform_w4, draft_dir, 
     # and the gate, re-run from the files, agrees with what repair measured
     again = evaluate(outcome.artifact, draft_dir, options)
     assert again.metrics["kld_mean"] == pytest.approx(outcome.gate.metrics["kld_mean"], rel=1e-4)
+
+
+def test_moves_climb_the_ladder_by_estimated_drop_per_byte(uniform_w4, draft_dir):
+    """A finer group is a move of its own: priced from the attribution's per-rung estimates, taken
+    before 8 bits when it pays more per byte; nothing moves to a rung with fewer bytes."""
+    from optkit.gate.attribution import Attribution, LayerSensitivity
+    from optkit.pipeline.repair import plan_moves
+    from optkit.quant.ladder import parse_rung
+
+    manifest = read_manifest(uniform_w4)
+    down = "model.layers.0.mlp.down_proj"
+    layers = []
+    for layer in manifest["layers"]:
+        big = 10.0 if layer["name"] == down else 1.0  # down_proj: most of the KLD
+        moves = {"w4g64": 0.5 * big, "w4g32": 0.8 * big, "w8g128": 0.99 * big}
+        layers.append(LayerSensitivity(layer["name"], big, big, moves["w8g128"], moves))
+    rungs = [parse_rung(x) for x in RepairOptions().precisions]
+    moves = plan_moves(Attribution(1.0, "test", 1, 1.0, layers), manifest, draft_dir, rungs)
+    assert moves[0].unit == [down] and moves[0].rung.label == "w4g64"  # 0.5 nats for 1/32 more bytes
+    mine = [m for m in moves if m.unit == [down]]
+    assert [m.rung.label for m in mine] == ["w4g64", "w4g32", "w8g128", "16"]
+    assert all(a.gain > 0 and a.extra_bytes > 0 for a in mine)
+    assert sum(m.gain for m in mine) == pytest.approx(10.0)  # the whole way to full precision
+    assert not {m.rung.label for m in moves} & {"w3g128", "w4ch", "w4g128"}  # fewer bytes or none more
+    ratios = [m.gain / m.extra_bytes for m in moves]
+    assert ratios[0] == max(ratios)
 
 
 def test_max_evaluations_is_honoured(uniform_w4, draft_dir, tmp_path, monkeypatch):

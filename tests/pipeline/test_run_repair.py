@@ -1,5 +1,6 @@
 """`optkit run` with `gate.repair`: the release is the repaired artifact, its card names the layers
-kept at higher precision and why, its report charts the per-layer sensitivity."""
+kept at higher precision and why, its report charts the per-layer sensitivity. `start: smallest`:
+the repair stage starts from the ladder's smallest rung (3-bit g128), not the recipe's 4 bits."""
 
 import json
 
@@ -12,7 +13,11 @@ def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
     recipe = {
         "model": str(draft_dir),
         "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 128}},
-        "gate": {"max_windows": 4, "max_kld": 0.006, "repair": {"max_evaluations": 3, "windows": 4}},
+        "gate": {
+            "max_windows": 4,
+            "max_kld": 0.006,
+            "repair": {"max_evaluations": 3, "windows": 4, "start": "smallest"},
+        },
         "output": str(tmp_path / "release"),
     }
     path = tmp_path / "recipe.yaml"
@@ -26,6 +31,7 @@ def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
     raised = manifest["precision_overrides"]
     assert raised and manifest["repair"]["steps"][0]["passed"] is False
     card = (release / "README.md").read_text()
+    assert manifest["options"]["weights"]["bits"] == 3 and "3-bit, group size 128" in card
     assert "Layers kept at higher precision" in card
     assert all(f"`{name}`" in card for name in raised) and "of the KLD" in card
     assert "Per-layer sensitivity" in (release / "report.html").read_text()

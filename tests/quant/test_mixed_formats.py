@@ -1,5 +1,6 @@
 """Per-layer precision in compressed-tensors and GPTQ checkpoints (quant/formats/mixed.py), written
-from a uniform artifact with only the raised layers re-quantized (quant/mixed_artifact.py)."""
+from a uniform artifact with only the raised layers re-quantized (quant/mixed_artifact.py): other
+bit widths, other group sizes (quant/ladder.py's rungs) and full precision in one checkpoint."""
 
 import json
 import re
@@ -13,6 +14,8 @@ from optkit.quant.mixed_artifact import write_mixed_artifact
 
 QKV = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
 DOWN = "model.layers.1.mlp.down_proj"
+GATE_UP = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]  # to 4-bit g32: a finer group
+O_PROJ = "model.layers.1.self_attn.o_proj"  # to 4-bit per channel
 
 
 @pytest.fixture(scope="module", params=["compressed-tensors", "gptq"])
@@ -23,6 +26,8 @@ def mixed(request, tmp_path_factory, draft_dir):
     quantize_model(draft_dir, root / "w4", QuantizeOptions(format=request.param))
     write_mixed_artifact(root / "w4", draft_dir, dict.fromkeys(QKV, 8), root / "step1", {})
     write_mixed_artifact(root / "step1", draft_dir, {DOWN: 16}, root / "mixed", {"repair": {"note": "test"}})
+    moves = {**dict.fromkeys(GATE_UP, "w4g32"), O_PROJ: "w4ch"}
+    write_mixed_artifact(root / "mixed", draft_dir, moves, root / "groups", {})
     return request.param, root
 
 
@@ -37,10 +42,11 @@ def test_raised_layers_hold_their_precision_and_the_rest_is_untouched(mixed, dra
         expected = rtn_quantize(base.get_submodule(layer).weight, WeightScheme(bits=8, group_size=128)).dequantize()
         assert torch.equal(model.get_submodule(layer).weight, expected)
     assert torch.equal(model.get_submodule(DOWN).weight, base.get_submodule(DOWN).weight)
-    other = "model.layers.1.self_attn.o_proj"
+    other = "model.layers.1.self_attn.k_proj"
     assert torch.equal(model.get_submodule(other).weight, uniform.get_submodule(other).weight)
     manifest = json.loads((root / "mixed" / "optkit.json").read_text())
-    assert manifest["precision_overrides"] == {**dict.fromkeys(QKV, 8), DOWN: 16}  # the earlier step kept
+    eight = {"bits": 8, "group_size": 128}
+    assert manifest["precision_overrides"] == {**dict.fromkeys(QKV, eight), DOWN: {"bits": 16}}  # earlier step kept
     assert manifest["repair"] == {"note": "test"}
 
 
@@ -52,7 +58,7 @@ def test_the_config_says_which_layer_has_which_scheme(mixed):
     assert [schemes[p].bits for p in prefixes] == [8, 8, 8, 4]
     if name == "compressed-tensors":
         assert DOWN in config["ignore"] and list(config["config_groups"])[-1] == "group_0"
-        assert sorted(config["config_groups"]["group_w8"]["targets"]) == sorted(QKV)
+        assert sorted(config["config_groups"]["group_w8g128"]["targets"]) == sorted(QKV)
     else:  # gptqmodel's dynamic overrides; vLLM matches the fused qkv_proj by the same pattern
         (plus,) = [k for k in config["dynamic"] if k.startswith("+:")]
         (minus,) = [k for k in config["dynamic"] if k.startswith("-:")]
@@ -66,3 +72,48 @@ def test_the_config_says_which_layer_has_which_scheme(mixed):
 def test_fused_units_follow_vllm():
     names = [*QKV, "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
     assert fused_units(names) == [QKV, [names[3]], names[4:]]
+
+
+def test_a_finer_group_is_a_rung_of_its_own(mixed, draft_dir):
+    """4-bit g32 and 4-bit per channel beside the artifact's 4-bit g128, 8 bits and full precision:
+    each layer holds RTN on its rung, the config names each scheme, earlier moves are kept."""
+    from optkit.quant.formats.load import load_model
+    from optkit.quant.rtn import rtn_quantize
+    from optkit.weights.schemes import WeightScheme
+
+    name, root = mixed
+    model, base = load_model(root / "groups"), load_model(draft_dir)
+    for layer, scheme in [
+        *((x, WeightScheme(bits=4, group_size=32)) for x in GATE_UP),
+        (O_PROJ, WeightScheme(group_size=-1)),
+    ]:
+        expected = rtn_quantize(base.get_submodule(layer).weight, scheme).dequantize()
+        assert torch.equal(model.get_submodule(layer).weight, expected), layer
+    assert torch.equal(model.get_submodule(DOWN).weight, base.get_submodule(DOWN).weight)
+    config = json.loads((root / "groups" / "config.json").read_text())["quantization_config"]
+    prefixes = [*QKV, *GATE_UP, O_PROJ, "model.layers.1.mlp.up_proj"]
+    schemes = layer_schemes(get_format(name), config, prefixes)
+    assert [(schemes[p].bits, schemes[p].group_size) for p in prefixes] == [(8, 128)] * 3 + [(4, 32)] * 2 + [
+        (4, -1),
+        (4, 128),
+    ]
+    manifest = json.loads((root / "groups" / "optkit.json").read_text())
+    assert manifest["precision_overrides"][O_PROJ] == {"bits": 4, "group_size": -1}
+    assert len(manifest["precision_overrides"]) == 7
+    if name == "compressed-tensors":  # the per-channel group as compressed-tensors spells it
+        weights = config["config_groups"]["group_w4ch"]["weights"]
+        assert weights["strategy"] == "channel" and weights["group_size"] is None
+    else:  # a different group size is written out, the same one left to the top level
+        overrides = [v for k, v in config["dynamic"].items() if k.startswith("+:")]
+        assert {"bits": 4, "group_size": 32} in overrides and {"bits": 8} in overrides
+
+
+def test_a_mixed_group_checkpoint_loads_in_transformers_as_in_the_runtime(mixed, monkeypatch):
+    from optkit.compat.transformers_load import check_transformers_load
+
+    name, root = mixed
+    if name != "compressed-tensors":
+        pytest.skip("transformers loads GPTQ only through gptqmodel: the check runs on compressed-tensors, the default")
+    monkeypatch.setenv("OPTKIT_CPU_INT4", "0")  # the reference path: the question is the per-layer schemes
+    check = check_transformers_load(root / "groups")
+    assert check.ok, check.problems

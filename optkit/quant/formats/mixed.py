@@ -1,9 +1,10 @@
 """Per-layer precision in one checkpoint, written the way each format's own readers understand it.
 
-- compressed-tensors: one `config_groups` entry per scheme. The artifact's scheme keeps the class
-  target `Linear`; each raised scheme targets its layers by exact name, which compressed-tensors
+- compressed-tensors: one `config_groups` entry per scheme (bits and group size: quant/ladder.py's
+  rungs). The artifact's scheme keeps the class target `Linear`; each other scheme targets its
+  layers by exact name, which compressed-tensors
   (and vLLM) match before class names. Layers kept in full precision join `ignore`.
-- GPTQ: gptqmodel's `dynamic` overrides, `{"+:REGEX": {"bits": 8}, "-:REGEX": {}}` ("-:" leaves the
+- GPTQ: gptqmodel's `dynamic` overrides, `{"+:REGEX": {"bits": 8, "group_size": 32}, "-:REGEX": {}}` ("-:" leaves the
   module unquantized), matched with `re.match` on module names by gptqmodel and vLLM. vLLM matches
   fused modules (`qkv_proj`, `gate_up_proj`) by their fused name, so each pattern names both.
 vLLM requires the shards of a fused module to share one scheme, so precision changes by `fused_units`.
@@ -17,9 +18,9 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import dequantize_layers
+from optkit.quant.ladder import FULL_PRECISION, Rung, nominal_bits
 from optkit.weights.schemes import WeightScheme
 
-FULL_PRECISION = 16
 # shards that vLLM loads as one fused module -> the fused module's name
 FUSED = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 MIXED_FORMATS = ("compressed-tensors", "gptq")
@@ -44,31 +45,41 @@ def check_mixed(format_name: str) -> None:
         )
 
 
-def mixed_quantization_config(format_name: str, config: dict, default: WeightScheme, bits: dict[str, int]) -> dict:
-    """`config` (the artifact's uniform `quantization_config`) with layers raised to `bits[name]`
-    (8, or 16 for full precision)."""
+def mixed_quantization_config(format_name: str, config: dict, default: WeightScheme, rungs: dict[str, Rung]) -> dict:
+    """`config` (the artifact's uniform `quantization_config`, scheme `default`) with each layer of
+    `rungs` on its rung: another bit width, another group size, or full precision."""
     check_mixed(format_name)
     config = {**config}
-    raised: dict[int, list[str]] = defaultdict(list)
-    for name, b in sorted(bits.items()):
-        raised[b].append(name)
+    by_rung: dict[Rung, list[str]] = defaultdict(list)
+    for name, rung in sorted(rungs.items()):
+        by_rung[rung.resolve(default)].append(name)
+    ordered = sorted(by_rung.items(), key=lambda item: nominal_bits(item[0], default))
     if format_name == "compressed-tensors":
         template = config["config_groups"]["group_0"]
         groups = {}  # raised groups first: compressed-tensors tries targets in this order
-        for b, names in sorted(raised.items()):
-            if b < FULL_PRECISION:
-                weights = {**template["weights"], "num_bits": b}
-                groups[f"group_w{b}"] = {**template, "targets": names, "weights": weights}
+        for rung, names in ordered:
+            if not rung.full:
+                weights = {
+                    **template["weights"],
+                    "num_bits": rung.bits,
+                    "strategy": "channel" if rung.group_size == -1 else "group",
+                    "group_size": None if rung.group_size == -1 else rung.group_size,
+                    "actorder": None,  # re-quantized by round-to-nearest, in column order
+                }
+                groups[f"group_{rung.label}"] = {**template, "targets": names, "weights": weights}
         config["config_groups"] = {**groups, "group_0": template}
-        config["ignore"] = list(config.get("ignore", [])) + raised.get(FULL_PRECISION, [])
+        config["ignore"] = list(config.get("ignore", [])) + by_rung.get(Rung(FULL_PRECISION), [])
         return config
     dynamic = {}
-    for b, names in sorted(raised.items()):
+    for rung, names in ordered:
         for pattern in _patterns(names):
-            if b >= FULL_PRECISION:
+            if rung.full:
                 dynamic[f"-:{pattern}"] = {}
-            else:
-                dynamic[f"+:{pattern}"] = {"bits": b}
+            else:  # gptqmodel and vLLM read bits and group_size per module; unchanged keys are left out
+                override = {"bits": rung.bits}
+                if rung.group_size != default.group_size:
+                    override["group_size"] = rung.group_size
+                dynamic[f"+:{pattern}"] = override
     config["dynamic"] = dynamic
     return config
 

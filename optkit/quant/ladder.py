@@ -1,0 +1,102 @@
+"""The per-layer ladder that repair climbs: weight schemes ordered by the bytes they take.
+
+A rung is a bit width and a group size (`w3g128`, `w4ch` = per output channel, `w4g32`, `w8g128`) or
+full precision (`16`). A bare `8` means 8 bits at the artifact's own group size. Each linear of a
+mixed artifact sits on one rung; a finer group is a move up just as more bits are. Symmetry and the
+number type stay the artifact's.
+"""
+
+import re
+from dataclasses import dataclass
+
+from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
+
+FULL_PRECISION = 16
+SAME_GROUP = 0  # group_size of a bare `8`: the artifact's group size, resolved by `Rung.resolve`
+DEFAULT_LADDER = ("w3g128", "w4ch", "w4g128", "w4g64", "w4g32", 8, 16)
+_LABEL = re.compile(r"w(\d+)(?:g(\d+)|(ch))")
+
+
+@dataclass(frozen=True)
+class Rung:
+    bits: int  # FULL_PRECISION: the base's weight as stored
+    group_size: int = SAME_GROUP  # -1: per output channel
+
+    @property
+    def full(self) -> bool:
+        return self.bits >= FULL_PRECISION
+
+    @property
+    def label(self) -> str:
+        if self.full:
+            return str(FULL_PRECISION)
+        if self.group_size == SAME_GROUP:
+            return str(self.bits)
+        return f"w{self.bits}{'ch' if self.group_size == -1 else f'g{self.group_size}'}"
+
+    def describe(self) -> str:
+        if self.full:
+            return "full precision"
+        if self.group_size == SAME_GROUP:
+            return f"{self.bits}-bit"
+        return f"{self.bits}-bit {'per channel' if self.group_size == -1 else f'g{self.group_size}'}"
+
+    def resolve(self, artifact: WeightScheme) -> "Rung":
+        """A bare bit width at the artifact's group size."""
+        return Rung(self.bits, artifact.group_size) if self.group_size == SAME_GROUP and not self.full else self
+
+    def scheme(self, artifact: WeightScheme) -> WeightScheme:
+        assert not self.full, "full precision has no quantization scheme"
+        rung = self.resolve(artifact)
+        return artifact.model_copy(update={"bits": rung.bits, "group_size": rung.group_size})
+
+    def fits(self, in_features: int) -> bool:
+        return self.full or self.group_size in (-1, SAME_GROUP) or in_features % self.group_size == 0
+
+    def to_json(self) -> dict:
+        return {"bits": FULL_PRECISION} if self.full else {"bits": self.bits, "group_size": self.group_size}
+
+    @classmethod
+    def of(cls, scheme: WeightScheme) -> "Rung":
+        return cls(scheme.bits, scheme.group_size)
+
+
+def parse_rung(value: int | str | dict) -> Rung:
+    """`8`, `16`, `"w4g32"`, `"w4ch"`, or a manifest's `{"bits": 4, "group_size": 32}`; ValueError
+    naming what is accepted."""
+    rung = None
+    if isinstance(value, dict) and isinstance(value.get("bits"), int):
+        full = value["bits"] >= FULL_PRECISION
+        rung = Rung(FULL_PRECISION) if full else Rung(value["bits"], value.get("group_size", SAME_GROUP))
+    elif isinstance(value, int) and not isinstance(value, bool) and value in (8, FULL_PRECISION):
+        rung = Rung(value)
+    elif isinstance(value, str) and (match := _LABEL.fullmatch(value)) and int(match[2] or -1) != 0:
+        rung = Rung(int(match[1]), -1 if match[3] else int(match[2]))
+    if rung is None or not (rung.full or rung.bits in SUPPORTED_BITS) or rung.group_size < -1:
+        raise ValueError(
+            f"{value!r} is not a precision: use 8 or 16 (full precision), or a scheme such as 'w4g32', "
+            f"'w4ch' (per channel), 'w3g128', with bits one of {SUPPORTED_BITS}"
+        )
+    return rung
+
+
+def layer_bytes(shape: list[int], rung: Rung, artifact: WeightScheme, full_itemsize: int = 2) -> int:
+    """Bytes a linear [out, in] takes on `rung`: packed weights, one 2-byte scale per group and
+    output, and packed zero points when the artifact is asymmetric."""
+    out_features, in_features = shape
+    if rung.full:
+        return out_features * in_features * full_itemsize
+    scheme = rung.scheme(artifact)
+    groups = 1 if scheme.group_size == -1 else in_features // scheme.group_size
+    zero_points = 0 if scheme.symmetric else out_features * groups * scheme.bits // 8
+    return out_features * in_features * scheme.bits // 8 + out_features * groups * 2 + zero_points
+
+
+def nominal_bits(rung: Rung, artifact: WeightScheme, in_features: int = 4096) -> float:
+    """Bits per weight on `rung` for a linear `in_features` wide (the order of the ladder)."""
+    return 8 * layer_bytes([1, in_features], rung, artifact) / in_features
+
+
+def smallest(rungs: list[Rung], artifact: WeightScheme) -> Rung:
+    """The quantized rung with the fewest bits per weight: where `start: smallest` begins."""
+    return min((r for r in rungs if not r.full), key=lambda r: nominal_bits(r, artifact))
