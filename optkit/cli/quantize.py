@@ -50,7 +50,7 @@ def quantize(
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
     act_order: Annotated[bool, typer.Option(help="GPTQ: quantize columns by descending Hessian diagonal.")] = False,
     static_groups: Annotated[bool, typer.Option(help="GPTQ: fix group parameters before reordering.")] = False,
-    alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "0.5",
+    alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "auto",
     act_quant: Annotated[str, typer.Option(help="W8A8 activations: dynamic (per token) or static.")] = "dynamic",
     double_quant: Annotated[bool, typer.Option(help="NF4: store the block scales in 8 bits (QLoRA).")] = False,
     device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")] = "auto",

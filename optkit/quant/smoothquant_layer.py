@@ -27,8 +27,10 @@ class SmoothQuantOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     smooth: bool = True  # False: plain W8A8, the baseline SmoothQuant improves on
-    alpha: float | Literal["auto"] = 0.5
-    alpha_grid: int = 20  # "auto" tries α = 0, 1/grid, ..., 1 per smoothing group
+    # "auto" tries no smoothing and α = 0, 1/grid, ..., 1 per smoothing group (α = 0 still smooths:
+    # s = 1/max|W_j| flattens the weights' columns); "no smoothing" keeps plain W8A8 where it is best
+    alpha: float | Literal["auto"] = "auto"
+    alpha_grid: int = 20
     activations: Literal["dynamic", "static"] = "dynamic"  # per-token at run time, or one calibrated scale
     search_samples: int = 32
 
@@ -75,16 +77,20 @@ def smoothquant_procedure(
         fake_weight, fake_activations = sq.fake_quantize_weight, sq.fake_quantize_activations
     act_max = fp8_kernels.FP8_MAX if weights == "fp8" else INT8_MAX
 
-    def search_alpha(work: LayerWork, linears: tuple[str, ...], block: str, act_absmax: torch.Tensor) -> float:
-        """The α whose smoothing + W8A8 (emulated, unfolded) gives the block output closest to float."""
+    def search_alpha(work: LayerWork, linears: tuple[str, ...], block: str, act_absmax: torch.Tensor) -> float | None:
+        """The α whose smoothing + W8A8 (emulated, unfolded) gives the block output closest to float;
+        None when plain W8A8 (no smoothing, s = 1) is closer than every α."""
         x = capture_inputs(work, [linears[0]], options.search_samples)[linears[0]]
         modules = [work.layer.get_submodule(n) for n in linears]
         originals = [m.weight.detach().clone() for m in modules]
         reference = block_output(work, block, x)
-        best_alpha, best_loss = 0.5, float("inf")
-        for step in range(options.alpha_grid + 1):
-            alpha = step / options.alpha_grid
-            s = sq.smoothing_scales(act_absmax, originals, alpha)
+        best_alpha, best_loss = None, float("inf")
+        candidates = [None] + [step / options.alpha_grid for step in range(options.alpha_grid + 1)]
+        for alpha in candidates:
+            if alpha is None:
+                s = torch.ones_like(act_absmax, dtype=torch.float32)
+            else:
+                s = sq.smoothing_scales(act_absmax, originals, alpha)
             for module, w in zip(modules, originals, strict=True):
                 module.weight.copy_(fake_weight(w * s) / s)
             handles = [
@@ -108,6 +114,9 @@ def smoothquant_procedure(
                 continue
             act_absmax = _input_absmax(work, [linears[0]])[linears[0]]
             alpha = search_alpha(work, linears, block, act_absmax) if options.alpha == "auto" else options.alpha
+            if alpha is None:  # plain W8A8 is closer to float here than any smoothing
+                searched.update(dict.fromkeys(linears, {"smoothing": "none"}))
+                continue
             originals = [work.layer.get_submodule(n).weight.detach() for n in linears]
             scales = sq.smoothing_scales(act_absmax, originals, alpha)
             fold_scale(work.layer, previous, linears, scales, work.family.norm_weight_offset)

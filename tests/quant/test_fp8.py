@@ -74,7 +74,12 @@ def test_transformers_round_trip_has_no_missing_or_new_keys(tmp_path, draft_dir)
 
 
 def test_smoothquant_then_fp8_smooths_and_writes_fp8(tmp_path, draft_dir):
-    options = QuantizeOptions(method=["smoothquant", "fp8"], weights=FP8_PER_CHANNEL, calibration=FAST_CALIB)
+    options = QuantizeOptions(
+        method=["smoothquant", "fp8"],
+        weights=FP8_PER_CHANNEL,
+        calibration=FAST_CALIB,
+        smoothquant=SmoothQuantOptions(alpha=0.5),  # a fixed α: every norm absorbs a scale
+    )
     assert options.method == "smoothquant+fp8"
     manifest = quantize_model(draft_dir, tmp_path / "q", options)
     norm_fed = [layer for layer in manifest["layers"] if layer["name"].endswith(("q_proj", "gate_proj"))]

@@ -16,6 +16,7 @@ from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import prompts, run_paged, whole_prefills
+from tests.quant.paired_kld import assert_no_worse, heldout_windows, window_klds
 from tests.tiny_families import FAMILIES, TINY, save_tiny_family
 
 ORIGINAL = FAMILIES["phi3"]["original_max_position_embeddings"]  # 64
@@ -163,6 +164,13 @@ def test_awq_w4_is_no_worse_than_rtn_w4_and_gains_with_outliers(artifact, mean_k
 
 def test_smoothquant_beats_plain_w8a8_with_outliers(artifact, mean_kld):
     assert mean_kld(artifact("smoothquant-w8a8", True), True) < mean_kld(artifact("w8a8", True), True)
+
+
+def test_smoothquant_is_no_worse_than_plain_w8a8_without_outliers(base, artifact):
+    """On 48 held-out windows, a paired test (tests/quant/paired_kld.py)."""
+    windows = heldout_windows(base)
+    plain = window_klds(base, artifact("w8a8"), windows)
+    assert_no_worse(window_klds(base, artifact("smoothquant-w8a8"), windows), plain)
 
 
 def test_awq_and_smoothquant_say_which_groups_they_cannot_smooth(base, tmp_path, caplog):
