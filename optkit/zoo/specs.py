@@ -72,7 +72,7 @@ SPECS = {
     ),
     # Mixtral, 4 experts of intermediate 384, 2 per token: small's active MLP (768) and attention, ~6.6M
     # parameters in all; the reference mixture of experts (routing, per-expert calibration). A step
-    # costs ~1.1x small's (bench/zoo_moe_step.py); 400 steps of 8 windows, so that the build fit the
+    # costs about small's (bench/zoo_moe_step.py); 400 steps of 8 windows, so that the build fit the
     # shared cores it was made on (docs/results.md).
     "small-moe": ZooSpec(
         "small-moe",
