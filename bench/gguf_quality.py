@@ -7,8 +7,9 @@ run: the full-precision model written as GGUF (llama.cpp's own error with unquan
 per type, llama.cpp's quantizer (llama_model_quantize, round to nearest with its own scale choice) on
 that file, with token_embd and output kept at the base dtype as optkit keeps them.
 
-Usage: python bench/gguf_quality.py [--model small] [--types Q4_0 Q4_1 Q8_0] [--max-windows N]
-[--threads N] [--json] (needs the extra: pip install 'optkit[gguf]'). bench/quant_quality.py --gguf
+Usage: python bench/gguf_quality.py [--model small] [--types Q4_0 Q4_1 Q8_0]
+[--methods rtn gptq awq llama.cpp] [--max-windows N] [--threads N] [--json] (the full-precision row comes
+with llama.cpp's, whose input it is; needs the extra: pip install 'optkit[gguf]'). bench/quant_quality.py --gguf
 prints the same table. Threads (torch's for the base, llama.cpp's for the files) default to the cores
 no other process keeps busy (optkit/gate/llama_cpp.idle_cores): on shared cores a spinning thread
 that loses its core stalls the rest.
@@ -34,6 +35,7 @@ from optkit.weights.schemes import WeightScheme
 
 TYPES = {"Q4_0": (4, True), "Q4_1": (4, False), "Q8_0": (8, True)}
 METHODS = ("rtn", "gptq", "awq")
+LLAMA_CPP = "llama.cpp"  # llama.cpp's quantizer, and the full-precision file it starts from
 
 
 def _gate(path: Path, model: str, options: GateOptions) -> dict:
@@ -71,19 +73,29 @@ def _row(variant: str, qtype: str, path: Path, seconds: float, model: str, optio
 
 
 def rows(
-    model: str, tmp: Path, eval_set: str = "heldout", types: list[str] | None = None, max_windows: int | None = None
+    model: str,
+    tmp: Path,
+    eval_set: str = "heldout",
+    types: list[str] | None = None,
+    max_windows: int | None = None,
+    methods: list[str] | None = None,
 ) -> list[dict]:
     options = GateOptions(eval_set=eval_set, max_windows=max_windows)
-    source = full_precision_gguf(model, tmp / "full.gguf")
-    out = [_row("full precision (BF16)", "BF16", source, 0.0, model, options)]
+    methods = methods or [*METHODS, LLAMA_CPP]
+    out = []
+    if LLAMA_CPP in methods:
+        source = full_precision_gguf(model, tmp / "full.gguf")
+        out.append(_row("full precision (BF16)", "BF16", source, 0.0, model, options))
     for qtype in types or list(TYPES):
         bits, symmetric = TYPES[qtype]
-        for method in METHODS:
+        for method in [m for m in METHODS if m in methods]:
             path = tmp / f"{method}-{qtype}.gguf"
             weights = WeightScheme(bits=bits, group_size=32, symmetric=symmetric)
             start = time.perf_counter()
             quantize_model(model, path, QuantizeOptions(method=method, format="gguf", weights=weights))
             out.append(_row(f"optkit {method}", qtype, path, time.perf_counter() - start, model, options))
+        if LLAMA_CPP not in methods:
+            continue
         start = time.perf_counter()
         path = llama_cpp_quantize(source, tmp / f"llama-cpp-{qtype}.gguf", qtype)
         out.append(_row("llama.cpp quantize", qtype, path, time.perf_counter() - start, model, options))
@@ -127,6 +139,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--eval-set", default="heldout")
     parser.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
+    parser.add_argument("--methods", nargs="+", choices=[*METHODS, LLAMA_CPP], default=[*METHODS, LLAMA_CPP])
     parser.add_argument("--max-windows", type=int, default=None, help="gate on the first N windows (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the idle cores)")
     parser.add_argument("--json", action="store_true")
@@ -135,7 +148,7 @@ def main() -> None:
     set_cpu_threads(threads)
     os.environ["OPTKIT_LLAMA_CPP_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
-        results = rows(args.model, Path(tmp), args.eval_set, args.types, args.max_windows)
+        results = rows(args.model, Path(tmp), args.eval_set, args.types, args.max_windows, args.methods)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -48,8 +48,20 @@ def quantize(
     ] = False,
     damp: Annotated[float, typer.Option(help="GPTQ dampening, a fraction of the mean Hessian diagonal.")] = 0.01,
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
-    act_order: Annotated[bool, typer.Option(help="GPTQ: quantize columns by descending Hessian diagonal.")] = False,
-    static_groups: Annotated[bool, typer.Option(help="GPTQ: fix group parameters before reordering.")] = False,
+    act_order: Annotated[
+        bool | None,
+        typer.Option(
+            "--act-order/--no-act-order",
+            help="GPTQ: quantize columns by descending Hessian diagonal (default: off; on for GGUF Q4_0).",
+        ),
+    ] = None,
+    static_groups: Annotated[
+        bool | None,
+        typer.Option(
+            "--static-groups/--no-static-groups",
+            help="GPTQ: fix group parameters before reordering (default: off; on for GGUF Q4_0).",
+        ),
+    ] = None,
     alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "auto",
     act_quant: Annotated[str, typer.Option(help="W8A8 activations: dynamic (per token) or static.")] = "dynamic",
     double_quant: Annotated[bool, typer.Option(help="NF4: store the block scales in 8 bits (QLoRA).")] = False,

@@ -12,27 +12,39 @@ Pure tensor functions: no modules, hooks or I/O.
 
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.errors import OptkitError
-from optkit.quant.rtn import from_grid, minmax_qparams, round_to_grid
+from optkit.quant.rtn import from_grid, minmax_qparams, round_to_grid, signed_max_qparams
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 from optkit.weights.stored import has_float_zero, scale_dtype_for
 
+QPARAMS = {"minmax": minmax_qparams, "signed_max": signed_max_qparams}
+
 
 class GPTQOptions(BaseModel):
-    """GPTQ settings; the field names are the recipe keys."""
+    """GPTQ settings; the field names are the recipe keys. act_order, static_groups and scale left
+    unset (None) take the output format's defaults (`resolved`): off and minmax, except where the
+    format names others (formats/gguf.py: Q4_0)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     block_size: int = 128
     damp: float = 0.01  # fraction of the mean diagonal of H added to it
-    act_order: bool = False  # quantize columns by descending H_ii (the most sensitive first)
-    static_groups: bool = False  # group parameters from the unpermuted W: contiguous g_idx
+    act_order: bool | None = None  # quantize columns by descending H_ii (the most sensitive first)
+    static_groups: bool | None = None  # group parameters from the unpermuted W: contiguous g_idx
+    # how a group's symmetric scale is chosen: max|w| / 7.5 (for 4 bits), or llama.cpp's signed m / −8
+    scale: Literal["minmax", "signed_max"] | None = None
     max_damp_retries: int = 6  # each retry multiplies the dampening by 10
+
+    def resolved(self, defaults: dict | None = None) -> "GPTQOptions":
+        """These options with each unset setting taken from `defaults` (a format's), else the plain default."""
+        plain = {"act_order": False, "static_groups": False, "scale": "minmax"} | (defaults or {})
+        return self.model_copy(update={k: v for k, v in plain.items() if getattr(self, k) is None})
 
     @field_validator("damp")
     @classmethod
@@ -158,9 +170,10 @@ def gptq_quantize(
     W[:, dead] = 0
 
     # Group parameters fixed up front from the unpermuted weight (static groups, or per channel).
+    qparams = QPARAMS[options.scale or "minmax"] if scheme.symmetric else minmax_qparams
     fixed_params = None
     if options.static_groups or group_size == in_features:
-        fixed_params = minmax_qparams(W, scheme, scale_dtype)
+        fixed_params = qparams(W, scheme, scale_dtype)
 
     perm = torch.arange(in_features, device=W.device)
     if options.act_order:
@@ -196,7 +209,7 @@ def gptq_quantize(
             column = i1 + i
             g = group_of_position[column]
             if fixed_params is None and column % group_size == 0:
-                s, z = minmax_qparams(W1[:, i : i + group_size], scheme, scale_dtype)
+                s, z = qparams(W1[:, i : i + group_size], scheme, scale_dtype)
                 scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
             s, z = scale[:, g], zero_point[:, g]
             q = round_to_grid(W1[:, i], s, z, scheme)

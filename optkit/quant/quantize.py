@@ -139,6 +139,11 @@ class QuantizeOptions(BaseModel):
                 raise ValueError(
                     f"{stage.name} quantizes to {', '.join(map(str, stage.bits))} bits, not {self.weights.bits}"
                 )
+        # GPTQ settings left unset take the format's defaults (GGUF Q4_0: act-order, static groups and
+        # llama.cpp's scale rule), else the plain ones; what is recorded is what ran
+        defaults = getattr(get_format(self.format), "gptq_defaults", None)
+        uses_gptq = composition.uses("gptq")
+        object.__setattr__(self, "gptq", self.gptq.resolved(defaults(self.weights) if defaults and uses_gptq else None))
         for method in methods.registered_methods().values():
             if method.unused is not None and not composition.uses(method.name):
                 problem = method.unused(self.section(method))

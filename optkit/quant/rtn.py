@@ -55,6 +55,21 @@ def minmax_qparams(
     return scale, zero_point
 
 
+def signed_max_qparams(
+    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric scales by llama.cpp's Q4_0 rule (quantize_row_q4_0_ref): d = m / qmin, m the group's
+    value of largest magnitude with its sign, so m lands exactly on qmin (−8) and the other side of
+    the grid reaches qmax·|d| (7/8 of |m|). d is negative when m is positive; Ŵ = q·d either way.
+    minmax_qparams' s = max|w| / 7.5 instead rounds ±max|w| to a level 0.5·s away on one side."""
+    scale_dtype = scale_dtype_for(scheme, scale_dtype)
+    g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
+    m = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    scale = m / scheme.qmin
+    scale = torch.where(scale != 0, scale, torch.ones_like(scale)).to(scale_dtype)
+    return scale, torch.zeros_like(scale, dtype=torch.int8)
+
+
 def round_to_grid(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
     """The integer nearest to w on the grid of (s, z), broadcast elementwise, as float:
     q = clamp(round(w / s) + z, qmin, qmax); with a float zero point (the minimum m),

@@ -123,7 +123,7 @@ def test_tokenizer_and_chat_template_are_written_as_the_converter_does(tmp_path)
         (["--group-size", "256"], "K-quants such as Q4_K_M are not written: docs/quantization.md says why"),
         (["--bits", "8", "--asym"], "Q8_0) are symmetric: use --sym"),
         (["--bits", "3"], "no 3-bit block type"),
-        (["--method", "gptq", "--act-order"], "with --act-order add --static-groups"),
+        (["--method", "gptq", "--act-order", "--no-static-groups"], "with --act-order add --static-groups"),
         (["--out-name", "model"], "writes one file: give --out NAME.gguf"),
     ],
 )
@@ -135,3 +135,19 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_before_any_work(run_cli, t
     lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], err
     assert not list(tmp_path.iterdir())
+
+
+def test_gptq_left_unset_takes_gguf_q4_0_defaults_and_explicit_settings_win():
+    """GGUF Q4_0: act-order, static groups, llama.cpp's scale rule; other types and formats the plain ones."""
+    q4_0, q4_1 = WeightScheme(bits=4, group_size=32), WeightScheme(bits=4, group_size=32, symmetric=False)
+    gptq = QuantizeOptions(method="gptq", format="gguf", weights=q4_0).gptq
+    assert (gptq.act_order, gptq.static_groups, gptq.scale) == (True, True, "signed_max")
+    plain = (False, False, "minmax")
+    for options in (
+        QuantizeOptions(method="gptq", format="gguf", weights=q4_1),
+        QuantizeOptions(method="gptq", weights=q4_0),
+        QuantizeOptions(method="rtn", format="gguf", weights=q4_0),
+    ):
+        assert (options.gptq.act_order, options.gptq.static_groups, options.gptq.scale) == plain
+    chosen = QuantizeOptions(method="gptq", format="gguf", weights=q4_0, gptq={"act_order": False, "scale": "minmax"})
+    assert (chosen.gptq.act_order, chosen.gptq.static_groups, chosen.gptq.scale) == (False, True, "minmax")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from optkit.quant.rtn import minmax_qparams, quantize, rtn_quantize, weight_error
+from optkit.quant.rtn import minmax_qparams, quantize, rtn_quantize, signed_max_qparams, weight_error
 from optkit.weights.quantized import dequantize
 from optkit.weights.schemes import WeightScheme
 
@@ -72,3 +72,15 @@ def test_scale_is_rounded_to_its_stored_dtype_before_rounding_weights():
     assert qw.scale.dtype == torch.bfloat16
     # re-quantizing with the stored scale reproduces the stored integers exactly
     assert torch.equal(quantize(w, qw.scale, qw.zero_point, qw.scheme), qw.q)
+
+
+def test_signed_max_scale_puts_each_groups_largest_magnitude_on_qmin_as_llama_cpp_q4_0():
+    w = torch.tensor([[0.5, -1.0, 0.25, 0.1, 2.0, -0.5, 0.3, 0.0]])  # groups of 4: m = -1.0, then 2.0
+    scheme = WeightScheme(bits=4, group_size=4)
+    scale, zero = signed_max_qparams(w, scheme, torch.float32)
+    assert scale.tolist() == [[1.0 / 8, -2.0 / 8]] and not zero.any()
+    q = quantize(w, scale, zero, scheme)
+    assert q[0, 1] == -8 and q[0, 4] == -8  # exactly representable, the other side reaches 7·|d|
+    w_hat = dequantize(q, scale, zero, qmin=scheme.qmin)
+    assert w_hat[0, 1] == -1.0 and w_hat[0, 4] == 2.0
+    assert (w_hat - w).abs().max() <= scale.abs().max() / 2 + 1e-6
