@@ -23,6 +23,13 @@ diagonal, that term is ∝ E(e) = Σ_ij e_ij² H_jj, so
   drop_l(r) ≈ drop_l · (1 − E(e_r) / E(Ŵ_l − W_l))
 
 H_jj is summed over the attribution windows in the same forward pass as the gradient.
+
+Layers are named as the checkpoint and the manifest name them. The artifact's model names its
+modules as transformers does (Mixtral's `block_sparse_moe` is `mlp`: `Family.module_name`), and
+gives a mixture-of-experts block's experts separate linears (quant/moe.py), so each expert's
+w1/w2/w3 is a layer of its own; the base's weights come from its checkpoint as stored, which is also
+what repair writes for a layer in full precision (transformers fuses a base's experts into 3D
+parameters).
 """
 
 from dataclasses import dataclass, field
@@ -35,8 +42,9 @@ from optkit.data.holdout import sampled_starts, uncovered_windows
 from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
 from optkit.manifest import read_manifest
-from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
+from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
+from optkit.quant.families import family_for
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
 from optkit.quant.ladder import Rung, layer_bytes
@@ -141,7 +149,8 @@ def attribute(
     manifest = read_manifest(artifact_dir)
     if manifest is None or not manifest.get("layers"):
         raise OptkitError(f"{artifact_dir} has no optkit.json with per-layer records: attribute an optkit artifact")
-    quant_config = read_config(artifact_dir).get("quantization_config") or {}
+    config = read_config(artifact_dir)
+    quant_config = config.get("quantization_config") or {}
     is_w8a8 = getattr(reader_for(quant_config, str(artifact_dir)), "is_w8a8", None)
     if is_w8a8 and is_w8a8(quant_config):
         raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
@@ -155,7 +164,14 @@ def attribute(
 
     base_model, model = load_model(base_dir), load_model(artifact_dir)
     model.requires_grad_(False)
-    linears = {name: model.get_submodule(name).weight for name in names}
+    family = family_for(config.get("model_type"))
+    module = {name: family.module_name(name) for name in names}  # the manifest names checkpoint keys
+    base_weights = TensorReader(base_dir)
+
+    def base_weight(name: str) -> torch.Tensor:
+        return base_weights.get(f"{name}.weight").float()
+
+    linears = {name: model.get_submodule(module[name]).weight for name in names}
     for weight in linears.values():
         weight.requires_grad_(True)
     second_moments = {name: torch.zeros(w.shape[1], dtype=torch.float64) for name, w in linears.items()}
@@ -167,7 +183,7 @@ def attribute(
 
         return hook
 
-    hooks = [model.get_submodule(name).register_forward_hook(accumulate(name)) for name in names]
+    hooks = [model.get_submodule(module[name]).register_forward_hook(accumulate(name)) for name in names]
     batches = [tokens[i : i + batch_size] for i in range(0, len(tokens), batch_size)]
     count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
     with torch.no_grad():
@@ -187,7 +203,7 @@ def attribute(
     layers = []
     with torch.no_grad():
         for name, weight in linears.items():
-            original = base_model.get_submodule(name).weight.float()
+            original = base_weight(name)
             first_order = (weight.grad * (weight - original)).sum().item()
             moves = {}
             h = second_moments[name]
@@ -207,7 +223,7 @@ def attribute(
             for layer in swaps:
                 weight = linears[layer.name]
                 saved = weight.detach().clone()
-                weight.copy_(base_model.get_submodule(layer.name).weight)
+                weight.copy_(base_weight(layer.name))
                 layer.exact = total - mean_kld()
                 weight.copy_(saved)
                 bar.update(task, advance=1, info=layer.name)

@@ -38,7 +38,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
         unfuse_experts(model.get_decoder().layers, family, config.to_dict(), mode="routed")
         for block in calibration_modules(model):  # built on meta: their weights load below
             block.to_empty(device="cpu").to(dtype).routed_tokens.zero_()
-    tensors = {family.module_name(k): v for k, v in read_tensors(path).items()}
+    stored = read_tensors(path)  # named as the checkpoint names them, as a mixed config's targets do
+    tensors = {family.module_name(k): v for k, v in stored.items()}
     is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
     int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
     for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
@@ -50,7 +51,8 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     if int8_modules:
         state = {k: v for k, v in tensors.items() if not in_int8_module(k)}
     else:
-        state = dequantized_state_dict(fmt, tensors, quant_config, dtype)  # per-layer schemes when mixed
+        state = dequantized_state_dict(fmt, stored, quant_config, dtype)  # per-layer schemes when mixed
+        state = {family.module_name(k): v for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not in_int8_module(k)]
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
