@@ -20,7 +20,23 @@ from optkit.routing import LOGGER
 from optkit.routing.config import ServeOptions
 from optkit.routing.router import Router
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+def _bytes_per_counted_block(config, base) -> int:
+    """The memory one of `kv_cache_blocks`' blocks takes once the engine has built its cache.
+    kv_cache_blocks counts blocks at the model's dtype (`full` bytes each); an 8-bit cache turns N of
+    them into N·full/data blocks of `data` bytes plus their scale side table (runtime/engine.py), so a
+    counted block costs full · (data + table) / data."""
+    import torch
+
+    from optkit.kernels.kv_cache import bytes_per_block
+
+    shape = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, base.block_size)
+    dtype = getattr(torch, base.dtype)
+    full = bytes_per_block(*shape, "auto", dtype)
+    if base.kv_cache_dtype == "auto":
+        return full
+    data = bytes_per_block(*shape, base.kv_cache_dtype, dtype, scales=False)
+    return math.ceil(full * bytes_per_block(*shape, base.kv_cache_dtype, dtype) / data)
 
 
 def check_tokenizers(options: ServeOptions) -> None:
@@ -64,10 +80,8 @@ def kv_cache_blocks(options: ServeOptions, base, memory_bytes: int | None = None
             raise OptkitError(f"no KV memory is left for {name}: the --kv-cache-fraction values take all of it")
         config = ModelConfig.from_hf(read_config(resolve_model_dir(spec.path)))
         max_model_len = min(base.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        per_block = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-        per_block *= base.block_size * DTYPE_BYTES[base.dtype]
         wanted = base.max_num_seqs * math.ceil(max_model_len / base.block_size)
-        blocks[name] = max(1, min(wanted, int(fractions[name] * budget) // per_block))
+        blocks[name] = max(1, min(wanted, int(fractions[name] * budget) // _bytes_per_counted_block(config, base)))
     return blocks
 
 

@@ -86,3 +86,18 @@ def test_kv_fractions_that_take_everything_leave_nothing_for_the_rest():
     opts = ServeOptions(models={"a": {"path": "draft", "kv_cache_fraction": 1.0}, "b": {"path": "draft"}})
     with pytest.raises(OptkitError, match="no KV memory is left for b"):
         kv_cache_blocks(opts, EngineConfig(), memory_bytes=2**30)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_kv_fraction_bounds_the_cache_the_engine_builds(kv_cache_dtype):
+    """The share is what the built cache takes, an 8-bit cache's scale side table included."""
+    from optkit.runtime.engine import KV_CACHE_MEMORY_FRACTION, LLMEngine
+
+    memory = 64 * 2**20
+    base = EngineConfig(max_num_seqs=64, max_model_len=256, kv_cache_dtype=kv_cache_dtype)
+    opts = ServeOptions(models={"a": {"path": "draft", "kv_cache_fraction": 0.25}, "b": {"path": "draft"}})
+    blocks = kv_cache_blocks(opts, base, memory_bytes=memory)
+    engine = LLMEngine("draft", base.model_copy(update={"kv_cache_blocks": blocks["a"]}))
+    used = {id(t): t.nbytes for k, v in engine.runner.kv_caches for t in (k, v)}  # layers may share a slot
+    share = 0.25 * memory * KV_CACHE_MEMORY_FRACTION
+    assert 0.97 * share <= sum(used.values()) <= share
