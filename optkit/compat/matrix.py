@@ -134,15 +134,34 @@ MOE_TRANSFORMERS = Breakage(
 )
 
 
-def family_breakages(model_type: str | None, loader: str, versions: dict[str, str | None] | None = None) -> list:
-    """Breakages of a whole model family in `loader`, whatever the artifact's kind (MoE in transformers)."""
-    if (
-        model_type in MOE_MODEL_TYPES
-        and loader == TRANSFORMERS
-        and MOE_TRANSFORMERS.is_broken(_versions(MOE_TRANSFORMERS, versions))
-    ):
-        return [MOE_TRANSFORMERS]
-    return []
+# NF4 (bitsandbytes) MoE artifacts: the same fused 3D experts cannot take the per-expert packed
+# uint8 weights and their quant_state (measured: from_pretrained raises a size MISMATCH on
+# experts.gate_up_proj / down_proj, transformers 5.24.0, tiny Mixtral, Qwen2-MoE, Qwen3-MoE)
+MOE_TRANSFORMERS_NF4 = Breakage(
+    loader=TRANSFORMERS,
+    broken={"transformers": ">=5.0.0"},
+    applies_format="bitsandbytes",
+    applies_symmetric=None,
+    summary="MoE experts fused into 3D parameters: the per-expert nf4 weights raise a size MISMATCH in from_pretrained",
+    upstream="transformers 5 conversion_mapping.py (per-expert keys merged into experts.gate_up_proj/down_proj)",
+    remedy="serve it with optkit; optkit eval gates it on its own dequantized tensors",
+    measured_broken=({"transformers": "5.24.0"},),
+)
+FAMILY_BREAKAGES = (MOE_TRANSFORMERS, MOE_TRANSFORMERS_NF4)
+
+
+def family_breakages(
+    model_type: str | None, loader: str, versions: dict[str, str | None] | None = None, fmt: str | None = None
+) -> list:
+    """Breakages of a whole model family in `loader` (MoE in transformers), for artifacts of
+    format `fmt` (None: any format)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return []
+    return [
+        b
+        for b in FAMILY_BREAKAGES
+        if b.loader == loader and fmt in (None, b.applies_format) and b.is_broken(_versions(b, versions))
+    ]
 
 
 def installed_version(package: str) -> str | None:
@@ -173,7 +192,7 @@ def check_installed_versions(
 ) -> str | None:
     """One line for the user when an installed loader cannot read what is about to be written;
     `model_type`: the model's family (transformers loads no quantized MoE artifact)."""
-    family = family_breakages(model_type, TRANSFORMERS, versions) if kind.format == "compressed-tensors" else []
+    family = family_breakages(model_type, TRANSFORMERS, versions, kind.format)
     hits = family + known_breakages(kind, versions)
     if not hits:
         return None
@@ -213,7 +232,7 @@ def expected_status(
     does not read this kind) or "untested". `model_type`: the artifact's family, where it matters."""
     if kind.format == "gguf" or loader == LLAMA_CPP:  # llama.cpp reads GGUF, and nothing else does
         return "loads" if kind.format == "gguf" and loader == LLAMA_CPP else "no"
-    if kind.format == "compressed-tensors" and family_breakages(model_type, loader, versions):
+    if family_breakages(model_type, loader, versions, kind.format):
         return "fails"
     if loader == OPTKIT:
         return "loads"
@@ -261,7 +280,7 @@ def where_it_loads(
     for loader in LOADERS:
         status = expected_status(kind, loader, versions, model_type)
         if status == "fails":
-            b = (family_breakages(model_type, loader, versions) or known_breakages(kind, versions))[0]
+            b = (family_breakages(model_type, loader, versions, kind.format) or known_breakages(kind, versions))[0]
             status = f"fails with {_installed(b, versions)} ({b.summary}): {b.remedy}"
         elif status == "by spec":
             status = f"by spec ({vllm_path(kind)}; not run here)"

@@ -133,11 +133,18 @@ def check_cell(path: Path, kind: ArtifactKind, row: str, method: str, record) ->
     # optkit's runtime and transformers both: the check loads the runtime model as its reference
     model_type = json.loads((path / "config.json").read_text())["model_type"]
     expected = matrix.expected_status(kind, matrix.TRANSFORMERS, versions, model_type)
-    family_breakages = matrix.family_breakages(model_type, matrix.TRANSFORMERS, versions)
+    family_breakages = matrix.family_breakages(model_type, matrix.TRANSFORMERS, versions, kind.format)
     if expected == "fails" and family_breakages:  # MoE: against the artifact's own dequantized tensors
         result = check_transformers_load(path)
-        assert not result.ok, f"{model_type} {kind.describe()} now loads in transformers: update the matrix"
-        record({**cell, "loader": matrix.TRANSFORMERS, "status": "fails", "problem": family_breakages[0].summary})
+        if result.ok and kind.type == "float":
+            # FP8 experts are decompressed into transformers' fused bf16 experts: a drift of the
+            # logits, not a layout failure, so a model with few MoE layers may stay inside the W8A8
+            # tolerance (the tiny Qwen2-MoE, one MoE layer of two: 0.128 against 0.134, where
+            # Mixtral and Qwen3-MoE miss by 3-4x). Recorded as measured.
+            record({**cell, "loader": matrix.TRANSFORMERS, "status": "loads", "max_abs_diff": result.max_abs_diff})
+        else:
+            assert not result.ok, f"{model_type} {kind.describe()} now loads in transformers: update the matrix"
+            record({**cell, "loader": matrix.TRANSFORMERS, "status": "fails", "problem": family_breakages[0].summary})
         assert _runtime_vs_dequantized_reference(path) <= REFERENCE_ATOL
         record({**cell, "loader": matrix.OPTKIT, "status": "loads"})
     elif expected == "no":
@@ -226,17 +233,9 @@ def _kind(method: str, fmt: str, bits: int, symmetric: bool) -> ArtifactKind:
     return ArtifactKind(fmt, bits, symmetric, w8a8=w8a8, type={"fp8": "float", "nf4": "nf4"}.get(method, "int"))
 
 
-# FP8 and NF4 of mixtures of experts: transformers fuses the experts' weights at load time, which
-# neither layout survives (measured: Mixtral/Qwen-MoE fp8 and nf4 fail in from_pretrained); not rows yet
-_NOT_FOR_MOE = {"fp8", "nf4"}
-_MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
-
-
 def _family_cells():
     for family in FAMILIES:
         for name, cell in FAMILY_CELLS.items():
-            if family in _MOE and name in _NOT_FOR_MOE:
-                continue
             yield pytest.param(family, *cell, id=f"{family}-{name}")
 
 

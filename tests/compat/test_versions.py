@@ -84,3 +84,16 @@ def test_quantizing_a_moe_model_into_a_format_transformers_reads_warns_that_it_c
         is None
     )
     assert matrix.check_installed_versions(ArtifactKind("compressed-tensors", 4, True), BROKEN, "llama") is None
+
+
+@pytest.mark.parametrize("model_type", matrix.MOE_MODEL_TYPES)
+def test_an_nf4_moe_artifact_is_expected_to_fail_in_transformers_with_its_own_reason(model_type):
+    nf4 = ArtifactKind("bitsandbytes", 4, True, type="nf4")
+    assert matrix.expected_status(nf4, matrix.TRANSFORMERS, BROKEN, model_type) == "fails"
+    assert matrix.expected_status(nf4, matrix.OPTKIT, BROKEN, model_type) == "loads"
+    warning = matrix.check_installed_versions(nf4, BROKEN, model_type)
+    assert matrix.MOE_TRANSFORMERS_NF4.summary in warning and matrix.MOE_TRANSFORMERS.summary not in warning
+    rows = dict(matrix.where_it_loads(nf4, BROKEN, model_type))
+    assert rows[matrix.TRANSFORMERS].startswith("fails") and "size MISMATCH" in rows[matrix.TRANSFORMERS]
+    # a dense model's NF4 artifact: no family breakage
+    assert matrix.check_installed_versions(nf4, BROKEN, "llama") is None
