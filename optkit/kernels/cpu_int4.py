@@ -44,18 +44,20 @@ _reference_only = 0  # > 0 inside `reference_only()`
 
 
 @functools.cache
-def _kernel_exists() -> bool:
-    """The ops exist in this torch build, and OPTKIT_CPU_INT4 is not set to 0 (for A/B runs)."""
+def _fast_paths_on() -> bool:
+    """OPTKIT_CPU_INT4 is not 0 (the dequantize reference everywhere, for A/B runs)."""
+    return os.environ.get("OPTKIT_CPU_INT4", "") != "0"
+
+
+@functools.cache
+def aten_kernel_exists() -> bool:
     ops = torch.ops.aten
-    return (
-        os.environ.get("OPTKIT_CPU_INT4", "1") != "0"
-        and hasattr(ops, "_weight_int4pack_mm_for_cpu")
-        and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
-    )
+    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
 def available() -> bool:
-    return _reference_only == 0 and _kernel_exists()
+    """W4A16 layers may take a CPU kernel (this one or cpu_w4a8's, W4A16Linear picks)."""
+    return _reference_only == 0 and _fast_paths_on()
 
 
 @contextlib.contextmanager
@@ -70,7 +72,7 @@ def reference_only():
         _reference_only -= 1
 
 
-def _contiguous_groups(g_idx: torch.Tensor | None, in_features: int, groups: int) -> tuple[torch.Tensor | None, str]:
+def contiguous_groups(g_idx: torch.Tensor | None, in_features: int, groups: int) -> tuple[torch.Tensor | None, str]:
     """(perm or None, "") when sorting the columns by group gives `groups` runs of equal length;
     (None, reason) otherwise."""
     size = in_features // groups
@@ -102,7 +104,7 @@ def pack(
     kernel_group = next((kg for kg in KERNEL_GROUPS if size % kg == 0), None)
     if kernel_group is None:
         return f"group size {size} (the kernel takes multiples of 32)"
-    perm, reason = _contiguous_groups(g_idx, in_features, groups)
+    perm, reason = contiguous_groups(g_idx, in_features, groups)
     if reason:
         return reason
     u = q.to(torch.int32) + 8  # [N, K], 0..15

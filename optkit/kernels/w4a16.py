@@ -9,26 +9,59 @@ Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) · s[o, g(i)], computed in flo
 `QuantizedWeight.dequantize` does, so the weights (and outputs) match the evaluation loader bit for bit.
 On CUDA, `W4A16Linear.forward` runs the fused Triton kernel (optkit/kernels/triton/w4a16.py) when
 triton imports and the layer's groups are contiguous (or act-order groups of equal size). On the CPU
-it runs PyTorch's int4 kernel (optkit/kernels/cpu_int4.py: bits <= 4, groups of 32 columns or a
-multiple, act-order permuted once) for up to `cpu_int4.MAX_KERNEL_ROWS` rows, repacked once
-(`prepare`, called by the loader). The dequantize-then-matmul below is the path everywhere else;
+it runs optkit's W4A8 kernel (optkit/kernels/cpu_w4a8.py: int8 activations per 32 columns, VNNI or
+AVX2 int32 dot products; bits <= 4, groups of 32 columns or a multiple, act-order permuted once) for
+every row count, decode and prefill alike; where that kernel cannot build or OPTKIT_CPU_INT4=aten,
+PyTorch's int4 kernel (optkit/kernels/cpu_int4.py, bf16 activations) for up to
+`cpu_int4.MAX_KERNEL_ROWS` rows; OPTKIT_CPU_INT4=0 the reference. Repacked once (`prepare`, called by
+the loader). The dequantize-then-matmul below is the path everywhere else;
 `kernel_for` names the path a layer takes. For 4-bit fields without act-order it dequantizes into a
 per-thread scratch buffer (`_dequantize_fast`: nibbles split as uint8, then (u + qmin - z) · s in
 float32), bit-identical to `dequantize` and 5-10x faster, with no allocation per call.
 """
 
+import functools
+import os
 import sys
 import threading
 
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels import cpu_int4
+from optkit.kernels import cpu_int4, cpu_w4a8
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.weights.packing import field_bits, pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight, dequantize
 
 _scratch_buffers = threading.local()  # per thread: a forward runs its layers one after another
+CpuPacked = cpu_int4.Int4Packed | cpu_w4a8.W4A8Packed
+
+
+@functools.cache
+def _aten_chosen() -> bool:
+    """OPTKIT_CPU_INT4=aten: PyTorch's int4 kernel (bf16 activations) rather than the W4A8 kernel, for A/B."""
+    return os.environ.get("OPTKIT_CPU_INT4", "") == "aten"
+
+
+def pack_for_cpu(
+    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int, g_idx: torch.Tensor | None
+) -> tuple[CpuPacked | str, str]:
+    """(the CPU kernel's packed weight, or why none takes it; a note on why the W4A8 kernel does not).
+    The W4A8 kernel first, then aten's int4 kernel."""
+    note = "OPTKIT_CPU_INT4=aten" if _aten_chosen() else cpu_w4a8.unavailable_reason()
+    if not note:
+        packed = cpu_w4a8.pack(q, scale, zero_point, bits, g_idx)
+        if not isinstance(packed, str):
+            return packed, ""
+        note = packed
+    if not cpu_int4.aten_kernel_exists():
+        return f"w4a8: {note}; no int4 kernel in this torch", note
+    return cpu_int4.pack(q, scale, zero_point, bits, g_idx), note
+
+
+def _max_rows(packed: CpuPacked) -> int | None:
+    """The most rows the kernel runs (None: all); above them the dequantize path is faster."""
+    return cpu_int4.MAX_KERNEL_ROWS if isinstance(packed, cpu_int4.Int4Packed) else cpu_w4a8.MAX_KERNEL_ROWS
 
 
 def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -151,7 +184,11 @@ class W4A16Linear(torch.nn.Module):
 
     def keep_dequantized(self, dtype: torch.dtype = torch.float32) -> None:
         """Hold Ŵ in `dtype` for inputs over the kernel's rows (an evaluation's long windows): the
-        memory of a full-precision layer, for no dequantization per call. Dropped if a buffer changes."""
+        memory of a full-precision layer, for no dequantization per call. Dropped if a buffer changes.
+        Nothing to hold where the CPU's W4A8 kernel takes every row count."""
+        if cpu_w4a8.MAX_KERNEL_ROWS is None and cpu_int4.available():
+            if self.qweight.device.type == "cpu" and isinstance(self.cpu_packed(), cpu_w4a8.W4A8Packed):
+                return
         self.__dict__["_kept"] = (self._buffers_key(), self.dequantized_weight(dtype))
 
     def _buffers_key(self) -> tuple:
@@ -164,18 +201,20 @@ class W4A16Linear(torch.nn.Module):
             for t in (b["qweight"], b["scale"], b["zero_point"], b["g_idx"])
         )
 
-    def cpu_packed(self) -> cpu_int4.Int4Packed | str:
-        """The CPU int4 kernel's layout of this layer, packed once and cached until its buffers change;
-        or why the kernel cannot take it."""
+    def cpu_packed(self) -> CpuPacked | str:
+        """The CPU kernel's layout of this layer (`pack_for_cpu`), packed once and cached until its
+        buffers change; or why no kernel takes it."""
         if not cpu_int4.available():
-            return "OPTKIT_CPU_INT4=0 or no int4 kernel in this torch"
+            return "OPTKIT_CPU_INT4=0"
+        return self._cpu_packing()[0]
+
+    def _cpu_packing(self) -> tuple[CpuPacked | str, str]:
         key = self._buffers_key()
         cached = self.__dict__.get("_cpu_int4")
         if cached is None or cached[0] != key:
             if self.qweight.device.type != "cpu":
-                return "not on the CPU"
-            packed = cpu_int4.pack(self.int_weight(), self.scale, self.zero_point, self.bits, self.g_idx)
-            cached = (key, packed)
+                return "not on the CPU", ""
+            cached = (key, pack_for_cpu(self.int_weight(), self.scale, self.zero_point, self.bits, self.g_idx))
             self.__dict__["_cpu_int4"] = cached
         return cached[1]
 
@@ -190,9 +229,12 @@ class W4A16Linear(torch.nn.Module):
             packed = self.cpu_packed()
             if isinstance(packed, str):
                 return f"dequantize+matmul ({packed})"
-            if rows > cpu_int4.MAX_KERNEL_ROWS:
-                return f"dequantize+matmul (over {cpu_int4.MAX_KERNEL_ROWS} rows)"
-            return cpu_int4.NAME
+            limit = _max_rows(packed)
+            if limit is not None and rows > limit:
+                return f"dequantize+matmul (over {limit} rows)"
+            if isinstance(packed, cpu_w4a8.W4A8Packed):
+                return cpu_w4a8.name()
+            return f"{cpu_int4.NAME} (w4a8: {self._cpu_packing()[1]})"
         return "triton w4a16 or dequantize+matmul"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -203,9 +245,13 @@ class W4A16Linear(torch.nn.Module):
             packed = kernels.packed_for(self)  # None when the layout needs the reference path
             if packed is not None:
                 return kernels.w4a16_linear(x, packed, bias)
-        elif x.device.type == "cpu" and x.numel() <= cpu_int4.MAX_KERNEL_ROWS * self.in_features:
+        elif x.device.type == "cpu":
             packed = self.cpu_packed()
-            if not isinstance(packed, str):
+            if isinstance(packed, cpu_w4a8.W4A8Packed):
+                limit = cpu_w4a8.MAX_KERNEL_ROWS
+                if limit is None or x.numel() <= limit * self.in_features:
+                    return cpu_w4a8.w4a8_linear(x, packed, bias)
+            elif not isinstance(packed, str) and x.numel() <= cpu_int4.MAX_KERNEL_ROWS * self.in_features:
                 return cpu_int4.int4_linear(x, packed, bias)
         kept = self.__dict__.get("_kept")
         if kept is not None and kept[1].dtype == x.dtype and kept[0] == self._buffers_key():

@@ -77,6 +77,10 @@ def token_prompts(small_dir):
 
 # The CPU int4 kernel (kernels/cpu_int4.py) runs bf16 activations: within this of the reference's logits
 INT4_KERNEL_LOGIT_TOLERANCE = 0.1
+# The W4A8 kernel (kernels/cpu_w4a8.py, the CPU default) rounds activations to int8 per 32 columns (a
+# step of max|x| / 127, about twice bf16's relative step near a block's maximum): at most 0.13 on these
+# artifacts; its cost to a model's KL divergence is measured in docs/results.md (issue 20)
+W4A8_KERNEL_LOGIT_TOLERANCE = 0.2
 
 
 def reference_kernels_only(monkeypatch) -> None:
@@ -88,10 +92,12 @@ def assert_int4_kernel_within_bf16(path, token_prompts, reference_logits, steps)
     """With the CPU int4 kernel (prefill chunks and decodes alike), logits stay within bf16's tolerance."""
     model = load_runtime_model(path)
     layers = [m for m in model.modules() if isinstance(m, W4A16Linear)]
-    if not any(m.kernel_for("cpu") == cpu_int4.NAME for m in layers):
+    kernels = {m.kernel_for("cpu").split(" ")[0] for m in layers}
+    if not kernels & {"cpu-int4", "cpu-w4a8"}:
         return  # e.g. 8-bit weights: the reference runs, checked exactly by the caller
+    tolerance = W4A8_KERNEL_LOGIT_TOLERANCE if "cpu-w4a8" in kernels else INT4_KERNEL_LOGIT_TOLERANCE
     for got, want in zip(run_paged(model, token_prompts, steps), reference_logits, strict=True):
-        assert (got - want).abs().max().item() < INT4_KERNEL_LOGIT_TOLERANCE
+        assert (got - want).abs().max().item() < tolerance
 
 
 @pytest.mark.parametrize("name", ARTIFACTS)

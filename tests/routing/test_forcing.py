@@ -39,12 +39,14 @@ def test_replay_matches_the_offline_gate_on_the_same_tokens(models, offline, chu
 
 @pytest.mark.parametrize("chunk_tokens", [1, 64])
 def test_replay_through_the_cpu_int4_kernel_stays_within_its_rounding_of_the_gate(models, offline, chunk_tokens):
-    """Short chunks take the int4 kernel (bf16 activations) where the gate's long windows take the
-    dequantize reference: the online numbers move by the kernel's rounding, not more."""
+    """The replay takes the CPU kernel (W4A8's int8 activations, or aten's bf16 ones) where the offline
+    gate takes the dequantize reference: the online numbers move by the kernel's rounding, not more."""
     online = score_replay(*models, TOKENS, 8, chunk_tokens)
     for key, value in offline.metrics().items():
-        # percentages (a perplexity change, a top-1 rate) within half a point, the rest within 1%
-        tolerance = dict(abs=0.5) if key.endswith("pct") else dict(rel=1e-2, abs=1e-3)
+        # percentages (a perplexity change, a top-1 rate) within one point: over these 14 tokens a mean
+        # log-prob moved by 0.01 nats (W4A8 on this 2-bit model: 0.007) moves the perplexity by 1%;
+        # the rest within 1%
+        tolerance = dict(abs=1.0) if key.endswith("pct") else dict(rel=1e-2, abs=1e-3)
         assert online.metrics()[key] == pytest.approx(value, **tolerance), key
 
 

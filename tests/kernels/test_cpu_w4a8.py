@@ -1,0 +1,171 @@
+"""The CPU W4A8 kernel (kernels/cpu_w4a8.py) equals the dequantize reference within the rounding of
+its int8 activations, on every group size, zero-point kind and act-order, at any row count, on both
+instruction sets; the layers fall back to PyTorch's int4 kernel where it cannot build."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optkit.kernels import cpu_int4, cpu_w4a8, w4a16
+from optkit.kernels.w4a16 import W4A16Linear
+from tests.kernels.test_w4a16 import random_quantized
+
+pytestmark = pytest.mark.skipif(bool(cpu_w4a8.unavailable_reason()), reason="the W4A8 kernel does not build here")
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def isas() -> list[str]:
+    """The instruction sets this CPU runs: AVX2 always (the kernel needs it), AVX-512 VNNI where present."""
+    return ["avx2", "native"] if torch.ops.optkit_w4a8.cpu_isa() == 2 else ["avx2"]
+
+
+@pytest.fixture(params=isas())
+def isa(request, monkeypatch):
+    monkeypatch.setenv("OPTKIT_CPU_ISA", "avx2" if request.param == "avx2" else "")
+    cpu_w4a8.selected_isa.cache_clear()
+    yield request.param
+    cpu_w4a8.selected_isa.cache_clear()
+
+
+def error_bound(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """[M, N]: the most the output can move. Each activation is rounded to the nearest multiple of its
+    block's step d = max|x| / 127 over 32 consecutive (packed-order) columns, so |x - d·a| <= d / 2 and
+    |Δy[m, n]| <= Σ_b d[m, b] / 2 · Σ_{k ∈ b} |Ŵ[n, k]|; plus float32 summation over K terms
+    (K · eps · Σ_k |Ŵ[n, k] x[m, k]|)."""
+    if perm is not None:
+        x, weight = x[:, perm], weight[:, perm]
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    step = x.abs().view(rows, -1, 32).amax(-1).double() / 127  # [M, B]
+    w_abs = weight.abs().double()
+    rounding = 0.5 * step @ w_abs.view(out_features, -1, 32).sum(-1).t()
+    return rounding + in_features * EPS32 * (x.abs().double() @ w_abs.t())
+
+
+def layer_and_reference(bits, group_size, symmetric, act_order, in_features=512, out_features=48, seed=0):
+    qw = random_quantized(bits, group_size, symmetric, act_order, out_features, in_features, seed)
+    bias = torch.randn(out_features)
+    return W4A16Linear.from_quantized(qw, bias), qw.dequantize(torch.float32), bias
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512, -1])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_w4a8_kernel_equals_the_reference_within_int8_activation_rounding(isa, bits, group_size, symmetric, act_order):
+    layer, weight, bias = layer_and_reference(bits, group_size, symmetric, act_order)
+    assert layer.kernel_for("cpu") == cpu_w4a8.name()
+    assert ("AVX2" in cpu_w4a8.name()) == (isa == "avx2")
+    packed = layer.cpu_packed()
+    for rows in (1, 3, 16, 100):
+        x = torch.randn(rows, 512)
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 48)
+        error = (got.double() - F.linear(x.double(), weight.double(), bias.double())).abs()
+        assert (error <= error_bound(x, weight, packed.perm)).all()
+        assert error.max() > 0  # the activations are rounded: an exact result would mean another path ran
+
+
+def test_bf16_inputs_and_batched_shapes_come_back_in_their_dtype_and_shape(isa):
+    layer, weight, bias = layer_and_reference(4, 64, False, False)
+    x = torch.randn(2, 3, 512, dtype=torch.bfloat16)
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 3, 48)
+    # the kernel runs in float32; the layer's bias is cast to the activations' dtype first
+    want = cpu_w4a8.w4a8_linear(x.float().view(6, 512), layer.cpu_packed(), bias.to(torch.bfloat16))
+    assert torch.equal(got, want.view(2, 3, 48).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("out_features", [8, 40, 1000])
+def test_outputs_past_the_last_full_tile_of_16(isa, out_features):
+    layer, weight, bias = layer_and_reference(4, 32, True, False, out_features=out_features, in_features=96)
+    x = torch.randn(5, 96)
+    error = (layer(x).double() - F.linear(x.double(), weight.double(), bias.double())).abs()
+    assert (error <= error_bound(x, weight, None)).all()
+
+
+def test_a_wrong_permutation_exceeds_the_bound():
+    """The bound is tight enough to catch a kernel that ignored act-order: the check above can fail."""
+    layer, weight, bias = layer_and_reference(4, 32, False, act_order=True)
+    packed = layer.cpu_packed()
+    assert packed.perm is not None
+    x = torch.randn(4, 512)
+    unpermuted = cpu_w4a8.w4a8_linear(x, cpu_w4a8.W4A8Packed(**{**packed.__dict__, "perm": None}), bias)
+    error = (unpermuted.double() - F.linear(x.double(), weight.double(), bias.double())).abs()
+    assert not (error <= error_bound(x, weight, packed.perm)).all()
+
+
+def test_a_row_gets_the_same_output_alone_as_in_a_batch(isa):
+    """Decode (one row) and prefill (many) take the same kernel, and each row's arithmetic does not
+    depend on the others: equal to the bit, so a served token matches the gate's prefill."""
+    layer, _, _ = layer_and_reference(4, 128, False, True)
+    x = torch.randn(37, 512)
+    batch = layer(x)
+    for i in (0, 5, 36):
+        assert torch.equal(layer(x[i : i + 1]), batch[i : i + 1])
+    assert layer.kernel_for("cpu", rows=4096) == cpu_w4a8.name()
+
+
+def test_thread_count_is_honoured_and_does_not_change_the_result():
+    """at::parallel_for splits the output tiles over torch's threads (`--threads N` sets them); each
+    output is computed by one thread in a fixed order, so any thread count gives the same bits."""
+    layer, _, _ = layer_and_reference(4, 64, True, False, out_features=256)
+    x = torch.randn(7, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        assert torch.equal(layer(x), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_what_the_kernel_cannot_take_goes_to_the_next_path():
+    eight_bit, weight, bias = layer_and_reference(8, 32, True, False)
+    assert eight_bit.kernel_for("cpu").startswith("dequantize+matmul")
+    x = torch.randn(3, 512)
+    assert torch.equal(eight_bit(x), F.linear(x, weight, bias))
+    assert "group size 16" in cpu_w4a8.pack(*_parts(4, 16))
+
+
+def _parts(bits, group_size):
+    qw = random_quantized(bits, group_size, True, False, 16, 64)
+    return qw.q, qw.scale, qw.zero_point, bits, qw.g_idx
+
+
+def test_a_failed_build_says_why_and_falls_back_to_the_aten_int4_kernel(monkeypatch, tmp_path):
+    if not cpu_int4.aten_kernel_exists():
+        pytest.skip("this torch has no CPU int4 kernel to fall back to")
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_w4a8, "SOURCE", broken)
+    reason = cpu_w4a8._build.__wrapped__()  # a real compile of a broken source, not the cached result
+    assert reason.startswith("C++ build failed") and "\n" not in reason
+    monkeypatch.setattr(cpu_w4a8, "unavailable_reason", lambda: reason)
+    layer, weight, bias = layer_and_reference(4, 64, True, False)
+    kernel = layer.kernel_for("cpu")
+    assert kernel.startswith(cpu_int4.NAME) and "C++ build failed" in kernel
+    x = torch.randn(3, 512)
+    assert torch.equal(layer(x), cpu_int4.int4_linear(x, layer.cpu_packed(), bias))
+
+
+def test_aten_and_the_reference_stay_selectable(monkeypatch):
+    layer, weight, bias = layer_and_reference(4, 64, True, False)
+    monkeypatch.setattr(w4a16, "_aten_chosen", lambda: True)
+    if cpu_int4.aten_kernel_exists():
+        assert layer.kernel_for("cpu") == f"{cpu_int4.NAME} (w4a8: OPTKIT_CPU_INT4=aten)"
+    with cpu_int4.reference_only():
+        x = torch.randn(3, 512)
+        assert layer.kernel_for("cpu").startswith("dequantize+matmul")
+        assert torch.equal(layer(x), F.linear(x, weight, bias))
+
+
+def test_no_dequantized_copy_is_kept_where_the_kernel_takes_every_row():
+    layer, _, _ = layer_and_reference(4, 64, True, False)
+    layer.keep_dequantized()
+    assert "_kept" not in layer.__dict__
+    with cpu_int4.reference_only():
+        layer.keep_dequantized()
+    assert "_kept" in layer.__dict__
