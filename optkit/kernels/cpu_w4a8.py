@@ -132,14 +132,21 @@ def pack(
 
 
 def w4a8_linear(x: torch.Tensor, packed: W4A8Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (any float dtype) -> [..., N] in x's dtype."""
+    """x [..., K] (any float dtype) -> [..., N] in x's dtype. The op takes any float dtype and layout
+    (it converts to contiguous float32 itself: one dispatch rather than two per call)."""
     shape = x.shape
     x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
     if packed.perm is not None:
         x2 = x2.index_select(1, packed.perm)
-    x2 = x2.float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
-    isa = selected_isa()  # loads the library on first use
-    y = torch.ops.optkit_w4a8.linear(x2, packed.weight, packed.params, b, packed.out_features, packed.group_size, isa)
-    y = y.to(x.dtype)
+    y = _linear_op()(x2, packed.weight, packed.params, bias, packed.out_features, packed.group_size, selected_isa())
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*shape[:-1], packed.out_features)
+
+
+@functools.cache
+def _linear_op():
+    """The op's overload, looked up once (torch.ops' attribute lookups cost ~1 µs a call)."""
+    reason = _build()
+    assert not reason, reason  # callers check unavailable_reason() first
+    return torch.ops.optkit_w4a8.linear.default
