@@ -25,6 +25,7 @@ import functools
 import hashlib
 import os
 import platform
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,9 +51,17 @@ class W4A8Packed:
     out_features: int
 
 
+_build_lock = threading.Lock()  # two threads' first calls must not register the ops twice
+
+
 @functools.cache
 def _build() -> str:
     """Compile (or find) and load the library; "" when loaded, else why not, in one line."""
+    with _build_lock:
+        return _build_locked()
+
+
+def _build_locked() -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not x86-64 ({platform.machine()})"
     from torch.utils import cpp_extension
