@@ -5,17 +5,19 @@ the routers stay in full precision):
 1. Spearman rank correlation of the cheap per-layer estimate (one backward pass) with exact swaps
    of every layer to full precision, on the held-out calibration windows (on uniform 4-bit g128,
    optkit's default).
-2. Every rung of repair's ladder quantized uniformly (RTN: 3-bit g128, 4-bit per channel, g128, g64,
-   g32, 8-bit g128) and gated.
+2. Every quantized rung of repair's ladder (`--precisions`, default quant/ladder.py's DEFAULT_LADDER:
+   2-bit g128, g64, g32, 3-bit per channel, g128, g64, 4-bit per channel, g128, g64, g32, 8-bit
+   g128) quantized uniformly with RTN and gated.
 3. For each target KLD: the repaired artifact, from the smallest rung (`start: smallest`: uniform
-   3-bit g128, layers raised along the ladder), beside the smallest uniform artifact that passes the
+   2-bit g128, layers raised along the ladder), beside the smallest uniform artifact that passes the
    same gate, and beside the best --ignore choice of at most the repaired artifact's size: for each
    uniform rung smaller than the repaired artifact, the layers with the largest relative weight error
    in its manifest kept in full precision while they fit; the lowest KLD among them is shown.
 
 Usage: python bench/repair.py [--windows 24] [--targets 0.01 0.005 0.002] [--models small small+outliers small-moe]
-(small-moe's uniform KLDs are smaller: uniform 3-bit passes 0.01 and 0.005 there, so its targets
-are too: --targets 0.002 0.001 0.0005 0.0002 0.0001)
+       [--precisions w3g128 w4ch w4g128 w4g64 w4g32 8 16] [--no-spearman] [--json FILE]
+(small-moe's uniform KLDs are smaller: uniform 3-bit passes 0.005 there; --targets 0.001 0.0005
+0.0002 0.0001 make repair work harder)
 """
 
 import argparse
@@ -31,15 +33,18 @@ from optkit.gate.options import GateOptions, RepairOptions
 from optkit.manifest import read_manifest
 from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.repair import repair, size_mb
-from optkit.quant.ladder import Rung, layer_bytes, nominal_bits
+from optkit.quant.ladder import DEFAULT_LADDER, Rung, layer_bytes, nominal_bits
 from optkit.quant.mixed_artifact import artifact_scheme, write_mixed_artifact
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 
 DEFAULT = WeightScheme(bits=4, group_size=128)  # optkit's default: the Spearman check runs on it
-LADDER = [
-    r.scheme(DEFAULT) for r in sorted(RepairOptions().rungs, key=lambda r: nominal_bits(r, DEFAULT)) if not r.full
-]
+
+
+def ladder(precisions: list[int | str]) -> list[WeightScheme]:
+    """The quantized rungs of repair's ladder as uniform schemes, fewest bits per weight first."""
+    rungs = RepairOptions(precisions=precisions).rungs
+    return [r.scheme(DEFAULT) for r in sorted(rungs, key=lambda r: nominal_bits(r, DEFAULT)) if not r.full]
 
 
 def model_dir(name: str, root: Path) -> Path:
@@ -66,15 +71,18 @@ def ignore_choice(start: Path, base: Path, max_mb: float, out: Path) -> Path | N
     return out
 
 
-def bench_model(name: str, targets: list[float], windows: int, root: Path, spearman: bool = True) -> dict:
+def bench_model(
+    name: str, targets: list[float], windows: int, root: Path, precisions: list[int | str], spearman: bool = True
+) -> dict:
     base = model_dir(name, root)
     gate = GateOptions(max_windows=windows)
     artifacts = {}
-    for scheme in LADDER:
+    schemes = ladder(precisions)
+    for scheme in schemes:
         out = root / f"{name}-{scheme.describe().replace(' ', '-')}"
         quantize_model(base, out, QuantizeOptions(weights=scheme), overwrite=True)
         artifacts[scheme.describe()] = (out, evaluate(out, base, gate))
-    start_dir, _ = artifacts[LADDER[0].describe()]
+    start_dir, _ = artifacts[schemes[0].describe()]
     result = {"model": name, "spearman": None, "uniform": {}, "targets": []}
     if spearman:
         t = time.perf_counter()
@@ -92,7 +100,11 @@ def bench_model(name: str, targets: list[float], windows: int, root: Path, spear
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for target in targets:
-        options = GateOptions(max_windows=windows, max_kld=target, repair=RepairOptions(windows=8, start="smallest"))
+        options = GateOptions(
+            max_windows=windows,
+            max_kld=target,
+            repair=RepairOptions(windows=8, start="smallest", precisions=precisions),
+        )
         work = root / f"{name}-work-{target}"
         outcome = repair(start_dir, base, options, work, initial=evaluate(start_dir, base, options))
         passing = [(size_mb(o), label) for label, (o, g) in artifacts.items() if g.metrics["kld_mean"] <= target]
@@ -110,6 +122,7 @@ def bench_model(name: str, targets: list[float], windows: int, root: Path, spear
             "repaired_mb": repaired_mb,
             "repaired_kld": outcome.gate.metrics["kld_mean"],
             "evaluations": len(outcome.steps) - 1,
+            "steps": [(step["size_mb"], step["kld_mean"], step["passed"]) for step in outcome.steps],
             "raised": {k: v.label for k, v in outcome.raised.items()},
             "uniform": smallest[1],
             "uniform_mb": smallest[0],
@@ -135,10 +148,17 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=24, help="gate windows of 256 tokens (heldout)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--no-spearman", action="store_true", help="skip the exact swaps of every layer")
+    parser.add_argument(
+        "--precisions", nargs="+", default=list(DEFAULT_LADDER), help="repair's ladder (8, 16, w3g128, ...)"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="optkit-bench-repair-"))
     try:
-        results = [bench_model(name, args.targets, args.windows, root, not args.no_spearman) for name in args.models]
+        precisions = [int(p) if p.isdigit() else p for p in map(str, args.precisions)]
+        results = [
+            bench_model(name, args.targets, args.windows, root, precisions, not args.no_spearman)
+            for name in args.models
+        ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

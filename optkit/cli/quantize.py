@@ -79,7 +79,7 @@ def quantize(
         str,
         typer.Option(
             help="Repair: 'artifact' raises layers of the artifact quantized as asked; 'smallest' quantizes on the "
-            "ladder's smallest rung (3-bit g128) and raises from there, for the smallest artifact that passes."
+            "ladder's smallest rung (2-bit g128) and raises from there, for the smallest artifact that passes."
         ),
     ] = "artifact",
     gate_windows: Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")] = None,

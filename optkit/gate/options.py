@@ -14,8 +14,9 @@ class RepairOptions(BaseModel):
     per byte (pipeline/repair.py) until it passes, the size budget is spent or the evaluations are.
 
     `precisions` is the per-layer ladder (quant/ladder.py): 8 and 16 (full precision) as before, and
-    schemes such as 'w4g32' (a finer group), 'w4ch' (per channel), 'w3g128'. A layer only moves to a
-    rung that takes more bytes than the one it is on. `start`: 'artifact' repairs the artifact as it
+    schemes such as 'w4g32' (a finer group), 'w4ch' (per channel), 'w2g64'; the default climbs from
+    2-bit g128 (quant/ladder.py's DEFAULT_LADDER). A layer only moves to a rung that takes more bytes
+    than the one it is on. `start`: 'artifact' repairs the artifact as it
     was quantized; 'smallest' quantizes every layer on the ladder's smallest rung first and raises
     from there, so the result is the smallest mixed artifact repair finds, even when the artifact
     quantized as asked would already pass."""
@@ -29,6 +30,7 @@ class RepairOptions(BaseModel):
     windows: int = Field(default=8, ge=1)  # attribution windows (held-out calibration text)
     exact_swaps: int = Field(default=3, ge=0)  # exact swaps that calibrate the estimate
     shrink_evaluations: int = Field(default=2, ge=0)  # after a pass: bisect towards fewer raised layers
+    reattribute: bool = True  # after a failing candidate: attribute it and plan the next moves from it
 
     @field_validator("precisions")
     @classmethod

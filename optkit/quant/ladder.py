@@ -1,9 +1,15 @@
 """The per-layer ladder that repair climbs: weight schemes ordered by the bytes they take.
 
-A rung is a bit width and a group size (`w3g128`, `w4ch` = per output channel, `w4g32`, `w8g128`) or
+A rung is a bit width and a group size (`w2g128`, `w3ch` = per output channel, `w4g32`, `w8g128`) or
 full precision (`16`). A bare `8` means 8 bits at the artifact's own group size. Each linear of a
 mixed artifact sits on one rung; a finer group is a move up just as more bits are. Symmetry and the
 number type stay the artifact's.
+
+The default ladder starts at 2 bits: `start: smallest` quantizes every linear on 2-bit g128 and
+raises from there, so a model whose uniform 3-bit artifact already passes (small-moe at KLD 0.005)
+still gets a mixed artifact smaller than it. Both formats with per-layer schemes store every rung
+(compressed-tensors packs 1-8 bits, GPTQ 2, 3, 4 and 8); vLLM's compressed-tensors kernels read 4 and
+8 bits only, so an artifact for vLLM takes a ladder from `w4ch` up (docs/gate.md).
 """
 
 import re
@@ -13,7 +19,8 @@ from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
 
 FULL_PRECISION = 16
 SAME_GROUP = 0  # group_size of a bare `8`: the artifact's group size, resolved by `Rung.resolve`
-DEFAULT_LADDER = ("w3g128", "w4ch", "w4g128", "w4g64", "w4g32", 8, 16)
+# fewest bytes first (at every width the reference models have: 256, 384, 768 input features)
+DEFAULT_LADDER = ("w2g128", "w2g64", "w2g32", "w3ch", "w3g128", "w3g64", "w4ch", "w4g128", "w4g64", "w4g32", 8, 16)
 _LABEL = re.compile(r"w(\d+)(?:g(\d+)|(ch))")
 
 
@@ -62,8 +69,8 @@ class Rung:
 
 
 def parse_rung(value: int | str | dict) -> Rung:
-    """`8`, `16`, `"w4g32"`, `"w4ch"`, or a manifest's `{"bits": 4, "group_size": 32}`; ValueError
-    naming what is accepted."""
+    """`8`, `16`, `"w4g32"`, `"w3ch"`, `"w2g64"`, or a manifest's `{"bits": 4, "group_size": 32}`;
+    ValueError naming what is accepted."""
     rung = None
     if isinstance(value, dict) and isinstance(value.get("bits"), int):
         full = value["bits"] >= FULL_PRECISION
@@ -75,7 +82,7 @@ def parse_rung(value: int | str | dict) -> Rung:
     if rung is None or not (rung.full or rung.bits in SUPPORTED_BITS) or rung.group_size < -1:
         raise ValueError(
             f"{value!r} is not a precision: use 8 or 16 (full precision), or a scheme such as 'w4g32', "
-            f"'w4ch' (per channel), 'w3g128', with bits one of {SUPPORTED_BITS}"
+            f"'w4ch' (per channel), 'w2g64', with bits one of {SUPPORTED_BITS}"
         )
     return rung
 

@@ -77,7 +77,8 @@ def test_moves_climb_the_ladder_by_estimated_drop_per_byte(uniform_w4, draft_dir
     assert [m.rung.label for m in mine] == ["w4g64", "w4g32", "w8g128", "16"]
     assert all(a.gain > 0 and a.extra_bytes > 0 for a in mine)
     assert sum(m.gain for m in mine) == pytest.approx(10.0)  # the whole way to full precision
-    assert not {m.rung.label for m in moves} & {"w3g128", "w4ch", "w4g128"}  # fewer bytes or none more
+    lower = {"w2g128", "w2g64", "w2g32", "w3ch", "w3g128", "w3g64", "w4ch", "w4g128"}  # fewer bytes or none more
+    assert len(rungs) == 12 and not {m.rung.label for m in moves} & lower
     ratios = [m.gain / m.extra_bytes for m in moves]
     assert ratios[0] == max(ratios)
 
@@ -100,3 +101,34 @@ def test_awq_artifacts_are_refused_in_one_line(draft_dir, tmp_path):
 
     with pytest.raises(OptkitError, match="--format awq has no per-layer precision"):
         check_mixed("awq")
+
+
+def test_each_failing_candidate_is_attributed_again_and_climbed_from(draft_dir, tmp_path, monkeypatch):
+    """`reattribute`: after a failing candidate the next moves are planned from its own attribution,
+    so each step keeps every layer the one before raised, on a rung of at least as many bytes."""
+    import optkit.pipeline.repair as module
+    from optkit.quant.ladder import layer_bytes, parse_rung
+    from optkit.quant.mixed_artifact import artifact_scheme
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+
+    start = tmp_path / "w2"
+    quantize_model(draft_dir, start, QuantizeOptions(weights=WeightScheme(bits=2, group_size=128)))
+    attributed = []
+    real = module.attribute
+    monkeypatch.setattr(module, "attribute", lambda path, *a, **k: attributed.append(path) or real(path, *a, **k))
+    monkeypatch.setattr(module, "MARGIN", 3.0)  # aim 3x over the target: every candidate fails
+    outcome = repair(start, draft_dir, gate(0.006, max_evaluations=3), tmp_path / "work")
+    assert not outcome.passed and "max_evaluations" in outcome.reason
+    record = read_manifest(outcome.artifact)["repair"]
+    steps = record["steps"]
+    assert [s["passed"] for s in steps] == [False] * 4 and record["reattributed_after"] == [1, 2]
+    assert attributed == [start, tmp_path / "work" / "step-1", tmp_path / "work" / "step-2"]
+    manifest = read_manifest(start)
+    scheme, shapes = artifact_scheme(manifest), {x["name"]: x["shape"] for x in manifest["layers"]}
+    for before, after in zip(steps[1:-1], steps[2:], strict=True):
+        assert after["kld_mean"] < before["kld_mean"] and after["size_mb"] > before["size_mb"]
+        for name, rung in before["raised"].items():
+            assert name in after["raised"]
+            grown = layer_bytes(shapes[name], parse_rung(after["raised"][name]), scheme)
+            assert grown >= layer_bytes(shapes[name], parse_rung(rung), scheme)

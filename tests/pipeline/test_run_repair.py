@@ -1,6 +1,6 @@
 """`optkit run` with `gate.repair`: the release is the repaired artifact, its card names the layers
 kept at higher precision and why, its report charts the per-layer sensitivity. `start: smallest`:
-the repair stage starts from the ladder's smallest rung (3-bit g128), not the recipe's 4 bits."""
+the repair stage starts from the ladder's smallest rung (2-bit g128), not the recipe's 4 bits."""
 
 import json
 
@@ -31,7 +31,7 @@ def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
     raised = manifest["precision_overrides"]
     assert raised and manifest["repair"]["steps"][0]["passed"] is False
     card = (release / "README.md").read_text()
-    assert manifest["options"]["weights"]["bits"] == 3 and "3-bit, group size 128" in card
+    assert manifest["options"]["weights"]["bits"] == 2 and "2-bit, group size 128" in card  # the ladder's smallest rung
     assert "Layers kept at higher precision" in card
     assert all(f"`{name}`" in card for name in raised) and "of the KLD" in card
     assert "Per-layer sensitivity" in (release / "report.html").read_text()

@@ -117,3 +117,88 @@ def test_a_mixed_group_checkpoint_loads_in_transformers_as_in_the_runtime(mixed,
     monkeypatch.setenv("OPTKIT_CPU_INT4", "0")  # the reference path: the question is the per-layer schemes
     check = check_transformers_load(root / "groups")
     assert check.ok, check.problems
+
+
+# from a 2-bit artifact (repair's `start: smallest` with the default ladder): every layer moved up,
+# one to a finer 2-bit group, so the checkpoint holds five quantized schemes and full precision
+UP = {
+    **dict.fromkeys(QKV, "w4g128"),
+    **dict.fromkeys(GATE_UP, "w2g32"),
+    O_PROJ: "w3ch",
+    "model.layers.0.mlp.down_proj": 8,  # 8 bits at the artifact's group size: w8g64
+    DOWN: 16,
+}
+
+
+@pytest.fixture(scope="module", params=["compressed-tensors", "gptq"])
+def from_two_bits(request, tmp_path_factory, draft_dir):
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+
+    root = tmp_path_factory.mktemp(f"{request.param}-w2")
+    options = QuantizeOptions(format=request.param, weights=WeightScheme(bits=2, group_size=64))
+    quantize_model(draft_dir, root / "w2", options)
+    write_mixed_artifact(root / "w2", draft_dir, UP, root / "mixed", {})
+    return request.param, root
+
+
+def test_a_2_bit_artifact_raised_along_the_ladder_holds_each_rung(from_two_bits, draft_dir):
+    from optkit.quant.formats.load import load_model
+    from optkit.quant.ladder import parse_rung
+    from optkit.quant.rtn import rtn_quantize
+    from optkit.weights.schemes import WeightScheme
+
+    name, root = from_two_bits
+    model, uniform, base = load_model(root / "mixed"), load_model(root / "w2"), load_model(draft_dir)
+    two = WeightScheme(bits=2, group_size=64)
+    for layer, value in UP.items():
+        rung = parse_rung(value)
+        weight = base.get_submodule(layer).weight
+        expected = weight if rung.full else rtn_quantize(weight, rung.scheme(two)).dequantize()
+        assert torch.equal(model.get_submodule(layer).weight, expected), layer
+    other = "model.layers.1.self_attn.k_proj"  # still on the artifact's 2-bit g64
+    assert torch.equal(model.get_submodule(other).weight, uniform.get_submodule(other).weight)
+    assert torch.equal(
+        uniform.get_submodule(other).weight, rtn_quantize(base.get_submodule(other).weight, two).dequantize()
+    )
+    config = json.loads((root / "mixed" / "config.json").read_text())["quantization_config"]
+    prefixes = [*QKV, *GATE_UP, O_PROJ, "model.layers.0.mlp.down_proj", other]
+    schemes = layer_schemes(get_format(name), config, prefixes)
+    assert [(schemes[p].bits, schemes[p].group_size) for p in prefixes] == [(4, 128)] * 3 + [(2, 32)] * 2 + [
+        (3, -1),
+        (8, 64),
+        (2, 64),
+    ]
+    if name == "compressed-tensors":
+        assert config["config_groups"]["group_0"]["weights"]["num_bits"] == 2
+        assert config["config_groups"]["group_w2g32"]["weights"]["num_bits"] == 2 and DOWN in config["ignore"]
+    else:
+        assert config["bits"] == 2 and {"bits": 2, "group_size": 32} in config["dynamic"].values()
+
+
+def test_the_runtime_computes_what_the_evaluation_loader_computes_on_a_2_bit_mix(from_two_bits, monkeypatch):
+    """optkit's runtime keeps each layer packed at its own bits (2, 3, 4 and 8 in one model) and
+    matches the dequantized model the gate evaluates."""
+    from optkit.compat.transformers_load import runtime_logits, sample_sequences
+    from optkit.quant.formats.load import load_model
+
+    name, root = from_two_bits
+    monkeypatch.setenv("OPTKIT_CPU_INT4", "0")
+    model = load_model(root / "mixed").float()
+    sequences = sample_sequences(model.config.vocab_size)
+    with torch.inference_mode():
+        expected = [model(torch.tensor([s])).logits[0].float() for s in sequences]
+    got = runtime_logits(root / "mixed", sequences)
+    scale = max(e.abs().max().item() for e in expected)
+    assert max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True)) <= 1e-3 + 1e-4 * scale
+
+
+def test_a_2_bit_mix_loads_in_transformers_as_in_the_runtime(from_two_bits, monkeypatch):
+    from optkit.compat.transformers_load import check_transformers_load
+
+    name, root = from_two_bits
+    if name != "compressed-tensors":
+        pytest.skip("transformers loads GPTQ only through gptqmodel: the check runs on compressed-tensors, the default")
+    monkeypatch.setenv("OPTKIT_CPU_INT4", "0")
+    check = check_transformers_load(root / "mixed")
+    assert check.ok, check.problems
