@@ -7,7 +7,8 @@ layer-by-layer pipeline: model size + 3 × largest layer (fp32) + activation cac
 Usage: python bench/quant_quality.py [--model small] [--bits 4 3] [--group-sizes 128 32] [--seeds 0 1 2] [--json]
 On a mixture of experts (`--model small-moe`) it also prints each expert's share of the eval set's
 routing choices (base model), each expert's calibration tokens from the manifests (the default,
-every token through every expert, and `gptq routed`: only the routed tokens), and the issue-19
+every token through every expert weighted by the router, and `gptq routed`: only the routed
+tokens), and the issue-19
 checks: GPTQ's Δppl ≤ 0.6× RTN's, and the default calibration's KLD ≤ the routed one's.
 With several --seeds, each calibrated method runs once per calibration seed and a "mean" row gives
 the mean (± standard deviation of Δppl): on a small model one seed's Δppl can move by more than
@@ -55,7 +56,7 @@ VARIANTS = {
     "gptq": ("gptq", "compressed-tensors", True, {}),
     "gptq act-order": ("gptq", "gptq", True, {"gptq": GPTQOptions(act_order=True)}),
     # mixtures of experts: each expert's statistics from the tokens routed to it only (the default:
-    # every calibration token through every expert)
+    # every calibration token through every expert, weighted by the router: quant/moe.py)
     "gptq routed": ("gptq", "compressed-tensors", True, {"moe_calibration": "routed"}),
     "gptq act-order static": (
         "gptq",

@@ -37,7 +37,8 @@ def quantize(
         str,
         typer.Option(
             help="Mixture-of-experts models: 'all' sends every calibration token through every expert for its "
-            "statistics (the output still follows the router); 'routed' only the tokens the router chooses."
+            "statistics, weighted by the router (its squared routing weight; the output still follows the router); "
+            "'routed' only the tokens the router chooses."
         ),
     ] = "all",
     quantize_router: Annotated[

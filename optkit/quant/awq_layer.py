@@ -68,7 +68,10 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
     duo = {"both": (False, True), "on": (True,), "off": (False,)}[options.duo_scaling]
 
     def search_scale(work: LayerWork, previous: str, linears: tuple[str, ...], block: str) -> dict:
-        x = capture_inputs(work, [linears[0]], options.search_samples)[linears[0]]
+        # an expert's inputs weighted by its router (capture_inputs): only where the compared block
+        # is the linear itself (an expert's down projection), as the weighting holds for a linear
+        linear_block = block in linears
+        x = capture_inputs(work, [linears[0]], options.search_samples, weighted=linear_block)[linears[0]]
         modules = [work.layer.get_submodule(n) for n in linears]
         originals = [m.weight.detach().clone() for m in modules]
         reference = block_output(work, block, x)
@@ -91,7 +94,7 @@ def awq_procedure(scheme: WeightScheme, options: AWQOptions) -> LayerProcedure:
         if options.clip:  # only the tokens the clipping search uses
             samples = min(options.search_samples, work.hidden.shape[0])
             rows = awq.clip_rows(samples * work.hidden.shape[1], options.clip_tokens)
-            inputs = capture_inputs(work, names, samples, rows)
+            inputs = capture_inputs(work, names, samples, rows, weighted=True)
         results = {}
         for name in names:
             weight = work.layer.get_submodule(name).weight.detach().clone()

@@ -25,6 +25,7 @@ from optkit.quant.moe import (
     calibration_modules,
     expert_min_tokens,
     record_routed_tokens,
+    token_weight,
     unfuse_experts,
 )
 from optkit.weights.quantized import QuantizedWeight
@@ -149,13 +150,15 @@ class LayerWork:
     ) -> None:
         """Run the cached samples through the layer, calling on_input(name, x, owner) with the
         input of each named module, and stop each forward once all of them have been seen.
-        `owner` is the first module of `names` that got the very same tensor (q for q/k/v)."""
-        seen: list[tuple[torch.Tensor, str]] = []
+        `owner` is the first module of `names` that got the very same tensor (q for q/k/v) with
+        the same token weights (an expert's own gate/up in --moe-calibration all, quant/moe.py)."""
+        seen: list[tuple[torch.Tensor, torch.Tensor | None, str]] = []
 
         def hook_for(name):
             def hook(module, args):
-                owner = next((n for t, n in seen if t is args[0]), name)
-                seen.append((args[0], name))
+                weight = token_weight(self.layer, name)
+                owner = next((n for t, w, n in seen if t is args[0] and w is weight), name)
+                seen.append((args[0], weight, name))
                 on_input(name, args[0].detach(), owner)
                 if len(seen) == len(names):
                     raise _GroupCaptured
@@ -201,7 +204,8 @@ def run_layer(
 
 
 def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
-    """H = 2/N Σ x xᵀ of the inputs of each named linear.
+    """H = 2/N Σ x xᵀ of the inputs of each named linear; an expert's in --moe-calibration all
+    H = 2/N Σ c_t x xᵀ, each token weighted by the router (quant/moe.py: expert_token_weights).
 
     Modules fed the very same input tensor (q/k/v; gate/up) share one Hessian: it is the same
     matrix, so it is accumulated once and the dict holds the same tensor under each name."""
@@ -214,7 +218,7 @@ def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tenso
             if name not in hessians:
                 hessians[name] = empty_hessian(x.shape[-1], work.device)
             if x.numel():
-                hessians[name] = accumulate_hessian(*hessians[name], x)
+                hessians[name] = accumulate_hessian(*hessians[name], x, token_weight(work.layer, name))
 
     work.run_until_seen(names, on_input)
     result = {}
@@ -227,11 +231,16 @@ def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tenso
 
 
 def capture_inputs(
-    work: LayerWork, names: list[str], num_samples: int, rows: torch.Tensor | None = None
+    work: LayerWork, names: list[str], num_samples: int, rows: torch.Tensor | None = None, weighted: bool = False
 ) -> dict[str, torch.Tensor]:
     """The inputs of each named module for the first `num_samples` samples: [S, L, in], on the
     device; modules fed the same tensor share one. With `rows` (sorted indices into those S·L
     tokens, flattened), only those tokens: [len(rows), in], the rest never held.
+
+    `weighted`: an expert's inputs in --moe-calibration all come scaled token by token by √c_t, the
+    root of the token's router weight (quant/moe.py: expert_token_weights). For a linear f the
+    squared output error on √c_t x_t is c_t ‖Δf(x_t)‖²: searches that minimise a linear's output
+    error then minimise the router-weighted error that GPTQ's weighted Hessian describes.
 
     Each batch is copied into one buffer allocated at the first batch (no list of copies to
     concatenate at the end, which would hold the inputs twice)."""
@@ -251,6 +260,9 @@ def capture_inputs(
         if rows is None and x.dim() == 2:  # an expert fed only its routed tokens
             routed.setdefault(name, []).append(x)
             return
+        weight = token_weight(work.layer, name) if weighted else None
+        if weight is not None:  # [T] for the T = B·L tokens of x
+            x = x * weight.sqrt().to(x.dtype).reshape(*x.shape[:-1], 1)
         if rows is None:
             shape, part = (num_samples, *x.shape[1:]), x
             first = filled.get(name, 0)

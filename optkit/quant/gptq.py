@@ -82,12 +82,16 @@ def empty_hessian(in_features: int, device: torch.device | str = "cpu") -> tuple
     return torch.zeros(in_features, in_features, dtype=torch.float32, device=device), 0
 
 
-def accumulate_hessian(hessian: torch.Tensor, num_tokens: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Fold a batch of inputs x ([..., in]) into the running average H = 2/N Σ x xᵀ."""
+def accumulate_hessian(
+    hessian: torch.Tensor, num_tokens: int, x: torch.Tensor, weight: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
+    """Fold a batch of inputs x ([..., in]) into the running average H = 2/N Σ x xᵀ, or with
+    `weight` (one c_t ≥ 0 per token of x) H = 2/N Σ c_t x xᵀ, the Hessian of Σ c_t ‖ΔW x_t‖²."""
     x = x.reshape(-1, x.shape[-1]).to(hessian.device, torch.float32)
     new_total = num_tokens + x.shape[0]
     hessian.mul_(num_tokens / new_total)
-    hessian.addmm_(x.T, x, alpha=2.0 / new_total)
+    weighted = x if weight is None else x * weight.reshape(-1, 1).to(x.device, torch.float32)
+    hessian.addmm_(x.T, weighted, alpha=2.0 / new_total)
     return hessian, new_total
 
 

@@ -36,6 +36,7 @@ from optkit.quant.calibrate import LayerResult, calibrate_layerwise
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats import format_names, get_format
 from optkit.quant.gptq import GPTQOptions
+from optkit.quant.moe import calibration_record as moe_calibration_record
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.quant.targets import (
     LinearTarget,
@@ -240,6 +241,8 @@ def quantize_model(
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         with PeakMemory() as peak:
             calibration, layer_results = _quantize_weights(base, targets, work, device)
+            if calibration["name"] is not None:
+                calibration |= moe_calibration_record(hf_config.model_type, options.calibration.moe_calibration)
             stats = _write_weights(base, tmp, fmt, work, layer_results)
         layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in targets]
         config_dict["quantization_config"] = fmt.quantization_config(

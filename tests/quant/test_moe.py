@@ -128,10 +128,77 @@ def test_routed_calibration_falls_back_to_rtn_for_experts_with_too_few_tokens(tm
     )
     experts = [layer for layer in default["layers"] if ".experts." in layer["name"]]
     assert all(layer["calibration_tokens"] == 256 and "fallback" not in layer for layer in experts)
+    # the manifest says how each token counted
+    assert manifest["calibration"]["moe_calibration"] == "routed"
+    assert default["calibration"]["moe_token_weights"].startswith("every token, c_te = (p_te / sum of the top-k")
     # each token goes to 2 experts: their routed counts add up to twice the tokens
     assert (
         sum(layer["routed_tokens"] for layer in experts if layer["name"].startswith("model.layers.0.")) == 3 * 2 * 256
     )
+
+
+class _MoELayer(torch.nn.Module):
+    """A decoder layer that is only a Mixtral MoE block (what LayerWork runs)."""
+
+    def __init__(self, mode: str, top_k: int):
+        from optkit.quant.families.mixtral import MIXTRAL
+        from optkit.quant.moe import CalibrationMoE
+
+        super().__init__()
+        config = {"hidden_size": 6, "num_local_experts": 3, "num_experts_per_tok": top_k, "intermediate_size": 5}
+        self.mlp = CalibrationMoE(MIXTRAL.moe, config, mode)
+
+    def forward(self, x, position_embeddings=None, attention_mask=None):
+        return self.mlp(x)
+
+
+def _expert_hessians(mode: str, top_k: int, x: torch.Tensor) -> tuple[_MoELayer, dict[str, torch.Tensor]]:
+    from optkit.quant.calibrate import LayerWork, capture_hessians
+
+    torch.manual_seed(1)
+    layer = _MoELayer(mode, top_k)
+    work = LayerWork(layer, "model.layers.0", x, (None, None), 2, torch.device("cpu"), set(), lambda *a: None)
+    names = [f"mlp.experts.{e}.{n}" for e in range(3) for n in ("w1", "w3")]
+    with torch.inference_mode():
+        return layer, {**capture_hessians(work, names), **capture_hessians(work, ["mlp.experts.0.w2"])}
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_default_calibration_weighs_each_expert_hessian_by_the_router(top_k):
+    """H_e = 2/N Σ_t c_te x_t x_tᵀ over every token, c_te = (p_te / Σ_{top-k} p_t)²: a routed
+    token counts with its squared routing weight, the others with the weight they would have had
+    (Mixtral renormalizes). With top-1 that is exp(2 (l_te − max_e l_te)) of the router logits l."""
+    x = torch.randn(4, 7, 6)  # [N, L, hidden]: 28 tokens, 2 samples per batch
+    layer, weighted = _expert_hessians("all", top_k, x)
+    flat = x.reshape(-1, 6)
+    logits = flat @ layer.mlp.gate.weight.T  # [T, E]
+    probs = torch.softmax(logits, dim=-1)
+    c = (probs / probs.topk(top_k, dim=-1).values.sum(-1, keepdim=True)) ** 2
+    if top_k == 1:
+        torch.testing.assert_close(c, torch.exp(2 * (logits - logits.amax(-1, keepdim=True))))
+    chosen = probs.topk(top_k, dim=-1).indices
+    for e in range(3):
+        expected = 2 * (flat * c[:, e, None]).T @ flat / flat.shape[0]
+        torch.testing.assert_close(weighted[f"mlp.experts.{e}.w1"], expected, rtol=1e-5, atol=1e-6)
+        assert weighted[f"mlp.experts.{e}.w3"] is weighted[f"mlp.experts.{e}.w1"]  # gate/up: one Hessian
+    # the down projection: its inputs (the expert's intermediate activations), weighted alike
+    expert = layer.mlp.experts[0]
+    h = torch.nn.functional.silu(expert.w1(flat)) * expert.w3(flat)
+    torch.testing.assert_close(
+        weighted["mlp.experts.0.w2"], 2 * (h * c[:, 0, None]).T @ h / h.shape[0], rtol=1e-5, atol=1e-6
+    )
+
+    def direction(h: torch.Tensor) -> torch.Tensor:  # GPTQ is blind to H's scale: compare shapes
+        return h / h.trace()
+
+    _, routed = _expert_hessians("routed", top_k, x)
+    for e in range(3):
+        mine = flat[(chosen == e).any(-1)]
+        torch.testing.assert_close(routed[f"mlp.experts.{e}.w1"], 2 * mine.T @ mine / mine.shape[0])
+        uniform = 2 * flat.T @ flat / flat.shape[0]
+        for other in (routed[f"mlp.experts.{e}.w1"], uniform):
+            gap = (direction(weighted[f"mlp.experts.{e}.w1"]) - direction(other)).abs().max()
+            assert gap > 1e-3 * direction(other).abs().max()
 
 
 def test_an_unknown_moe_calibration_mode_names_the_choices():
