@@ -215,6 +215,10 @@ def paged_attention(
         if kernels.unsupported_reason(q, k_cache, v_cache, meta) is None:
             return kernels.paged_attention(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     plan = meta.plan(block_size)
+    decode_only = plan.decode is not None and not plan.short and not plan.chunks
+    if decode_only and isinstance(plan.decode.rows, slice) and plan.decode.rows.stop == num_tokens:
+        # every row a decode, in order: the group's output is the whole output
+        return _decode_attention(q, k_cache, v_cache, plan.decode, scale, window, softcap)
     out = torch.empty_like(q)
     if plan.decode is not None:
         decode = _decode_attention(q[plan.decode.rows], k_cache, v_cache, plan.decode, scale, window, softcap)

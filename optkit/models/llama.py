@@ -47,8 +47,7 @@ class RMSNorm(nn.Module):
             # the same float32 operations in one call (in bf16, F.rms_norm scales before its cast)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)  # x·rsqrt(mean(x²) + eps): the same ops, one call
         if self.offset:
             return (x * (self.offset + self.weight.float())).to(dtype)
         if self.weight_in_float32:
@@ -65,21 +64,24 @@ def make_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] -> cos, sin [T, D]: angle p·inv_freq[i] at columns i and i + D/2."""
-    freqs = positions[:, None].float() * inv_freq[None, :].float()  # [T, D/2]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return (angles.cos() * attention_scaling).to(dtype), (angles.sin() * attention_scaling).to(dtype)
+    """positions [T] -> cos, signed sin [T, 1, R] (one row per token, broadcast over heads): angle
+    θ_i = p·inv_freq[i] at columns i and i + R/2; cos(θ) at both, -sin(θ) at i and +sin(θ) at i + R/2,
+    the signs of HF Llama's rotate_half folded in once a step rather than negated in every layer."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()  # [T, R/2]
+    cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] rotated by its position; the "rotate half" pairing (i, i + R/2) of HF Llama over the
-    first R = cos.shape[-1] dimensions of each head (R < D: partial rotary, the rest passes through)."""
+    first R = cos.shape[-1] dimensions of each head (R < D: partial rotary, the rest passes through).
+    HF's x·cos + cat(-x2, x1)·sin as x·cos + roll(x, R/2)·(signed sin): roll gives cat(x2, x1), and
+    -x2·s = x2·(-s) exactly, so the result is the same bit for bit in two fewer operators."""
     rotary = cos.shape[-1]
     if rotary < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    return x * cos + x.roll(rotary // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -254,7 +256,7 @@ class CausalLM(nn.Module):
             h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
         elif self.config.embedding_multiplier != 1.0:  # Granite
             h = h * self.config.embedding_multiplier
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, D]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, 1, R]
         rope = [(cos, sin)] * len(self.model.layers)
         if self.local_rope:
             local = rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype)
