@@ -2,7 +2,8 @@
 smoothing group (tests/tiny_families.py), with and without activation outliers.
 
 Prints family × outliers × method -> mean KLD against the model's own full precision on 48 held-out
-windows of 64 tokens through optkit's runtime, the ratio to plain W8A8 measured in the same run, and
+windows of 64 tokens spread over the whole held-out set, through optkit's runtime, the ratio to plain
+W8A8 measured in the same run, and
 the paired per-window difference from it ± its standard error (tests/quant/paired_kld.py: the tiny
 models' W8A8 artifacts differ by less than a few windows' noise). The outlier copy scales a few
 channels of every norm that feeds linears by 32 and divides the matching input columns of the

@@ -128,6 +128,15 @@ def block_error(work: LayerWork, block: str, x: torch.Tensor, reference: torch.T
     return total / reference.numel()
 
 
+def sample_errors(work: LayerWork, block: str, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """mean((block(x) − reference)²) of each sample of x: [S], batch by batch."""
+    errors = []
+    for start, y in _block_outputs(work, block, x):
+        diff = (y - reference[start : start + y.shape[0]]).pow_(2)
+        errors.append(diff.reshape(diff.shape[0], -1).mean(dim=1).cpu())
+    return torch.cat(errors)
+
+
 def _block_outputs(work: LayerWork, block: str, x: torch.Tensor):
     """(first sample, output) for each batch of `work.batch_size` samples of x."""
     module = work.layer.get_submodule(block)

@@ -21,6 +21,7 @@ from tests.tiny_families import FAMILIES, TINY, save_tiny_family
 
 ORIGINAL = FAMILIES["phi3"]["original_max_position_embeddings"]  # 64
 CALIB = CalibrationOptions(num_samples=8, seq_len=96)  # past the original context: long factors, as served
+BENCH_CALIB = CalibrationOptions(num_samples=32, seq_len=64)  # bench/smoothquant_families.py's, within it
 W4 = WeightScheme(bits=4, group_size=64)
 W4_ASYM = WeightScheme(bits=4, group_size=64, symmetric=False)
 AWQ = AWQOptions(grid=8, clip_steps=8)
@@ -41,6 +42,9 @@ ARTIFACTS = {
     "awq-w4-asym": dict(method="awq", weights=W4_ASYM, awq=AWQ, format="awq", calibration=CALIB),
     "w8a8": dict(method="w8a8", weights=WeightScheme(bits=8, group_size=-1), calibration=CALIB),
     "smoothquant-w8a8": dict(method="smoothquant", weights=WeightScheme(bits=8, group_size=-1), calibration=CALIB),
+    "smoothquant-w8a8-bench-calibration": dict(
+        method="smoothquant", weights=WeightScheme(bits=8, group_size=-1), calibration=BENCH_CALIB
+    ),
 }
 
 
@@ -166,11 +170,14 @@ def test_smoothquant_beats_plain_w8a8_with_outliers(artifact, mean_kld):
     assert mean_kld(artifact("smoothquant-w8a8", True), True) < mean_kld(artifact("w8a8", True), True)
 
 
-def test_smoothquant_is_no_worse_than_plain_w8a8_without_outliers(base, artifact):
-    """On 48 held-out windows, a paired test (tests/quant/paired_kld.py)."""
+@pytest.mark.parametrize("name", ["smoothquant-w8a8", "smoothquant-w8a8-bench-calibration"])
+def test_smoothquant_is_no_worse_than_plain_w8a8_without_outliers(base, artifact, name):
+    """On 48 held-out windows, a paired test (tests/quant/paired_kld.py), at the test's calibration
+    (8 × 96 tokens) and at the bench's (32 × 64): before α's gain was checked on samples that did
+    not choose it, these read 2.8 and 2.4 standard errors worse (the latter on the first 48 windows)."""
     windows = heldout_windows(base)
     plain = window_klds(base, artifact("w8a8"), windows)
-    assert_no_worse(window_klds(base, artifact("smoothquant-w8a8"), windows), plain)
+    assert_no_worse(window_klds(base, artifact(name), windows), plain)
 
 
 def test_awq_and_smoothquant_say_which_groups_they_cannot_smooth(base, tmp_path, caplog):

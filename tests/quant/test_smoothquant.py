@@ -12,7 +12,7 @@ from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
 from optkit.quant.procedures import fold_scale
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant_layer import SMOOTHING_GROUPS, SmoothQuantOptions
+from optkit.quant.smoothquant_layer import SMOOTHING_GROUPS, SmoothQuantOptions, search_folds
 from optkit.zoo.outliers import add_activation_outliers
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
@@ -24,6 +24,42 @@ def test_smoothing_scales_follow_the_formula():
     s = sq.smoothing_scales(act, w, alpha=0.5)
     torch.testing.assert_close(s, torch.tensor([1 / 2**0.5, 2.0, 2.0]))
     assert torch.allclose(sq.smoothing_scales(act, w, alpha=1.0), act)
+
+
+def _paired_diffs(n: int, t: float) -> torch.Tensor:
+    """n differences (n even) whose paired t statistic, mean / (std / √n), is t."""
+    spread = torch.tensor([-1.0, 1.0]).repeat(n // 2)  # mean 0
+    diffs = spread + t * spread.std() / n**0.5
+    assert abs(diffs.mean() / (diffs.std() / n**0.5) - t) < 1e-4
+    return diffs
+
+
+def test_smoothing_is_kept_only_where_its_gain_passes_a_paired_t_test():
+    plain = torch.tensor([1.0, 2.0, 1.5, 3.0])
+    assert sq.gain_holds(plain * 0.9, plain)  # 10% lower on every sample: t = −4.4
+    # lower by 0.05 on average, but the paired differences (-0.4, +0.3, -0.3, +0.2) have a standard error of 0.18
+    assert not sq.gain_holds(plain + torch.tensor([-0.4, 0.3, -0.3, 0.2]), plain)
+    assert not sq.gain_holds(plain * 1.1, plain)
+    assert not sq.gain_holds(plain, plain)
+    # t = −2.5: short of Student's 3.18 on 4 samples (3 degrees of freedom), past 2.04 on 32
+    assert not sq.gain_holds(plain + 0.01 * _paired_diffs(4, -2.5), plain)
+    assert sq.gain_holds(plain.repeat(8) + 0.01 * _paired_diffs(32, -2.5), plain.repeat(8))
+    one = torch.tensor([1.0])
+    assert sq.gain_holds(one * 0.99, one) and not sq.gain_holds(one * 1.01, one)
+
+
+@pytest.mark.parametrize("num_search, num_samples", [(8, 8), (5, 32), (2, 2)])
+def test_each_search_half_is_scored_with_scales_from_the_samples_outside_it(num_search, num_samples):
+    (choose, choose_from), (check, check_from) = search_folds(num_search, num_samples)
+    scored = [set(range(num_samples)[choose]), set(range(num_samples)[check])]
+    assert scored[0] and scored[1] and not scored[0] & scored[1] and scored[0] | scored[1] == set(range(num_search))
+    for half, scales_from in zip(scored, (choose_from, check_from), strict=True):
+        assert set(torch.nonzero(scales_from).flatten().tolist()) == set(range(num_samples)) - half
+
+
+def test_one_search_sample_is_scored_with_its_own_scales():
+    [(scored, scales_from)] = search_folds(1, 4)
+    assert range(4)[scored] == range(1) and scales_from.all()
 
 
 def test_smoothing_leaves_the_full_precision_model_unchanged(draft_dir):
