@@ -14,8 +14,9 @@ byte until the gate passes, the size budget is spent or the evaluations are.
    (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
    the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails,
    attribute that candidate again and plan the next moves from it (`reattribute`, the default), or
-   refit the rescaling to what the gate measured and take more moves of the first plan. Once one
-   passes, spend up to
+   refit the rescaling to what the gate measured and take more moves of the first plan. With
+   `reattribute`, a plan whose every move together is not predicted to reach the target aims at a
+   waypoint instead (a quarter of the KLD it starts from). Once one passes, spend up to
    `shrink_evaluations` on shorter prefixes of the moves, each chosen by interpolating the gate's
    KLD between the last failing and the last passing prefix in the cumulative estimated drop
    (regula falsi), and keep the smallest artifact that passes. Every evaluation is a step in the manifest.
@@ -24,7 +25,10 @@ Why attribute again: the estimate is a first-order step from the attributed weig
 them. From the default 2-bit start (KLD 0.16-0.18 on `small`, target 0.01) the first plan must
 remove 94% of the KLD on the estimate's word, and a 5% error in it is half the target; the first
 failing candidate (0.02-0.03) is a much closer point to linearize at. Measured on `small+outliers` at
-0.01: 3.733 MiB without, 3.633 MiB with (docs/results.md, repair).
+0.01: 3.733 MiB without, 3.633 MiB with (docs/results.md, repair). Far below the start (small-moe
+from 2 bits, KLD 0.02, at target 0.0001) no plan reaches the target on the estimate, and taking
+every move put every layer in full precision (11.2 MiB, more than uniform 8-bit); waypoints got
+there at 5.3 MiB.
 """
 
 import heapq
@@ -47,6 +51,10 @@ from optkit.quant.mixed_artifact import WEIGHTS, artifact_scheme, layer_rungs, w
 from optkit.safetensors_stream import lazy_tensors_in
 
 MARGIN = 0.9  # aim this far under the target: the prediction is an estimate
+# with reattribute, when even every move of a plan is not predicted to reach the target (far below
+# the start: small-moe from 2 bits at KLD 0.0001), aim that plan at this share of the KLD it starts
+# from and attribute again there, rather than take every move (every layer in full precision)
+WAYPOINT = 0.25
 SHRINK_AIM = 0.97  # closer once a passing artifact brackets the answer (interpolated, not extrapolated)
 
 
@@ -216,7 +224,8 @@ def repair(
 
     while evaluation < options.max_evaluations:
         room = budget - (source / WEIGHTS).stat().st_size
-        chosen, over_budget = _extend(taken, moves, source_kld, rescale, MARGIN * target, room)
+        aim = _aim(target, source_kld, rescale, moves, options.reattribute)
+        chosen, over_budget = _extend(taken, moves, source_kld, rescale, aim, room)
         if len(chosen) == len(taken):
             reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
             break
@@ -300,6 +309,14 @@ def _extend(
             continue
         chosen.append(move)
     return chosen, bool(passed_over)
+
+
+def _aim(target: float, kld: float, rescale: float, moves: list[Move], reattribute: bool) -> float:
+    """The KLD a plan's prefix aims at: `MARGIN` under the target, or, with `reattribute`, when not
+    even every move of the plan is predicted to get there, `WAYPOINT` of the KLD it starts from."""
+    if reattribute and _predict(kld, rescale, moves) > MARGIN * target:
+        return WAYPOINT * kld  # out of this estimate's reach: go part of the way, attribute there
+    return MARGIN * target
 
 
 def _secant(moves: list[Move], low: int, low_kld: float, high: int, high_kld: float, aim: float) -> int:

@@ -132,3 +132,18 @@ def test_each_failing_candidate_is_attributed_again_and_climbed_from(draft_dir, 
             assert name in after["raised"]
             grown = layer_bytes(shapes[name], parse_rung(after["raised"][name]), scheme)
             assert grown >= layer_bytes(shapes[name], parse_rung(rung), scheme)
+
+
+def test_a_target_out_of_the_estimates_reach_is_approached_in_waypoints():
+    """When even every move of the plan is not predicted to reach the target, the plan aims at a
+    quarter of its start's KLD (to be attributed again there) instead of taking every move."""
+    from optkit.pipeline.repair import MARGIN, WAYPOINT, Move, _aim, _extend
+    from optkit.quant.ladder import Rung
+
+    moves = [Move([f"layer{i}"], Rung(16), gain, 100) for i, gain in enumerate([0.5, 0.3, 0.1, 0.05])]
+    assert _aim(0.5, 1.0, 1.0, moves, reattribute=True) == MARGIN * 0.5  # reachable: the target itself
+    assert _aim(0.01, 1.0, 1.0, moves, reattribute=False) == MARGIN * 0.01
+    aim = _aim(0.01, 1.0, 1.0, moves, reattribute=True)  # 1.0 - 0.95 = 0.05 > 0.009: out of reach
+    assert aim == WAYPOINT * 1.0
+    chosen, _ = _extend([], moves, 1.0, 1.0, aim, float("inf"))
+    assert chosen == moves[:2]  # 1.0 - 0.8 = 0.2 <= 0.25, not all four
