@@ -8,8 +8,8 @@ number type stay the artifact's.
 The default ladder starts at 2 bits: `start: smallest` quantizes every linear on 2-bit g128 and
 raises from there, so a model whose uniform 3-bit artifact already passes (small-moe at KLD 0.005)
 still gets a mixed artifact smaller than it. Both formats with per-layer schemes store every rung
-(compressed-tensors packs 1-8 bits, GPTQ 2, 3, 4 and 8); vLLM's compressed-tensors kernels read 4 and
-8 bits only, so an artifact for vLLM takes a ladder from `w4ch` up (docs/gate.md).
+(compressed-tensors packs 1-8 bits, GPTQ 2, 3, 4 and 8); which bit widths vLLM reads depends on its
+version (docs/compatibility.md, docs/gate.md).
 """
 
 import re
