@@ -115,7 +115,7 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
         kept=kept,
         base_bytes=sum(_nbytes(*v) for v in headers.values()),
         artifact_bytes=artifact,
-        peak_bytes=_peak_bytes(headers, hf_config, linears, options),
+        peak_bytes=_peak_bytes(headers, hf_config, linears, _layers(family, linears), options),
     )
 
 
@@ -218,39 +218,87 @@ def _linear_size_law(fmt, options):
     return lambda out, inp: round(a * out * inp + b * out + c * inp + d)
 
 
-def _peak_bytes(headers, hf_config, linears, options) -> dict[str, int]:
-    """The pipeline's peak memory, part by part (quant/calibrate.py): the cached inputs of the layer
-    being calibrated (fp32, CPU), one decoder layer in fp32 on the device, and the method's working
-    set for its largest linear (GPTQ's Hessian and weight copies; AWQ's and SmoothQuant's captured
-    inputs and block outputs; a forward's activations). RTN reads one weight at a time."""
+def _peak_bytes(headers, hf_config, linears, layers, options) -> dict[str, int]:
+    """The pipeline's peak memory, part by part: the live tensors at the worst moment, in bytes.
+    What the process adds beyond them (bench/plan_memory.py, docs/results.md): once per process
+    ~5-30 MB of modules, tokenizer and torch's set-up, whatever the model; and on glibc's default
+    settings the heap pages it keeps after freeing weight-sized tensors (measured on a 1024-wide
+    Llama: the peak RSS 1.2-1.3x the live one with calibration, 2.5x for RTN).
+
+    Calibrated methods (quant/calibrate.py): the cached inputs of the layer being calibrated
+    (fp32, CPU), one decoder layer in fp32, and the working set of its worst group. Data-free
+    methods (RTN) read one weight at a time. Both then stream the checkpoint out one stored tensor
+    at a time (safetensors_stream.py), after calibration has let go of its cache."""
+    write = max((_nbytes(*v) for v in headers.values()), default=0)  # the largest tensor, as stored
+    largest = max(linears.values(), key=lambda s: s[0] * s[1], default=(0, 0))
+    weight = largest[0] * largest[1]  # elements of the largest linear
+    composition = options.composition
+    if composition.quantize_weight is not None:
+        # one weight: stored (≤ 4 B), in fp32 (4 B), its integers (1 B), dequantized for the error (4 B)
+        one_weight = 13 * weight
+        return {"one_weight": one_weight, "write": write, "total": max(one_weight, write)}
     layer_bytes: dict[str, int] = {}
     for name, (_, shape) in headers.items():
         if ".layers." in name:
             prefix, _, rest = name.partition(".layers.")
             key = f"{prefix}.layers.{rest.partition('.')[0]}"
             layer_bytes[key] = layer_bytes.get(key, 0) + _nbytes("F32", shape)
-    largest = max(linears.values(), key=lambda s: s[0] * s[1], default=(0, 0))
-    widest_in = max((i for _, i in linears.values()), default=0)
-    widest_out = max((o for o, _ in linears.values()), default=0)
-    composition = options.composition
-    if composition.quantize_weight is not None:  # data-free: the stored weight, fp32, integers, dequantized
-        return {"one_weight": 13 * largest[0] * largest[1], "total": 13 * largest[0] * largest[1]}
     text = getattr(hf_config, "text_config", None) or hf_config
     calibration = options.calibration
-    tokens = calibration.num_samples * calibration.seq_len
-    batch_tokens = calibration.batch_size * calibration.seq_len
-    cache = 4 * tokens * text.hidden_size
+    cache = 4 * calibration.num_samples * calibration.seq_len * text.hidden_size
     layer = max(layer_bytes.values(), default=0)
+    # a forward of one batch: the widest linear's output 3 times (an MLP's gate, up and their
+    # product) and the attention scores [heads, L, L] where they are materialised (eager)
     heads = getattr(text, "num_attention_heads", 1)
-    forward = 4 * batch_tokens * (3 * widest_out + heads * calibration.seq_len)
-    working = forward + 4 * (widest_in * widest_in + 3 * largest[0] * largest[1])  # Hessian, W, its copies
+    widest_out = max((o for o, _ in linears.values()), default=0)
+    batch_tokens = calibration.batch_size * calibration.seq_len
+    working = 4 * batch_tokens * (3 * widest_out + heads * calibration.seq_len)
+    # the layer's quantized integers (1 B per weight) until the layer is handed on, and beside the
+    # weight being quantized: its fp32 working copy, its RTN reference, the dequantized result and
+    # the error (4 fp32 copies)
+    layer_weights = [
+        sum(o * i for o, i in (linears[f"{prefix}.{n}"] for g in groups for n in g)) for prefix, groups in layers
+    ]
+    working += max(layer_weights, default=0) + 4 * 4 * weight
     stages = {s.name for s in composition.stages}
-    if stages & {"awq", "smoothquant"}:  # captured inputs and the block's reference and trial outputs
-        samples = min(getattr(options.awq, "search_samples", 32), calibration.num_samples)
-        working += 4 * samples * calibration.seq_len * (widest_in + 2 * text.hidden_size)
+    hessians = 4 * _gptq_hessians(linears, layers) if "gptq" in stages else 0
+    # AWQ's and SmoothQuant's scale searches: the inputs of a smoothing group's first linear for
+    # the search samples [S, L, in] and the block's reference output [S, L, hidden]. AWQ's groups
+    # include up → down (in: the widest input); SmoothQuant smooths only the norm-fed groups, whose
+    # linears take the hidden states (in: hidden).
+    widest_in = max((i for _, i in linears.values()), default=0)
+    searches = {
+        "awq": (options.awq.search_samples, widest_in),
+        "smoothquant": (options.smoothquant.search_samples, text.hidden_size),
+    }
+    searched = max(
+        (
+            4 * min(samples, calibration.num_samples) * calibration.seq_len * (width + text.hidden_size)
+            for stage, (samples, width) in searches.items()
+            if stage in stages
+        ),
+        default=0,
+    )
+    working += max(hessians, searched)  # a composition (smoothquant+gptq) smooths, then runs GPTQ
     return {
         "calibration_inputs": cache,
         "decoder_layer": layer,
         "working_set": working,
-        "total": cache + layer + working,
+        "write": write,
+        "total": max(cache + layer + working, write),
     }
+
+
+def _gptq_hessians(linears: dict[str, tuple[int, int]], layers) -> int:
+    """fp32 elements of the Hessians GPTQ holds at once: those of one true-sequential group, one
+    [in, in] per distinct input (q/k/v share the attention's input, an expert's gate and up share
+    theirs: the same module path but the last name, the same width), all captured before the
+    first is used; plus the factor of (H + λI)⁻¹ that gptq_quantize builds for one linear."""
+    worst = 0
+    for prefix, groups in layers:
+        for group in groups:
+            shapes = {n: linears[f"{prefix}.{n}"] for n in group}
+            inputs = {(n.rpartition(".")[0], i) for n, (_, i) in shapes.items()}
+            widest = max(i for _, i in shapes.values())
+            worst = max(worst, sum(i * i for _, i in inputs) + widest * widest)
+    return worst
