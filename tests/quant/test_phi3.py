@@ -160,8 +160,13 @@ def test_gptq_w4_beats_rtn_w4(artifact, mean_kld):
 
 
 @pytest.mark.slow
-def test_awq_w4_is_no_worse_than_rtn_w4_and_gains_with_outliers(artifact, mean_kld):
-    assert mean_kld(artifact("awq-w4-asym")) <= mean_kld(artifact("rtn-w4-asym"))
+def test_awq_w4_is_no_worse_than_rtn_w4_and_gains_with_outliers(base, artifact, mean_kld):
+    """Without outliers AWQ has little to gain: "no worse" is the paired test on 48 held-out windows
+    (tests/quant/paired_kld.py), as for SmoothQuant; 3 prompts cannot tell a 0.5% difference from the
+    noise of the runtime's W4A8 kernel (kernels/cpu_w4a8.py) that serves both artifacts."""
+    windows = heldout_windows(base)
+    rtn = window_klds(base, artifact("rtn-w4-asym"), windows)
+    assert_no_worse(window_klds(base, artifact("awq-w4-asym"), windows), rtn)
     awq, rtn = artifact("awq-w4-asym", True), artifact("rtn-w4-asym", True)
     assert mean_kld(awq, True) < mean_kld(rtn, True)
 
