@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from optkit.data.eval_sets import load_text_set
+from optkit.kernels import cpu_int4
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.sequence import SamplingParams
 
@@ -76,7 +77,10 @@ def test_quantized_artifact_greedy_matches_transformers(tmp_path, small_dir, hel
     )
     quantize_model(small_dir, artifact, options)
     prompts = varied_prompts(heldout_ids, 8, seed=2)
-    ours = LLMEngine(artifact).generate(prompts, GREEDY)
+    # the dequantized weights that transformers runs, so greedy tokens match one for one; the CPU's W4A8
+    # kernel rounds activations to int8 (a near-tie can flip), its logits are bounded in tests/models/test_loader.py
+    with cpu_int4.reference_only():
+        ours = LLMEngine(artifact).generate(prompts, GREEDY)
     assert hf_greedy(artifact, prompts, GREEDY.max_tokens) == ours
 
 
