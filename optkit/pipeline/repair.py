@@ -5,11 +5,10 @@ byte until the gate passes, the size budget is spent or the evaluations are.
    nor the gate read): each linear's estimated KLD drop on every rung above its own and in full
    precision. With `start: smallest` the caller quantizes that artifact on the smallest rung
    (`start_options`), so repair builds the smallest mixed artifact up from below.
-2. Group the linears as vLLM fuses them (q/k/v, gate/up) and order the moves (unit, rung of the
-   ladder in quant/ladder.py: more bits or a finer group, up to full precision) by estimated drop
-   per extra byte; a unit's next move is eligible once its previous one is taken, a rung with more
-   bytes and no more estimated drop is left out, and a level whose next step pays more per byte is
-   skipped (the upper concave hull of drop against bytes).
+2. Plan (pipeline/repair_plan.py, where the model and its math are written out): group the
+   linears as vLLM fuses them (q/k/v, gate/up) and order the moves (unit, rung of the ladder in
+   quant/ladder.py: more bits or a finer group, up to full precision) by estimated drop per extra
+   byte, each unit's moves in ladder order along the upper concave hull of drop against bytes.
 3. Take moves until the predicted KLD on the gate's set is under the target with a 10% margin
    (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
    the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails,
@@ -31,7 +30,6 @@ every move put every layer in full precision (11.2 MiB, more than uniform 8-bit)
 there at 5.3 MiB.
 """
 
-import heapq
 import math
 import os
 import shutil
@@ -45,25 +43,22 @@ from optkit.gate.evaluate import GateResult, evaluate
 from optkit.gate.options import GateOptions, RepairOptions
 from optkit.manifest import read_manifest, write_manifest
 from optkit.modeldir import weight_files
-from optkit.quant.formats.mixed import check_mixed, fused_units
-from optkit.quant.ladder import Rung, layer_bytes, nominal_bits, smallest
-from optkit.quant.mixed_artifact import WEIGHTS, artifact_scheme, layer_rungs, write_mixed_artifact
+from optkit.pipeline.repair_plan import (
+    SHRINK_AIM,
+    Move,
+    aim_kld,
+    extend_prefix,
+    gate_rescale,
+    plan_moves,
+    raised_rungs,
+    refit_rescale,
+    secant_prefix,
+    target_kld,
+)
+from optkit.quant.formats.mixed import check_mixed
+from optkit.quant.ladder import Rung, smallest
+from optkit.quant.mixed_artifact import WEIGHTS, write_mixed_artifact
 from optkit.safetensors_stream import lazy_tensors_in
-
-MARGIN = 0.9  # aim this far under the target: the prediction is an estimate
-# with reattribute, when even every move of a plan is not predicted to reach the target (far below
-# the start: small-moe from 2 bits at KLD 0.0001), aim that plan at this share of the KLD it starts
-# from and attribute again there, rather than take every move (every layer in full precision)
-WAYPOINT = 0.25
-SHRINK_AIM = 0.97  # closer once a passing artifact brackets the answer (interpolated, not extrapolated)
-
-
-@dataclass
-class Move:
-    unit: list[str]
-    rung: Rung
-    gain: float  # estimated KLD drop on the attribution set, nats
-    extra_bytes: int
 
 
 @dataclass
@@ -95,74 +90,12 @@ def _step(index: int, raised: dict[str, Rung], result: GateResult, artifact: Pat
     }
 
 
-def plan_moves(attribution: Attribution, manifest: dict, base: Path, rungs: list[Rung]) -> list[Move]:
-    """Every move worth making, best estimated KLD drop per extra byte first (module doc, 2)."""
-    scheme = artifact_scheme(manifest)
-    shapes = {layer["name"]: layer["shape"] for layer in manifest["layers"]}
-    on = layer_rungs(manifest)
+def weight_itemsizes(base: Path) -> dict[str, int]:
+    """Bytes per element of each tensor of the base checkpoint: what a layer in full precision costs."""
     itemsize = {}
     for file in weight_files(base):
         itemsize.update({k: t.dtype.itemsize for k, t in lazy_tensors_in(file).items()})
-
-    def unit_bytes(unit: list[str], rung: Rung | None) -> int:  # None: where each layer is now
-        return sum(
-            layer_bytes(shapes[n], on[n] if rung is None else rung, scheme, itemsize.get(f"{n}.weight", 2))
-            for n in unit
-        )
-
-    by_name = {layer.name: layer for layer in attribution.layers}
-    resolved = sorted({r.resolve(scheme) for r in rungs}, key=lambda r: nominal_bits(r, scheme))
-    heap, ladders = [], []
-    for unit in fused_units([layer.name for layer in attribution.layers]):
-        now = unit_bytes(unit, None)
-        levels = [(None, 0.0, 0)]  # (rung, estimated drop, extra bytes) from where the unit is now
-        for rung in sorted(resolved, key=lambda r: unit_bytes(unit, r)):
-            extra = unit_bytes(unit, rung) - now
-            if extra <= 0 or not rung.fits(shapes[unit[0]][1]):
-                continue
-            if rung.full:
-                gain = sum(by_name[n].estimate for n in unit)
-            elif all(rung.label in by_name[n].moves for n in unit):
-                gain = sum(by_name[n].moves[rung.label] for n in unit)
-            else:
-                continue  # not priced (a rung the attribution was not asked about)
-            if gain <= levels[-1][1]:
-                continue  # more bytes for no more gain
-            while len(levels) > 1 and _ratio(levels[-2], levels[-1]) <= _ratio(levels[-1], (rung, gain, extra)):
-                levels.pop()  # the step after it pays more per byte: go straight past it
-            levels.append((rung, gain, extra))
-        ladders.append((unit, levels))
-        _push(heap, len(ladders) - 1, 1, levels)
-    moves = []
-    while heap:
-        _, index, level = heapq.heappop(heap)
-        unit, levels = ladders[index]
-        (_, gain0, bytes0), (rung, gain1, bytes1) = levels[level - 1], levels[level]
-        moves.append(Move(unit, rung, gain1 - gain0, bytes1 - bytes0))
-        _push(heap, index, level + 1, levels)
-    return moves
-
-
-def _ratio(low: tuple, high: tuple) -> float:
-    return (high[1] - low[1]) / max(high[2] - low[2], 1)
-
-
-def _push(heap: list, index: int, level: int, levels: list) -> None:
-    if level < len(levels) and levels[level][1] - levels[level - 1][1] > 0:
-        heapq.heappush(heap, (-_ratio(levels[level - 1], levels[level]), index, level))
-
-
-def target_kld(gate: GateOptions, result: GateResult) -> float:
-    """The KLD to aim for: `max_kld`, or `max_ppl_increase` turned into KLD at the measured ratio."""
-    targets = []
-    if gate.max_kld is not None:
-        targets.append(gate.max_kld)
-    m = result.metrics
-    if gate.max_ppl_increase is not None and m["ppl_increase_pct"] > 0:
-        targets.append(m["kld_mean"] * gate.max_ppl_increase / m["ppl_increase_pct"])
-    if not targets:
-        raise OptkitError("repair aims at a KLD or perplexity threshold: set gate.max_kld or gate.max_ppl_increase")
-    return min(targets)
+    return itemsize
 
 
 def repair(
@@ -189,9 +122,10 @@ def repair(
 
     attribution = attribute_at(artifact)
     first_attribution = attribution  # the record's: what the artifact as given owes to each layer
-    moves = plan_moves(attribution, manifest, base, options.rungs)
+    itemsize = weight_itemsizes(base)
+    moves = plan_moves(attribution, manifest, itemsize, options.rungs)
     budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
-    rescale = result.metrics["kld_mean"] / max(attribution.kld, 1e-12)  # attribution set -> gate set
+    rescale = gate_rescale(result.metrics["kld_mean"], attribution.kld)
     best = (result.metrics["kld_mean"], artifact, result, {}, 0)  # (KLD, directory, gate, rungs, step)
     # the plan's moves start from `source` (the artifact, or the last failing candidate attributed
     # again), whose layers are already raised as in `prior`; its gate KLD is `source_kld`
@@ -205,12 +139,12 @@ def repair(
     def trial(moves: list[Move], previous: list[Move]) -> GateResult:
         nonlocal best, evaluation
         evaluation += 1
-        raised = {**prior, **_raised(moves)}
+        raised = {**prior, **raised_rungs(moves)}
         out = work / f"step-{evaluation}"
         shutil.rmtree(out, ignore_errors=True)
-        write_mixed_artifact(source, base, _raised(moves), out, {})
+        write_mixed_artifact(source, base, raised_rungs(moves), out, {})
         result = evaluate(out, base, gate)
-        before = {**prior, **_raised(previous)}
+        before = {**prior, **raised_rungs(previous)}
         changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
         steps.append(_step(evaluation, raised, result, out, changed))
         log(
@@ -224,8 +158,8 @@ def repair(
 
     while evaluation < options.max_evaluations:
         room = budget - (source / WEIGHTS).stat().st_size
-        aim = _aim(target, source_kld, rescale, moves, options.reattribute)
-        chosen, over_budget = _extend(taken, moves, source_kld, rescale, aim, room)
+        aim = aim_kld(target, source_kld, rescale, moves, options.reattribute)
+        chosen, over_budget = extend_prefix(taken, moves, source_kld, rescale, aim, room)
         if len(chosen) == len(taken):
             reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
             break
@@ -235,7 +169,7 @@ def repair(
             for _ in range(options.shrink_evaluations):
                 if passing - failed_count <= 1 or evaluation >= options.max_evaluations:
                     break
-                k = _secant(chosen, failed_count, failed_kld, passing, passing_kld, SHRINK_AIM * target)
+                k = secant_prefix(chosen, failed_count, failed_kld, passing, passing_kld, SHRINK_AIM * target)
                 shorter = trial(chosen[:k], chosen[:passing])
                 if shorter.passed:
                     passing, passing_kld = k, shorter.metrics["kld_mean"]
@@ -247,16 +181,14 @@ def repair(
         if result.metrics["kld_mean"] <= target:  # another threshold failed: aim lower
             target = 0.8 * result.metrics["kld_mean"]
         if options.reattribute and evaluation < options.max_evaluations:  # linearize again here
-            source, prior, source_kld = work / f"step-{evaluation}", {**prior, **_raised(taken)}, failed_kld
+            source, prior, source_kld = work / f"step-{evaluation}", {**prior, **raised_rungs(taken)}, failed_kld
             attribution = attribute_at(source)
-            moves = plan_moves(attribution, read_manifest(source), base, options.rungs)
-            rescale = source_kld / max(attribution.kld, 1e-12)
+            moves = plan_moves(attribution, read_manifest(source), itemsize, options.rungs)
+            rescale = gate_rescale(source_kld, attribution.kld)
             taken, failed_count = [], 0
             reattributed.append(evaluation)
             continue
-        gained = sum(m.gain for m in taken)
-        if gained > 0:  # refit: the rescaling that explains what the gate measured
-            rescale = max((source_kld - result.metrics["kld_mean"]) / gained, 1e-3)
+        rescale = refit_rescale(rescale, source_kld, result.metrics["kld_mean"], taken)
     else:
         reason = f"{options.max_evaluations} gate evaluations (max_evaluations) did not reach it"
     _, chosen_dir, chosen_result, raised, chosen_step = best
@@ -290,59 +222,6 @@ def repair(
     return RepairOutcome(
         passed, chosen_dir, chosen_result, steps, first_attribution, None if passed else reason, raised
     )
-
-
-def _extend(
-    taken: list[Move], moves: list[Move], kld: float, rescale: float, aim: float, room: float
-) -> tuple[list[Move], bool]:
-    """`taken` plus the next moves in order until the predicted KLD is under `aim`, within `room`
-    extra bytes; whether a move was passed over for the budget. A unit passed over takes no later
-    move (its next level builds on the one passed over)."""
-    chosen, passed_over = list(taken), set()
-    for move in moves:
-        if _predict(kld, rescale, chosen) <= aim:
-            break
-        if move in chosen or tuple(move.unit) in passed_over:
-            continue
-        if sum(m.extra_bytes for m in chosen) + move.extra_bytes > room:
-            passed_over.add(tuple(move.unit))
-            continue
-        chosen.append(move)
-    return chosen, bool(passed_over)
-
-
-def _aim(target: float, kld: float, rescale: float, moves: list[Move], reattribute: bool) -> float:
-    """The KLD a plan's prefix aims at: `MARGIN` under the target, or, with `reattribute`, when not
-    even every move of the plan is predicted to get there, `WAYPOINT` of the KLD it starts from."""
-    if reattribute and _predict(kld, rescale, moves) > MARGIN * target:
-        return WAYPOINT * kld  # out of this estimate's reach: go part of the way, attribute there
-    return MARGIN * target
-
-
-def _secant(moves: list[Move], low: int, low_kld: float, high: int, high_kld: float, aim: float) -> int:
-    """The shortest prefix of `moves` strictly between `low` (failed, `low_kld`) and `high` (passed,
-    `high_kld`) whose KLD, interpolated linearly in the cumulative estimated drop between the two
-    measured prefixes, is under `aim`: regula falsi on the gate's own measurements, which brackets
-    the answer faster than bisecting the number of moves."""
-    cumulative = [0.0]
-    for move in moves[:high]:
-        cumulative.append(cumulative[-1] + move.gain)
-    span = cumulative[high] - cumulative[low]
-    for k in range(low + 1, high):
-        if span <= 0:
-            return (low + high) // 2
-        if low_kld - (low_kld - high_kld) * (cumulative[k] - cumulative[low]) / span <= aim:
-            return k
-    return high - 1
-
-
-def _predict(kld: float, rescale: float, moves: list[Move]) -> float:
-    return kld - rescale * sum(m.gain for m in moves)
-
-
-def _raised(moves: list[Move]) -> dict[str, Rung]:
-    """Each layer on the rung of its unit's last move (a unit's moves are taken in ladder order)."""
-    return {name: move.rung for move in moves for name in move.unit}
 
 
 def record_pass_without_repair(outcome: RepairOutcome) -> None:

@@ -60,7 +60,8 @@ def test_moves_climb_the_ladder_by_estimated_drop_per_byte(uniform_w4, draft_dir
     """A finer group is a move of its own: priced from the attribution's per-rung estimates, taken
     before 8 bits when it pays more per byte; nothing moves to a rung with fewer bytes."""
     from optkit.gate.attribution import Attribution, LayerSensitivity
-    from optkit.pipeline.repair import plan_moves
+    from optkit.pipeline.repair import weight_itemsizes
+    from optkit.pipeline.repair_plan import plan_moves
     from optkit.quant.ladder import parse_rung
 
     manifest = read_manifest(uniform_w4)
@@ -71,7 +72,7 @@ def test_moves_climb_the_ladder_by_estimated_drop_per_byte(uniform_w4, draft_dir
         moves = {"w4g64": 0.5 * big, "w4g32": 0.8 * big, "w8g128": 0.99 * big}
         layers.append(LayerSensitivity(layer["name"], big, big, moves["w8g128"], moves))
     rungs = [parse_rung(x) for x in RepairOptions().precisions]
-    moves = plan_moves(Attribution(1.0, "test", 1, 1.0, layers), manifest, draft_dir, rungs)
+    moves = plan_moves(Attribution(1.0, "test", 1, 1.0, layers), manifest, weight_itemsizes(draft_dir), rungs)
     assert moves[0].unit == [down] and moves[0].rung.label == "w4g64"  # 0.5 nats for 1/32 more bytes
     mine = [m for m in moves if m.unit == [down]]
     assert [m.rung.label for m in mine] == ["w4g64", "w4g32", "w8g128", "16"]
@@ -107,6 +108,7 @@ def test_each_failing_candidate_is_attributed_again_and_climbed_from(draft_dir, 
     """`reattribute`: after a failing candidate the next moves are planned from its own attribution,
     so each step keeps every layer the one before raised, on a rung of at least as many bytes."""
     import optkit.pipeline.repair as module
+    import optkit.pipeline.repair_plan as plan
     from optkit.quant.ladder import layer_bytes, parse_rung
     from optkit.quant.mixed_artifact import artifact_scheme
     from optkit.quant.quantize import QuantizeOptions, quantize_model
@@ -117,7 +119,7 @@ def test_each_failing_candidate_is_attributed_again_and_climbed_from(draft_dir, 
     attributed = []
     real = module.attribute
     monkeypatch.setattr(module, "attribute", lambda path, *a, **k: attributed.append(path) or real(path, *a, **k))
-    monkeypatch.setattr(module, "MARGIN", 3.0)  # aim 3x over the target: every candidate fails
+    monkeypatch.setattr(plan, "MARGIN", 3.0)  # aim 3x over the target: every candidate fails
     outcome = repair(start, draft_dir, gate(0.006, max_evaluations=3), tmp_path / "work")
     assert not outcome.passed and "max_evaluations" in outcome.reason
     record = read_manifest(outcome.artifact)["repair"]
@@ -137,13 +139,27 @@ def test_each_failing_candidate_is_attributed_again_and_climbed_from(draft_dir, 
 def test_a_target_out_of_the_estimates_reach_is_approached_in_waypoints():
     """When even every move of the plan is not predicted to reach the target, the plan aims at a
     quarter of its start's KLD (to be attributed again there) instead of taking every move."""
-    from optkit.pipeline.repair import MARGIN, WAYPOINT, Move, _aim, _extend
+    from optkit.pipeline.repair_plan import MARGIN, WAYPOINT, Move, aim_kld, extend_prefix
     from optkit.quant.ladder import Rung
 
     moves = [Move([f"layer{i}"], Rung(16), gain, 100) for i, gain in enumerate([0.5, 0.3, 0.1, 0.05])]
-    assert _aim(0.5, 1.0, 1.0, moves, reattribute=True) == MARGIN * 0.5  # reachable: the target itself
-    assert _aim(0.01, 1.0, 1.0, moves, reattribute=False) == MARGIN * 0.01
-    aim = _aim(0.01, 1.0, 1.0, moves, reattribute=True)  # 1.0 - 0.95 = 0.05 > 0.009: out of reach
+    assert aim_kld(0.5, 1.0, 1.0, moves, reattribute=True) == MARGIN * 0.5  # reachable: the target itself
+    assert aim_kld(0.01, 1.0, 1.0, moves, reattribute=False) == MARGIN * 0.01
+    aim = aim_kld(0.01, 1.0, 1.0, moves, reattribute=True)  # 1.0 - 0.95 = 0.05 > 0.009: out of reach
     assert aim == WAYPOINT * 1.0
-    chosen, _ = _extend([], moves, 1.0, 1.0, aim, float("inf"))
+    chosen, _ = extend_prefix([], moves, 1.0, 1.0, aim, float("inf"))
     assert chosen == moves[:2]  # 1.0 - 0.8 = 0.2 <= 0.25, not all four
+
+
+def test_the_shrink_step_interpolates_the_gate_between_the_measured_prefixes():
+    """Regula falsi: the gate's KLD is read linearly in the cumulative estimated drop between the
+    failing prefix and the passing one; the shortest prefix strictly between them under the aim."""
+    from optkit.pipeline.repair_plan import Move, secant_prefix
+    from optkit.quant.ladder import Rung
+
+    moves = [Move([f"layer{i}"], Rung(16), gain, 100) for i, gain in enumerate([0.4, 0.3, 0.2, 0.1])]
+    # failed with 0 moves at KLD 1.0, passed with 4 at 0.0: KLD(k) = 1 - cumulative[k]
+    assert secant_prefix(moves, 0, 1.0, 4, 0.0, 0.35) == 2  # 1 - 0.7 = 0.3 <= 0.35; 1 - 0.4 > 0.35
+    assert secant_prefix(moves, 0, 1.0, 4, 0.0, 0.0) == 3  # none under the aim: one short of passing
+    flat = [Move([f"layer{i}"], Rung(16), 0.0, 100) for i in range(6)]
+    assert secant_prefix(flat, 0, 1.0, 6, 0.0, 0.5) == 3  # no estimated drop to interpolate in: bisect
