@@ -4,7 +4,10 @@
 // own __attribute__((target(...))) and the caller picks one per call (cpuid, capped by an env var).
 //
 // Shapes: x [M, K] (float32, or converted); weight uint8 [T, B, 256] (T = ceil(N / 16) tiles of 16 outputs, B = K / 32
-// blocks); params float32 [T, G, 2, 16] (per tile, per weight group: the scale s, then s * (8 + z));
+// blocks); params per tile and weight group, either float32 [T, G, 2, 16] (the scale s, then s * (8 + z))
+// or, where every scale is a bfloat16 value, uint8 [T, G, 48] (16 bf16 s, then 16 int8 c = 8 + z: 3 bytes
+// an output and group instead of 8; at batch 1 the kernel is bound by the bytes it reads). s * c is
+// exact in float32 (8 + 4 significant bits), so both layouts give the same bits;
 // y float32 [M, N].
 // Within one tile and block, 256 bytes = 4 words w x 16 lanes (outputs) x 4 bytes j; byte j of word w
 // of lane l holds u[l, 8w + j] in its low nibble and u[l, 8w + 4 + j] in its high nibble (u = q + 8).
@@ -95,7 +98,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(co
 
 struct Problem {
   const uint8_t* w;   // [T, B, 256]
-  const float* p;     // [T, G, 2, 16]
+  const void* p;      // float [T, G, 2, 16] or uint8 [T, G, 48] (bf16 s, int8 c)
   const float* bias;  // [N] or null
   const int8_t* a;    // [M, K]
   const float* d;     // [M, B]
@@ -108,7 +111,7 @@ struct Problem {
 
 // ---- AVX-512 VNNI: vpdpbusd multiplies unsigned bytes (the nibbles) by signed bytes (a) and adds
 // each 4 products into an int32 lane: one instruction per 16 outputs x 4 columns.
-template <int MR>
+template <int MR, bool BF16>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_avx512(
     const Problem& pr, int64_t t, int64_t m0) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -141,8 +144,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_av
         gacc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(pr.d[(m0 + r) * pr.B + b]), gacc[r]);
       }
     }
-    const float* pg = pr.p + (t * pr.G + g) * 2 * kLanes;
-    const __m512 s = _mm512_loadu_ps(pg), sz = _mm512_loadu_ps(pg + kLanes);
+    __m512 s, sz;
+    if constexpr (BF16) {  // bf16 -> float32: the 16 bits shifted to the top of each lane
+      const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
+      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
+      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+      const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * kLanes));
+      sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8)));
+    } else {
+      const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
+      s = _mm512_loadu_ps(pg);
+      sz = _mm512_loadu_ps(pg + kLanes);
+    }
     for (int r = 0; r < MR; ++r) {
       acc[r] = _mm512_fmadd_ps(gacc[r], s, acc[r]);
       acc[r] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r]);
@@ -158,7 +171,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_av
 // ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
 // into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
 // widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
-template <int MR>
+template <int MR, bool BF16>
 __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t, int64_t m0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -192,9 +205,19 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
         }
       }
     }
-    const float* pg = pr.p + (t * pr.G + g) * 2 * kLanes;
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_loadu_ps(pg + 8 * h), sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
+      __m256 s, sz;
+      if constexpr (BF16) {
+        const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
+        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
+        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
+        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
+        sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
+      } else {
+        const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
+        s = _mm256_loadu_ps(pg + 8 * h);
+        sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
+      }
       for (int r = 0; r < MR; ++r) {
         acc[r][h] = _mm256_fmadd_ps(gacc[r][h], s, acc[r][h]);
         acc[r][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r][h]);
@@ -218,14 +241,28 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
 #define OPTKIT_ROW_CHUNKS(KERNEL)                                      \
   do {                                                                 \
     int64_t m = 0;                                                     \
-    for (; m + 4 <= pr.M; m += 4) KERNEL<4>(pr, t, m);                 \
+    for (; m + 4 <= pr.M; m += 4) KERNEL<4, BF16>(pr, t, m);           \
     switch (pr.M - m) {                                                \
-      case 3: KERNEL<3>(pr, t, m); break;                              \
-      case 2: KERNEL<2>(pr, t, m); break;                              \
-      case 1: KERNEL<1>(pr, t, m); break;                              \
+      case 3: KERNEL<3, BF16>(pr, t, m); break;                        \
+      case 2: KERNEL<2, BF16>(pr, t, m); break;                        \
+      case 1: KERNEL<1, BF16>(pr, t, m); break;                        \
       default: break;                                                  \
     }                                                                  \
   } while (0)
+
+template <bool BF16>
+void run_tiles(const Problem& pr, int64_t T, int64_t isa) {
+#if defined(__x86_64__)
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (isa == kAvx512Vnni)
+        OPTKIT_ROW_CHUNKS(tile_avx512);
+      else
+        OPTKIT_ROW_CHUNKS(tile_avx2);
+    }
+  });
+#endif
+}
 
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
                        const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa) {
@@ -240,8 +277,10 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   TORCH_CHECK(K == B * kBlock && T == (n + kLanes - 1) / kLanes, "x and weight disagree on K or N");
   TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size: a multiple of 32 dividing K");
   const int64_t group_blocks = group_size / kBlock, G = K / group_size;
-  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() && params.numel() == T * G * 2 * kLanes,
-              "params: contiguous float32 [T, G, 2, 16]");
+  const bool bf16_params = params.scalar_type() == at::kByte;
+  TORCH_CHECK(params.is_contiguous() && ((bf16_params && params.numel() == T * G * 3 * kLanes) ||
+                                         (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * kLanes)),
+              "params: contiguous float32 [T, G, 2, 16] or uint8 [T, G, 48]");
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: float32 [N]");
@@ -268,18 +307,12 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
       quantize_row(xp + m * K, K, group_blocks, ap + m * K, dp + m * B, xsp + m * G);
     }
   });
-  const Problem pr{weight.data_ptr<uint8_t>(), params.data_ptr<float>(), bias_ptr, ap, dp, xsp,
+  const Problem pr{weight.data_ptr<uint8_t>(), params.data_ptr(), bias_ptr, ap, dp, xsp,
                    y.data_ptr<float>(),        M, n, K, B, G, group_blocks};
-#if defined(__x86_64__)
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (isa == kAvx512Vnni)
-        OPTKIT_ROW_CHUNKS(tile_avx512);
-      else
-        OPTKIT_ROW_CHUNKS(tile_avx2);
-    }
-  });
-#endif
+  if (bf16_params)
+    run_tiles<true>(pr, T, isa);
+  else
+    run_tiles<false>(pr, T, isa);
   return y;
 }
 

@@ -44,7 +44,7 @@ MAX_KERNEL_ROWS: int | None = None
 @dataclass
 class W4A8Packed:
     weight: torch.Tensor  # uint8 [T, K / 32, 256], T = ceil(N / 16)
-    params: torch.Tensor  # float32 [T, G, 2, 16]: s, then s · (8 + z)
+    params: torch.Tensor  # uint8 [T, G, 48]: bf16 s, int8 c = 8 + z; or float32 [T, G, 2, 16]: s, s · c
     group_size: int
     perm: torch.Tensor | None  # long [K]: input columns in the packed weight's order (act-order)
     in_features: int
@@ -107,10 +107,17 @@ def name() -> str:
 
 
 def pack(
-    q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, bits: int, g_idx: torch.Tensor | None = None
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    g_idx: torch.Tensor | None = None,
+    compact: bool = True,
 ) -> W4A8Packed | str:
     """The kernel's layout of a signed integer weight q [N, K] with scale / zero_point [N, G]; or why
-    the kernel cannot take it."""
+    the kernel cannot take it. `compact`: the 3-byte parameters (bf16 scale, int8 8 + z) where every
+    scale is a bfloat16 value (optkit writes bf16 scales), else the 8-byte float32 ones; the same bits
+    either way, fewer bytes to read per call (decode at batch 1 is bound by them)."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
     if bits > 4:
@@ -134,9 +141,15 @@ def pack(
     byte = u[..., 0, :] | (u[..., 1, :] << 4)  # [T, lane, b, w, j]
     weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(tiles, blocks, 256)
     s = scale.float()
-    sz = s * (8 + zero_point.float())  # s · (8 + z): Ŵ = u·s - (8 + z)·s
-    params = torch.nn.functional.pad(torch.stack([s, sz], dim=1), (0, 0, 0, 0, 0, padded))  # [N', 2, G]
-    params = params.view(tiles, LANES, 2, groups).permute(0, 3, 2, 1).contiguous()  # [T, G, 2, 16]
+    c = 8 + zero_point.float()  # Ŵ = u·s - (8 + z)·s
+    if compact and torch.equal(s.bfloat16().float(), s):
+        s16 = torch.nn.functional.pad(s.bfloat16().view(torch.int16), (0, 0, 0, padded))  # [N', G]
+        s16 = s16.view(tiles, LANES, groups).transpose(1, 2).contiguous().view(torch.uint8)  # [T, G, 32]
+        c8 = torch.nn.functional.pad(c.to(torch.int8), (0, 0, 0, padded)).view(tiles, LANES, groups)
+        params = torch.cat([s16, c8.transpose(1, 2).contiguous().view(torch.uint8)], dim=-1)  # [T, G, 48]
+    else:
+        params = torch.nn.functional.pad(torch.stack([s, s * c], dim=1), (0, 0, 0, 0, 0, padded))  # [N', 2, G]
+        params = params.view(tiles, LANES, 2, groups).permute(0, 3, 2, 1).contiguous()  # [T, G, 2, 16]
     return W4A8Packed(weight, params, size, perm, in_features, out_features)
 
 

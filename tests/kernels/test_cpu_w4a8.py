@@ -83,6 +83,21 @@ def test_outputs_past_the_last_full_tile_of_16(isa, out_features):
     assert (error <= error_bound(x, weight, None)).all()
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compact_and_float32_parameters_give_the_same_bits(isa, symmetric):
+    """bf16 scales travel as 3 bytes (bf16 s, int8 8 + z) where every scale is a bf16 value, else as
+    8 (float32 s and s · (8 + z)): s · (8 + z) is exact in float32, so the outputs are equal."""
+    qw = random_quantized(4, 64, symmetric, False, 40, 256)  # bf16 scales
+    compact = cpu_w4a8.pack(qw.q, qw.scale, qw.zero_point, 4)
+    wide = cpu_w4a8.pack(qw.q, qw.scale, qw.zero_point, 4, compact=False)
+    assert compact.params.dtype == torch.uint8 and wide.params.dtype == torch.float32
+    assert compact.params.numel() * 8 == wide.params.numel() * 4 * 3  # 3 bytes an output and group, not 8
+    x = torch.randn(5, 256)
+    assert torch.equal(cpu_w4a8.w4a8_linear(x, compact), cpu_w4a8.w4a8_linear(x, wide))
+    finer = cpu_w4a8.pack(qw.q, qw.scale.float() * (1 + 2**-12), qw.zero_point, 4)  # not bf16 values
+    assert finer.params.dtype == torch.float32
+
+
 def test_a_wrong_permutation_exceeds_the_bound():
     """The bound is tight enough to catch a kernel that ignored act-order: the check above can fail."""
     layer, weight, bias = layer_and_reference(4, 32, False, act_order=True)
