@@ -201,6 +201,29 @@ def test_the_default_calibration_weighs_each_expert_hessian_by_the_router(top_k)
             assert gap > 1e-3 * direction(other).abs().max()
 
 
+def test_awq_sees_each_expert_input_scaled_by_its_routing_weight():
+    """capture_inputs(weighted=True), what AWQ's expert searches use: an expert's inputs come
+    scaled by √c_te = q_te, so a linear's squared output error on them is c_te ‖Δf(x_t)‖²."""
+    from optkit.quant.calibrate import LayerWork, capture_inputs
+
+    torch.manual_seed(2)
+    layer = _MoELayer("all", top_k=2)
+    x = torch.randn(3, 5, 6)
+    work = LayerWork(layer, "model.layers.0", x, (None, None), 2, torch.device("cpu"), set(), lambda *a: None)
+    names = ["mlp.experts.1.w2", "mlp.experts.2.w1"]
+    with torch.inference_mode():
+        weighted = capture_inputs(work, names, num_samples=3, weighted=True)
+        plain = capture_inputs(work, names, num_samples=3)
+    flat = x.reshape(-1, 6)
+    probs = torch.softmax(flat @ layer.mlp.gate.weight.T, dim=-1)
+    q = probs / probs.topk(2, dim=-1).values.sum(-1, keepdim=True)
+    expert = layer.mlp.experts[1]
+    h = torch.nn.functional.silu(expert.w1(flat)) * expert.w3(flat)
+    torch.testing.assert_close(plain["mlp.experts.1.w2"].reshape(-1, 5), h)
+    torch.testing.assert_close(weighted["mlp.experts.1.w2"].reshape(-1, 5), h * q[:, 1, None])
+    torch.testing.assert_close(weighted["mlp.experts.2.w1"].reshape(-1, 6), flat * q[:, 2, None])
+
+
 def test_an_unknown_moe_calibration_mode_names_the_choices():
     with pytest.raises(ValueError, match="choose one of all, routed"):
         CalibrationOptions(moe_calibration="every")
