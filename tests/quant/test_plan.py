@@ -10,6 +10,7 @@ from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.plan import plan_quantization
 from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.weights.schemes import WeightScheme
 from tests.tiny_families import TINY, save_tiny_family
 
@@ -107,3 +108,32 @@ def test_quantize_router_flag_plans_the_router_first_and_warns_transformers_cann
     code, _, err = run_cli("quantize", str(tiny("phi3")), "--quantize-router", "--dry-run")
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(errors) == 1 and "phi3 is not a mixture of experts" in errors[0]
+
+
+def test_gptq_holds_one_hessian_per_distinct_input_of_a_group_plus_one_factor():
+    """q/k/v share the attention's input and an expert's w1/w3 share theirs (one [in, in] each);
+    distinct experts have their own; the factor of (H + λI)⁻¹ adds one of the widest."""
+    from optkit.quant.plan import _gptq_hessians
+
+    prefix = "model.layers.0"
+    attention = {"self_attn.q_proj": (64, 32), "self_attn.k_proj": (16, 32), "self_attn.v_proj": (16, 32)}
+    experts = {f"mlp.experts.{e}.{w}": (48, 32) for e in range(3) for w in ("w1", "w3")}
+    down = {"mlp.down_proj": (32, 96)}
+    linears = {f"{prefix}.{n}": shape for n, shape in {**attention, **experts, **down}.items()}
+    layers = [(prefix, [list(attention), list(experts), list(down)])]
+    assert _gptq_hessians(linears, layers) == max(32 * 32 + 32 * 32, 3 * 32 * 32 + 32 * 32, 96 * 96 + 96 * 96)
+    assert _gptq_hessians(linears, [(prefix, [list(attention), list(experts)])]) == 4 * 32 * 32
+
+
+def test_smoothquant_searches_hidden_wide_inputs_and_a_composition_takes_its_larger_stage(tiny):
+    """SmoothQuant smooths only the norm-fed groups (inputs: the hidden states), AWQ also up → down
+    (the intermediate width), and smoothquant+gptq smooths before GPTQ runs: not both at once."""
+    model = tiny("llama")  # intermediate 256 > hidden 128
+
+    def working(method: str) -> int:
+        weights = {} if method == "awq" else {"weights": W8_PER_CHANNEL}  # the W8A8 stages' fixed scheme
+        options = QuantizeOptions(method=method, calibration=CALIB, **weights)
+        return plan_quantization(model, options).peak_bytes["working_set"]
+
+    assert working("smoothquant") < working("awq")
+    assert working("smoothquant+gptq") == max(working("smoothquant"), working("gptq"))
