@@ -116,8 +116,9 @@ def pack(
 ) -> W4A8Packed | str:
     """The kernel's layout of a signed integer weight q [N, K] with scale / zero_point [N, G]; or why
     the kernel cannot take it. `compact`: the 3-byte parameters (bf16 scale, int8 8 + z) where every
-    scale is a bfloat16 value (optkit writes bf16 scales), else the 8-byte float32 ones; the same bits
-    either way, fewer bytes to read per call (decode at batch 1 is bound by them)."""
+    scale is a bfloat16 value (optkit writes bf16 scales) and every zero point an integer, else the
+    8-byte float32 ones; the same bits either way, fewer bytes to read per call (decode at batch 1 is
+    bound by them)."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
     if bits > 4:
@@ -142,7 +143,7 @@ def pack(
     weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(tiles, blocks, 256)
     s = scale.float()
     c = 8 + zero_point.float()  # Ŵ = u·s - (8 + z)·s
-    if compact and torch.equal(s.bfloat16().float(), s):
+    if compact and torch.equal(s.bfloat16().float(), s) and torch.equal(c.round(), c):  # both exact
         s16 = torch.nn.functional.pad(s.bfloat16().view(torch.int16), (0, 0, 0, padded))  # [N', G]
         s16 = s16.view(tiles, LANES, groups).transpose(1, 2).contiguous().view(torch.uint8)  # [T, G, 32]
         c8 = torch.nn.functional.pad(c.to(torch.int8), (0, 0, 0, padded)).view(tiles, LANES, groups)

@@ -96,6 +96,8 @@ def test_compact_and_float32_parameters_give_the_same_bits(isa, symmetric):
     assert torch.equal(cpu_w4a8.w4a8_linear(x, compact), cpu_w4a8.w4a8_linear(x, wide))
     finer = cpu_w4a8.pack(qw.q, qw.scale.float() * (1 + 2**-12), qw.zero_point, 4)  # not bf16 values
     assert finer.params.dtype == torch.float32
+    fractional = cpu_w4a8.pack(qw.q, qw.scale, qw.zero_point.float() + 0.25, 4)  # no int8 8 + z
+    assert fractional.params.dtype == torch.float32
 
 
 def test_a_wrong_permutation_exceeds_the_bound():
