@@ -8,7 +8,12 @@ tok/s are medians, ratios the medians of the ratios within a repeat.
 Then how exact bf16 is: the zoo's `small` in bf16 (packed and plain) against fp32 on 16 held-out
 windows of 128 tokens (relative logit error, same top token, mean KLD).
 
+`--solo fp32|bf16|bf16-plain --batch N`: one engine alone in this process (its weights have the
+caches to themselves, as a deployed model's do; in the A/B above three models evict each other): the
+prefill and 40 decode steps, twice, in CPU time of the process. Run it once per dtype, alternating.
+
 Usage: python bench/cpu_bf16.py [--shapes a,b] [--threads N] [--repeats 3] [--no-exactness]
+       python bench/cpu_bf16.py --solo bf16 --shapes a --batch 1 --threads 1
 """
 
 import argparse
@@ -29,7 +34,43 @@ def parse_args():
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-exactness", action="store_true")
+    p.add_argument("--solo", choices=["fp32", "bf16", "bf16-plain"], default=None)
+    p.add_argument("--batch", type=int, choices=[1, cd.BATCH], default=1, help="with --solo")
     return p.parse_args()
+
+
+def solo(shape: str, kind: str, batch: int, log) -> None:
+    from unittest import mock
+
+    from optkit.runtime.sequence import SamplingParams
+
+    paths = cd.build(shape, 64, log)
+    vocab = cd.SHAPES[shape]["vocab_size"]
+    rng = random.Random(0)
+    one = [[rng.randrange(vocab) for _ in range(cd.PROMPT_LEN)]]
+    mixed = [[rng.randrange(vocab) for _ in range(rng.randint(*cd.MIXED))] for _ in range(cd.BATCH)]
+    prompts = one if batch == 1 else mixed
+    if kind == "bf16-plain":
+        with mock.patch("optkit.kernels.cpu_bf16.available", return_value=False):
+            engine = cd.engine(paths["base"], "bfloat16")
+    else:
+        engine = cd.engine(paths["base"], "float32" if kind == "fp32" else "bfloat16")
+    params = SamplingParams(max_tokens=41, temperature=0, ignore_eos=True)
+    for k in range(2):  # the first pass warms up
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, f"solo-{k}-{i}")
+        start = time.process_time()
+        engine.step()
+        prefill = time.process_time() - start
+        steps = []
+        while engine.has_unfinished():
+            start = time.process_time()
+            engine.step()
+            steps.append(time.process_time() - start)
+    print(
+        f"solo shape ({shape}) batch {batch} {kind}: prefill {prefill * 1e3:.1f} ms, "
+        f"decode step median {statistics.median(steps) * 1e3:.1f} ms (CPU time)"
+    )
 
 
 def speed(shape: str, repeats: int, log) -> None:
@@ -128,6 +169,10 @@ def main() -> None:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.solo is not None:
+        for shape in args.shapes.split(","):
+            solo(shape, args.solo, args.batch, log)
+        return
     for shape in args.shapes.split(","):
         speed(shape, args.repeats, log)
     if not args.no_exactness:
