@@ -16,7 +16,7 @@ packed weight is kept: no second copy.
 
 `pack_linears` is the wrapper: it swaps each bf16 `nn.Linear` of a CPU model for a
 `PackedBf16Linear` where this PyTorch has oneDNN's bf16 path; elsewhere the model keeps `F.linear`
-(`reference_linear`, the path the tests compare with).
+(the path the tests compare with).
 """
 
 import torch
@@ -108,8 +108,3 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedBf16Linear.from_linear(child))
     return len(swaps)
-
-
-def reference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The plain path the packed one replaces."""
-    return F.linear(x, weight, bias)
