@@ -186,9 +186,9 @@ class W4A16Linear(torch.nn.Module):
         """Hold Ŵ in `dtype` for inputs over the kernel's rows (an evaluation's long windows): the
         memory of a full-precision layer, for no dequantization per call. Dropped if a buffer changes.
         Nothing to hold where the CPU's W4A8 kernel takes every row count."""
-        if cpu_w4a8.MAX_KERNEL_ROWS is None and cpu_int4.available():
-            if self.qweight.device.type == "cpu" and isinstance(self.cpu_packed(), cpu_w4a8.W4A8Packed):
-                return
+        packed = self.cpu_packed()  # a reason, not a layout, off the CPU or with OPTKIT_CPU_INT4=0
+        if isinstance(packed, cpu_w4a8.W4A8Packed) and _max_rows(packed) is None:
+            return
         self.__dict__["_kept"] = (self._buffers_key(), self.dequantized_weight(dtype))
 
     def _buffers_key(self) -> tuple:
