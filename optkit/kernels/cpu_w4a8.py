@@ -14,23 +14,21 @@ each weight block loaded serves every row of the batch: batch 16 and prefill reu
 The activation rounding is the price: the output moves by at most Σ_b d[m, b] / 2 · Σ_{k ∈ b} |Ŵ[n, k]|,
 and a model's KL divergence to its base by what docs/results.md measures (issue 20).
 
-The C++ is compiled at first use (torch.utils.cpp_extension, g++ and ninja) into
-$OPTKIT_CACHE/kernels/<name with the source's and torch's hash>, once per machine; a failure (no
+The C++ is compiled at first use (kernels/cpp_build.py: g++, ninja, OpenMP) into
+$OPTKIT_CACHE/kernels, once per machine; a failure (no
 compiler, not x86-64, no AVX2) leaves a one-line reason and W4A16Linear takes PyTorch's int4 kernel.
 The instruction set follows cpuid, capped to AVX2 by OPTKIT_CPU_ISA=avx2 or ATEN_CPU_CAPABILITY=avx2
 (what `bench/cpu_decode.py --isa avx2` sets). Threads: at::parallel_for, torch.set_num_threads's.
 """
 
 import functools
-import hashlib
 import os
-import platform
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from optkit.kernels import cpp_build
 from optkit.kernels.cpu_int4 import contiguous_groups
 
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
@@ -51,40 +49,13 @@ class W4A8Packed:
     out_features: int
 
 
-_build_lock = threading.Lock()  # two threads' first calls must not register the ops twice
-
-
 @functools.cache
 def _build() -> str:
     """Compile (or find) and load the library; "" when loaded, else why not, in one line."""
-    with _build_lock:
-        return _build_locked()
-
-
-def _build_locked() -> str:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not x86-64 ({platform.machine()})"
-    from torch.utils import cpp_extension
-
-    from optkit.cache import cache_dir
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
-    name = f"optkit_cpu_w4a8_{digest}"
-    try:
-        cpp_extension.load(
-            name,
-            [str(SOURCE)],
-            extra_cflags=["-O3"],
-            build_directory=str(cache_dir("kernels", name)),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as e:  # no compiler or ninja, a compile error, an unwritable cache: all mean "not here"
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        return f"C++ build failed: {first[:160]}"
-    if torch.ops.optkit_w4a8.cpu_isa() < 1:
+    reason = cpp_build.load(SOURCE, "optkit_cpu_w4a8")
+    if not reason and torch.ops.optkit_w4a8.cpu_isa() < 1:
         return "this CPU has no AVX2"
-    return ""
+    return reason
 
 
 def unavailable_reason() -> str:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from optkit.kernels import cpu_decode
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.kernels.kv_cache import QuantizedKVCache
 
@@ -36,6 +37,7 @@ class _DecodeGroup:
     rows: torch.Tensor | slice  # rows of q: long [Bd], or a slice when they are 0..Bd-1
     block_tables: torch.Tensor  # long [Bd, nb]: only the blocks the longest of them uses
     key_mask: torch.Tensor  # bool [Bd, 1, 1, nb * block_size]: True where the key is in the context
+    lens: torch.Tensor  # long [Bd]: the keys of each sequence (its query the last)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -146,11 +148,13 @@ class AttentionMetadata:
         index = torch.tensor(decodes, dtype=torch.long, device=device)
         tables = self.block_tables[index, :num_blocks].long()
         positions = torch.arange(num_blocks * block_size, device=device)
-        key_mask = positions[None, :] < torch.tensor(lens, device=device)[:, None]  # [Bd, L]
+        lens_tensor = torch.tensor(lens, device=device)
+        key_mask = positions[None, :] < lens_tensor[:, None]  # [Bd, L]
         group = _DecodeGroup(
             rows=slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=device),
             block_tables=tables,
             key_mask=key_mask[:, None, None, :],
+            lens=lens_tensor,
         )
         return _Plan(group, chunks, short)
 
@@ -269,6 +273,10 @@ def _decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [Bd, Hq, D], one token per sequence -> [Bd, Hq, D]."""
+    if softcap is None and not isinstance(k_cache, QuantizedKVCache) and cpu_decode.enabled(q):
+        in_place = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        if in_place and k_cache.dtype == v_cache.dtype == q.dtype:  # read through the table: no gather, no mask
+            return cpu_decode.decode_attention(q, k_cache, v_cache, group.block_tables, group.lens, scale, window)
     batch, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     k = _gather_blocks(k_cache, group.block_tables).flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, L, D]

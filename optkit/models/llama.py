@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optkit.kernels import cpu_decode
 from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
@@ -43,6 +44,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
         # after it (Olmo2RMSNorm)
+        if not self.offset and cpu_decode.enabled(x):  # one C++ call rather than six, rounded alike
+            fast = cpu_decode.rms_norm(x, self.weight, self.eps, cast_first=not self.weight_in_float32)
+            if fast is not None:
+                return fast
         if x.dtype == torch.float32 and not self.offset:
             # the same float32 operations in one call (in bf16, F.rms_norm scales before its cast)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -79,6 +84,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     HF's x·cos + cat(-x2, x1)·sin as x·cos + roll(x, R/2)·(signed sin): roll gives cat(x2, x1), and
     -x2·s = x2·(-s) exactly, so the result is the same bit for bit in two fewer operators."""
     rotary = cos.shape[-1]
+    if cos.dtype == x.dtype and cpu_decode.enabled(x) and x.stride(-1) == 1 and x.stride(1) == x.shape[-1]:
+        return cpu_decode.rope(x, cos, sin)  # the same bits in one C++ call
     if rotary < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     return x * cos + x.roll(rotary // 2, dims=-1) * sin

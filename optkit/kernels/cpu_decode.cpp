@@ -1,0 +1,311 @@
+// The small operators of a CPU decode step, one call each instead of 5-10 ATen operators: RMSNorm,
+// RoPE, and attention of one query token per sequence over the paged KV cache; float32 or bfloat16.
+// Built at first use by optkit/kernels/cpu_decode.py (kernels/cpp_build.py), which documents when
+// the runtime takes them. At batch 1 a step of a 4-bit model spent as long in these operators'
+// dispatch, thread wake-ups and temporaries as in its matmuls (docs/results.md, issue 20).
+//
+// Numerics follow the PyTorch code they replace (models/llama.py, kernels/paged_attention.py):
+// bfloat16 values are computed in float32 and rounded to bfloat16 (to nearest even) wherever a
+// PyTorch operator of that code writes a bfloat16 tensor. Compiled with -ffp-contract=off, so a * b + c
+// rounds twice as the separate operators do: RoPE gives the same bits as apply_rope.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using c10::BFloat16;
+
+inline float as_float(float v) { return v; }
+inline float as_float(BFloat16 v) { return static_cast<float>(v); }
+template <typename T>
+inline T rounded(float v) {  // float32 -> T, as a PyTorch operator writing a T tensor rounds
+  return static_cast<T>(v);
+}
+
+constexpr int kLanes = 16;  // independent partial sums: the compiler keeps them in vector registers
+
+// sum_i a[i] * b[i] over n values, in float32, in kLanes partial sums, then the tail
+template <typename A, typename B>
+inline float dot(const A* a, const B* b, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) part[j] += as_float(a[i + j]) * as_float(b[i + j]);
+  float sum = 0.f;
+  for (int j = 0; j < kLanes; ++j) sum += part[j];
+  for (; i < n; ++i) sum += as_float(a[i]) * as_float(b[i]);
+  return sum;
+}
+
+bool is_float_or_bf16(const at::Tensor& t) {
+  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16);
+}
+
+// ---- RMSNorm: x [..., K] -> per row n = x / sqrt(mean(x²) + eps) in float32, then
+//   float32 x:                      n * weight
+//   bfloat16 x, cast_first:         bf16(bf16(n) * weight)   (LlamaRMSNorm: weight * x.to(dtype))
+//   bfloat16 x, not cast_first:     bf16(weight * n)         (Olmo2RMSNorm: (weight * x).to(dtype))
+template <typename T, typename W>
+void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps, bool cast_first) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xr = x + m * K;
+      T* yr = y + m * K;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < K; ++k) {
+        const float n = as_float(xr[k]) * inv;
+        yr[k] = cast_first ? rounded<T>(as_float(rounded<T>(n)) * as_float(w[k])) : rounded<T>(n * as_float(w[k]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool cast_first) {
+  TORCH_CHECK(is_float_or_bf16(x_in) && is_float_or_bf16(weight), "x, weight: float32 or bfloat16 CPU tensors");
+  const int64_t K = weight.numel();
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && x_in.size(-1) == K, "weight: [K], x: [..., K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, "float32 x: float32 weight");
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty_like(x);
+  const int64_t M = x.numel() / K;
+  const float e = static_cast<float>(eps);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, e, false);
+  else if (weight.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<float>(), y.data_ptr<BFloat16>(), M, K, e, cast_first);
+  else
+    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<BFloat16>(), y.data_ptr<BFloat16>(), M, K, e, cast_first);
+  return y;
+}
+
+// ---- RoPE: x [T, H, D] (rows at any stride, heads and dims contiguous), cos and signed sin
+// [T, 1, R] (R even, R <= D; rope_cos_sin's) -> contiguous [T, H, D]: over the first R dims of each head
+//   y[i] = x[i] * cos[i] + x[(i + R/2) mod R] * sin[i]
+// (HF Llama's rotate_half with its signs folded into sin; each product and the sum rounded to T), the
+// other D - R dims copied.
+template <typename T>
+void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t T_, int64_t H, int64_t D, int64_t R,
+               int64_t row_stride) {
+  const int64_t half = R / 2;
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * R;
+      const T* s = sin + t * R;
+      for (int64_t h = 0; h < H; ++h) {
+        const T* xr = x + t * row_stride + h * D;
+        T* yr = y + (t * H + h) * D;
+        for (int64_t i = 0; i < R; ++i) {
+          const T turned = xr[i < half ? i + half : i - half];
+          const T a = rounded<T>(as_float(xr[i]) * as_float(c[i])), b = rounded<T>(as_float(turned) * as_float(s[i]));
+          yr[i] = rounded<T>(as_float(a) + as_float(b));
+        }
+        for (int64_t i = R; i < D; ++i) yr[i] = xr[i];
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(is_float_or_bf16(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "x, cos, sin: float32 or bfloat16 CPU tensors of one dtype");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [T, H, D], heads contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), R = cos.size(-1);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * R && sin.numel() == T * R,
+              "cos, sin: contiguous [T, 1, R]");
+  TORCH_CHECK(R % 2 == 0 && R <= D, "rotary dims: even and at most the head dim");
+  at::Tensor y = at::empty({T, H, D}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>(), T, H, D, R,
+              x.stride(0));
+  else
+    rope_rows(x.data_ptr<BFloat16>(), cos.data_ptr<BFloat16>(), sin.data_ptr<BFloat16>(), y.data_ptr<BFloat16>(), T,
+              H, D, R, x.stride(0));
+  return y;
+}
+
+// ---- Decode attention. One query head over keys first..n-1 of its sequence: scores (n - first
+// floats of scratch), then out [D] = sum_t softmax(scores)_t v_t, in float32. k and v point at the
+// head's vector in slot 0; slot s's is `slot_stride` values on. The blocks of the table are walked in
+// order (no division per key). Dot products and the weighted sums of V through Vec (AVX-512 or portable).
+template <class Vec, typename T>
+void attend_head(const float* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t n,
+                 int64_t block_size, int64_t slot_stride, int64_t D, float scale, float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t j = first / block_size; j * block_size < n; ++j) {
+    const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+    const T* kb = k + (table[j] * block_size - j * block_size) * slot_stride;  // + t * slot_stride: key t
+    for (int64_t t = start; t < stop; ++t) {
+      const float s = Vec::dot(q, kb + t * slot_stride, D) * scale;
+      scores[t - first] = s;
+      top = std::max(top, s);
+    }
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < n - first; ++t) {
+    scores[t] = std::exp(scores[t] - top);
+    total += scores[t];
+  }
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = first / block_size; j * block_size < n; ++j) {
+    const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+    const T* vb = v + (table[j] * block_size - j * block_size) * slot_stride;
+    for (int64_t t = start; t < stop; ++t) Vec::axpy(scores[t - first], vb + t * slot_stride, out, D);
+  }
+  const float inv = 1.f / total;
+  for (int64_t i = 0; i < D; ++i) out[i] *= inv;
+}
+
+struct Portable {
+  template <typename T>
+  static float dot(const float* a, const T* b, int64_t n) {
+    return ::dot(a, b, n);
+  }
+  template <typename T>
+  static void axpy(float p, const T* x, float* y, int64_t n) {  // y += p x
+    for (int64_t i = 0; i < n; ++i) y[i] += p * as_float(x[i]);
+  }
+};
+
+#if defined(__x86_64__)
+#define OPTKIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+struct Avx512 {
+  // 16 values from p (the first `count`, zeros after), as float32: a bfloat16 is a float32's top 16 bits
+  OPTKIT_AVX512 static __m512 load(const float* p, int64_t count) {
+    return count >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), p);
+  }
+  OPTKIT_AVX512 static __m512 load(const BFloat16* p, int64_t count) {
+    const __m256i bits = count >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                     : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1u), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+  template <typename T>
+  OPTKIT_AVX512 static float dot(const float* a, const T* b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load(a + i, n - i), load(b + i, n - i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+  template <typename T>
+  OPTKIT_AVX512 static void axpy(float p, const T* x, float* y, int64_t n) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 sum = _mm512_fmadd_ps(pv, load(x + i, n - i), load(y + i, n - i));
+      if (n - i >= 16)
+        _mm512_storeu_ps(y + i, sum);
+      else
+        _mm512_mask_storeu_ps(y + i, static_cast<__mmask16>((1u << (n - i)) - 1u), sum);
+    }
+  }
+};
+
+// attend_head with Avx512's operations inlined: `flatten` inlines every call into this function,
+// whose target admits them.
+template <typename T>
+OPTKIT_AVX512 __attribute__((flatten)) void attend_head_avx512(const float* q, const T* k, const T* v,
+                                                                const int64_t* table, int64_t first, int64_t n,
+                                                                int64_t block_size, int64_t slot_stride, int64_t D,
+                                                                float scale, float* scores, float* out) {
+  attend_head<Avx512, T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+}
+#endif
+
+bool has_avx512() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
+                            int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t nb, int64_t block_size, float scale,
+                            int64_t window) {
+  static const bool avx512 = has_avx512();
+  const int64_t group = Hq / Hkv, slot_stride = Hkv * D;  // values from one slot's head to the next slot's
+  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, q(D), out(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hq, h = task % Hq, n = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      scores.resize(n - first);
+      for (int64_t i = 0; i < D; ++i) q[i] = as_float(qp[task * D + i]);
+      const T* k = kp + (h / group) * D;  // KV head h / group of slot 0
+      const T* v = vp + (h / group) * D;
+      const int64_t* table = tables + b * nb;
+#if defined(__x86_64__)
+      if (avx512)
+        attend_head_avx512<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
+                              out.data());
+      else
+#endif
+        attend_head<Portable, T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
+                                 out.data());
+      for (int64_t i = 0; i < D; ++i) op[task * D + i] = rounded<T>(out[i]);
+    }
+  });
+}
+
+// One query token per sequence over the paged cache (grouped-query: query head h reads KV head
+// h / (Hq / Hkv)). q [B, Hq, D]; k_cache, v_cache [N, block_size, Hkv, D] of q's dtype; block_tables
+// long [B, nb]; lens long [B] (the keys of b, its query the last); window W > 0 keeps the last W keys.
+//   out[b, h] = sum_t softmax_t(scale * q·k_t) v_t,  k_t at slot block_tables[b][t / bs] * bs + t % bs
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window) {
+  TORCH_CHECK(is_float_or_bf16(q_in) && k_cache.scalar_type() == q_in.scalar_type() &&
+                  v_cache.scalar_type() == q_in.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "q, k_cache, v_cache: float32 or bfloat16 CPU tensors of one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "k_cache, v_cache: contiguous [N, block_size, Hkv, D] of one shape");
+  const at::Tensor q = q_in.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(q.dim() == 3 && k_cache.size(3) == D && Hq % Hkv == 0, "q: [B, Hq, D], Hq a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B,
+              "block_tables: contiguous long [B, nb]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.numel() == B, "lens: long [B]");
+  const int64_t nb = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // every slot read lies inside the cache
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * block_size, "lens: between 1 and the blocks' slots");
+    for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tables[b * nb + j] >= 0 && tables[b * nb + j] < num_blocks, "block_tables: a block outside the cache");
+  }
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  const float s = static_cast<float>(scale);
+  if (q.scalar_type() == at::kFloat)
+    decode_attention_heads(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                           out.data_ptr<float>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window);
+  else
+    decode_attention_heads(q.data_ptr<BFloat16>(), k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(),
+                           out.data_ptr<BFloat16>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(optkit_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first) -> Tensor", &rms_norm);
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
+        "int window) -> Tensor",
+        &decode_attention);
+}

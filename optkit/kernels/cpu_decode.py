@@ -1,0 +1,70 @@
+"""The small operators of a CPU decode step in C++ (cpu_decode.cpp), float32 or bfloat16: RMSNorm, RoPE,
+and attention of one query token per sequence over the paged KV cache.
+
+Why: a decode step of a small model on a CPU runs ~100 ATen operators per layer. Each costs 2-40 µs
+of dispatch, temporaries and OpenMP wake-ups whatever its size (F.rms_norm on one row of 768: ~35 µs
+through six operators; the paged gather and masked SDPA of one decode: ~90 µs), so at batch 1 a
+4-bit model's step spent as long there as in its matmuls. One call each instead:
+  rms_norm(x, w, eps)  x / sqrt(mean(x²) + eps) · w per row, rounded as models/llama.py's RMSNorm
+  rope(x, cos, sin)    models/llama.py's apply_rope, the same bits (each product and sum rounded)
+  decode_attention     softmax(scale · q·Kᵀ) V per (sequence, query head), K and V read in place
+                       through the block table, no gather, no mask tensor
+In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
+tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
+OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call.
+"""
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from optkit.kernels import cpp_build
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+@functools.cache
+def unavailable_reason() -> str:
+    """An empty string when the operators run here; otherwise why not (built once per process)."""
+    if os.environ.get("OPTKIT_CPU_OPS", "") == "0":
+        return "OPTKIT_CPU_OPS=0"
+    return cpp_build.load(SOURCE, "optkit_cpu_decode")
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the C++ operators take this activation: float32 or bfloat16, on the CPU, the library loaded."""
+    return x.dtype in DTYPES and x.device.type == "cpu" and not unavailable_reason()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool = True) -> torch.Tensor | None:
+    """x [..., K] -> n = x / sqrt(mean(x²) + eps) in float32, then n · weight (float32 x), or in bfloat16
+    bf16(bf16(n) · weight) (`cast_first`: LlamaRMSNorm) or bf16(n · weight) (Olmo2RMSNorm). None for
+    the dtypes where the PyTorch code's result is of another dtype (float32 x with a bfloat16 weight,
+    bfloat16 x cast first with a float32 weight)."""
+    if weight.dtype not in DTYPES or (weight.dtype != x.dtype and (x.dtype == torch.float32 or cast_first)):
+        return None
+    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (heads contiguous), cos and signed sin [T, 1, R] -> contiguous [T, H, D] rotated."""
+    return torch.ops.optkit_cpu.rope(x, cos, sin)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """q [B, Hq, D], one token per sequence; caches [N, block_size, Hkv, D] of q's dtype; block_tables long [B, nb];
+    lens long [B]: the keys of each sequence, its query the last -> [B, Hq, D]."""
+    return torch.ops.optkit_cpu.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window or 0)

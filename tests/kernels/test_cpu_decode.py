@@ -1,0 +1,126 @@
+"""The C++ decode operators (kernels/cpu_decode.py) equal the PyTorch code they replace: attention of
+one query token per sequence over the paged cache against the per-slot float64 reference (grouped
+query, windows, head dims with a tail, block sizes, shuffled block tables), RMSNorm within float32
+rounding; the model takes them where they apply and gives the PyTorch path's logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optkit.kernels import cpu_decode
+from optkit.kernels.kv_cache import allocate
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from tests.models.paged import chunked_then_decode, run_paged
+
+pytestmark = pytest.mark.skipif(bool(cpu_decode.unavailable_reason()), reason="the C++ operators do not build here")
+
+
+def decode_step(context_lens, block_size, heads, dim, dtype, seed=0):
+    """One decode per sequence over caches of random keys, block tables shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    q_heads, kv_heads = heads
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(needed) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+    slots = [
+        t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, context_lens, strict=True)
+    ]
+    meta = AttentionMetadata.build([1] * len(context_lens), context_lens, tables, slots)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(len(context_lens), q_heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The C++ attention calls made while the test runs."""
+    made = []
+    real = cpu_decode.decode_attention
+    monkeypatch.setattr(cpu_decode, "decode_attention", lambda *a: made.append(a[0].shape) or real(*a))
+    return made
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("dim", [64, 40])  # 40: a masked tail after two full vectors
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("window", [None, 5, 64])
+def test_decode_attention_equals_the_reference(calls, dtype, heads, dim, block_size, window):
+    q, k_cache, v_cache, meta = decode_step([1, 37, 16, 100, 9], block_size, heads, dim, dtype)
+    got = paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window=window)
+    want = paged_attention_reference(q, k_cache, v_cache, meta, dim**-0.5, window=window)
+    assert calls == [q.shape] and got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_attention_takes_the_pytorch_path_where_the_operator_does_not_apply(calls):
+    q, k_cache, v_cache, meta = decode_step([5, 20], 16, (4, 2), 32, torch.float32)
+    want = paged_attention_reference(q, k_cache, v_cache, meta, 0.2, softcap=30.0)
+    got = paged_attention(q, k_cache, v_cache, meta, 0.2, softcap=30.0)  # Gemma 2's capped scores
+    strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
+    assert torch.allclose(got, want, atol=1e-5) and calls == []
+    assert torch.allclose(
+        paged_attention(q, strided, v_cache, meta, 0.2), paged_attention(q, k_cache, v_cache, meta, 0.2)
+    )
+    assert len(calls) == 1
+    ((k8, v8),) = allocate(1, tuple(k_cache.shape), "int8", torch.float32, "cpu")
+    k, v = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    write_kv(k, v, k8, v8, meta.slot_mapping)
+    paged_attention(q, k8, v8, meta, 0.2)
+    assert len(calls) == 1  # the 8-bit cache dequantizes on the PyTorch path
+
+
+def test_a_block_table_outside_the_cache_is_refused():
+    q, k_cache, v_cache, meta = decode_step([20], 16, (4, 2), 32, torch.float32)
+    tables = torch.tensor([[0, k_cache.shape[0]]])
+    with pytest.raises(RuntimeError, match="block_tables: a block outside the cache"):
+        cpu_decode.decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.2, None)
+    with pytest.raises(RuntimeError, match="lens"):
+        cpu_decode.decode_attention(q, k_cache, v_cache, tables, torch.tensor([40]), 0.2, None)
+
+
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("size", [768, 100])
+def test_rms_norm_equals_pytorch_within_float32_rounding(rows, size):
+    x, weight = torch.randn(rows, size) * 5, torch.randn(size)
+    got = cpu_decode.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(
+        got, F.rms_norm(x, (size,), weight, 1e-6), atol=0, rtol=4 * torch.finfo(torch.float32).eps
+    )
+    assert cpu_decode.rms_norm(x, weight.bfloat16(), 1e-6) is None  # float32 x, bf16 weight: PyTorch's
+
+
+def test_the_operators_run_alike_on_one_thread_and_on_two():
+    q, k_cache, v_cache, meta = decode_step([3, 50, 77], 16, (8, 2), 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(q, k_cache, v_cache, meta, 0.125)
+        torch.set_num_threads(2)
+        two = paged_attention(q, k_cache, v_cache, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)  # each head's sums run on one thread, in one order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_gives_the_pytorch_paths_logits(small_dir, monkeypatch, dtype):
+    """`small` through chunked prefills and decodes: the C++ operators against the PyTorch code."""
+    from optkit.models.loader import load_runtime_model
+
+    model = load_runtime_model(small_dir, dtype=dtype)
+    sequences = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
+    steps = chunked_then_decode([len(s) for s in sequences], seed=1)
+    fast = run_paged(model, sequences, steps)
+    monkeypatch.setattr(cpu_decode, "enabled", lambda x: False)
+    reference = run_paged(model, sequences, steps)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.15  # bf16: a rounding step of a hidden state, 8 layers on
+    for got, want in zip(fast, reference, strict=True):
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1)) or dtype == torch.bfloat16
