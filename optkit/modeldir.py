@@ -116,9 +116,13 @@ class TensorReader:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a model directory (every shard), as stored."""
-    reader = TensorReader(path)
-    return {key: reader.get(key) for key in reader.keys()}
+    """All tensors of a model directory (every shard), as stored: each file opened once (an open
+    parses the header: ~0.7 ms, which per tensor was half of loading a 135M-parameter artifact)."""
+    tensors = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+    return tensors
 
 
 def load_tokenizer(name_or_path: str | Path):

@@ -10,6 +10,7 @@ extension itself is compiled with OpenMP (a W4A8 linear on two threads took as l
 """
 
 import hashlib
+import os
 import platform
 import threading
 from pathlib import Path
@@ -18,6 +19,12 @@ import torch
 
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")  # no fused multiply-add where the C++ writes a * b + c
 _lock = threading.Lock()  # two threads' first calls must not register the same operators twice
+
+
+def capped_to_avx2() -> bool:
+    """OPTKIT_CPU_ISA=avx2 or ATEN_CPU_CAPABILITY=avx2: run as on a CPU without AVX-512 (A/B runs,
+    `bench/cpu_decode.py --isa avx2`)."""
+    return "avx2" in (os.environ.get("OPTKIT_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", ""))
 
 
 def load(source: Path, prefix: str) -> str:

@@ -223,7 +223,7 @@ OPTKIT_AVX512 __attribute__((flatten)) void attend_head_avx512(const float* q, c
 }
 #endif
 
-bool has_avx512() {
+bool cpu_has_avx512() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -235,8 +235,7 @@ bool has_avx512() {
 template <typename T>
 void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t nb, int64_t block_size, float scale,
-                            int64_t window) {
-  static const bool avx512 = has_avx512();
+                            int64_t window, bool avx512) {
   const int64_t group = Hq / Hkv, slot_stride = Hkv * D;  // values from one slot's head to the next slot's
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, q(D), out(D);
@@ -263,10 +262,12 @@ void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const 
 
 // One query token per sequence over the paged cache (grouped-query: query head h reads KV head
 // h / (Hq / Hkv)). q [B, Hq, D]; k_cache, v_cache [N, block_size, Hkv, D] of q's dtype; block_tables
-// long [B, nb]; lens long [B] (the keys of b, its query the last); window W > 0 keeps the last W keys.
+// long [B, nb]; lens long [B] (the keys of b, its query the last); window W > 0 keeps the last W keys;
+// avx512: AVX-512 where the CPU has it (false: the portable loops, as on a CPU without it).
 //   out[b, h] = sum_t softmax_t(scale * q·k_t) v_t,  k_t at slot block_tables[b][t / bs] * bs + t % bs
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window) {
+                            const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
+                            bool avx512) {
   TORCH_CHECK(is_float_or_bf16(q_in) && k_cache.scalar_type() == q_in.scalar_type() &&
                   v_cache.scalar_type() == q_in.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "q, k_cache, v_cache: float32 or bfloat16 CPU tensors of one dtype");
@@ -291,12 +292,14 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   }
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   const float s = static_cast<float>(scale);
+  static const bool cpu_avx512 = cpu_has_avx512();
+  avx512 = avx512 && cpu_avx512;
   if (q.scalar_type() == at::kFloat)
     decode_attention_heads(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                           out.data_ptr<float>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window);
+                           out.data_ptr<float>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window, avx512);
   else
     decode_attention_heads(q.data_ptr<BFloat16>(), k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(),
-                           out.data_ptr<BFloat16>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window);
+                           out.data_ptr<BFloat16>(), tables, lp, B, Hq, Hkv, D, nb, block_size, s, window, avx512);
   return out;
 }
 
@@ -306,6 +309,6 @@ TORCH_LIBRARY(optkit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
-        "int window) -> Tensor",
+        "int window, bool avx512) -> Tensor",
         &decode_attention);
 }

@@ -11,7 +11,8 @@ through six operators; the paged gather and masked SDPA of one decode: ~90 µs),
                        through the block table, no gather, no mask tensor
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
-OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call.
+OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call. Attention
+uses AVX-512 where the CPU has it, unless capped to AVX2 (OPTKIT_CPU_ISA=avx2: kernels/cpp_build.py).
 """
 
 import functools
@@ -67,4 +68,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D], one token per sequence; caches [N, block_size, Hkv, D] of q's dtype; block_tables long [B, nb];
     lens long [B]: the keys of each sequence, its query the last -> [B, Hq, D]."""
-    return torch.ops.optkit_cpu.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window or 0)
+    return torch.ops.optkit_cpu.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window or 0, avx512())
+
+
+@functools.cache
+def avx512() -> bool:
+    """AVX-512 unless capped to AVX2 (read once per process); the operator also asks the CPU."""
+    return not cpp_build.capped_to_avx2()

@@ -22,7 +22,6 @@ The instruction set follows cpuid, capped to AVX2 by OPTKIT_CPU_ISA=avx2 or ATEN
 """
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,8 +68,7 @@ def selected_isa() -> int:
     reason = _build()
     assert not reason, reason  # callers check unavailable_reason() first
     best = int(torch.ops.optkit_w4a8.cpu_isa())
-    capped = "avx2" in (os.environ.get("OPTKIT_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", ""))
-    return min(best, 1) if capped else best
+    return min(best, 1) if cpp_build.capped_to_avx2() else best
 
 
 def name() -> str:

@@ -102,7 +102,7 @@ class W4A16Linear(torch.nn.Module):
         if width == 8:
             qweight = qw.q.to(torch.int8).contiguous()
         else:
-            qweight = pack_int32(qw.q.to(torch.int64) - qw.scheme.qmin, width)
+            qweight = pack_int32(qw.q.to(torch.int32) - qw.scheme.qmin, width)
         return cls(qweight, qw.scale, qw.zero_point, bits, qw.q.shape[1], qw.g_idx, bias)
 
     def _layout(self) -> tuple:

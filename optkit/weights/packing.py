@@ -12,13 +12,15 @@ def field_bits(bits: int) -> int:
 
 
 def pack_int32(u: torch.Tensor, width: int) -> torch.Tensor:
-    """Unsigned ints [R, C] below 2^width -> int32 [R, ceil(C / per_word)], per_word = 32 / width."""
+    """Unsigned ints [R, C] below 2^width -> int32 [R, ceil(C / per_word)], per_word = 32 / width:
+    value j of a word in bits j·width .. (j + 1)·width - 1 (the last field may set the sign bit)."""
     per_word = 32 // width
     rows, cols = u.shape
-    padded = F.pad(u.to(torch.int64), (0, -cols % per_word)).reshape(rows, -1, per_word)
-    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * width
-    words = (padded << shifts).sum(dim=-1)  # fields do not overlap, so the sum is an OR
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    padded = F.pad(u.to(torch.int32), (0, -cols % per_word)).reshape(rows, -1, per_word)
+    words = padded[..., 0].clone()
+    for j in range(1, per_word):  # fields do not overlap: OR them in, in int32 (half int64's bytes)
+        words |= padded[..., j] << (j * width)
+    return words
 
 
 def unpack_int32(packed: torch.Tensor, width: int, cols: int) -> torch.Tensor:

@@ -36,6 +36,15 @@ def decode_step(context_lens, block_size, heads, dim, dtype, seed=0):
     return q, k_cache, v_cache, meta
 
 
+@pytest.fixture(params=["native", "avx2"])
+def isa(request, monkeypatch):
+    """The CPU's instruction set, or capped to AVX2: the portable loops, as without AVX-512."""
+    monkeypatch.setenv("OPTKIT_CPU_ISA", "avx2" if request.param == "avx2" else "")
+    cpu_decode.avx512.cache_clear()
+    yield request.param
+    cpu_decode.avx512.cache_clear()
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """The C++ attention calls made while the test runs."""
@@ -50,7 +59,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("dim", [64, 40])  # 40: a masked tail after two full vectors
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("window", [None, 5, 64])
-def test_decode_attention_equals_the_reference(calls, dtype, heads, dim, block_size, window):
+def test_decode_attention_equals_the_reference(isa, calls, dtype, heads, dim, block_size, window):
     q, k_cache, v_cache, meta = decode_step([1, 37, 16, 100, 9], block_size, heads, dim, dtype)
     got = paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window=window)
     want = paged_attention_reference(q, k_cache, v_cache, meta, dim**-0.5, window=window)
@@ -80,7 +89,7 @@ def test_a_block_table_outside_the_cache_is_refused():
     q, k_cache, v_cache, meta = decode_step([20], 16, (4, 2), 32, torch.float32)
     tables = torch.tensor([[0, k_cache.shape[0]]])
     with pytest.raises(RuntimeError, match="block_tables: a block outside the cache"):
-        cpu_decode.decode_attention(q, k_cache, v_cache, tables, torch.tensor([20]), 0.2, None)
+        cpu_decode.decode_attention(q, k_cache, v_cache, tables.long(), torch.tensor([20]), 0.2, None)
     with pytest.raises(RuntimeError, match="lens"):
         cpu_decode.decode_attention(q, k_cache, v_cache, tables, torch.tensor([40]), 0.2, None)
 

@@ -286,8 +286,11 @@ def test_runtime_on_an_artifact_matches_the_dequantized_reference_of_its_own_ten
     with torch.no_grad():
         expected = torch.cat([reference(torch.tensor([s])).logits[0] for s in sequences])
     diff = (_runtime_logits(out, sequences) - expected).abs().amax(dim=-1)  # per token
-    # equal up to float rounding, except where rounding flips a near-tie between two experts
-    assert (diff > 1e-4).float().mean() <= 0.01 and diff.max() <= 5e-2, diff.topk(5)
+    # equal up to float rounding, except where rounding flips a near-tie between two experts (that
+    # token's K and V then move the rest of its sequence a little): at most 1% of tokens start a run
+    moved = (diff > 1e-4).view(len(sequences), -1)
+    starts = moved & ~torch.nn.functional.pad(moved[:, :-1], (1, 0))
+    assert starts.float().mean() <= 0.01 and diff.max() <= 5e-2, diff.topk(5)
 
 
 def test_the_matrix_says_transformers_cannot_load_quantized_moe_artifacts_and_why():
