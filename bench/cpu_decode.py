@@ -221,7 +221,10 @@ def bench_shape(shape: str, args, log) -> dict:
     for name, o in overhead.items():
         log(f"shape ({shape}) {name}: step {o['step_s'] * 1e3:.2f} ms, overhead {o['overhead_share']:.1%}")
     kernels = {name: kernels_of(e.model) for name, e in engines.items() if name in ("w4a16", "w8a8")}
-    return {"rows": rows, "overhead": overhead, "kernels": kernels}
+    from optkit.runtime.benchmark import decode_operators
+
+    operators = {name: decode_operators(e.model, "cpu") for name, e in engines.items()}
+    return {"rows": rows, "overhead": overhead, "kernels": kernels, "decode_operators": operators}
 
 
 def paired_ratio(runs: list[float], baseline: list[float]) -> float:
@@ -338,6 +341,8 @@ def main() -> None:
         console.print(table)
         for run, kernels in r["kernels"].items():
             console.print(f"  {run} layers: " + "; ".join(f"{n} x{c}" for n, c in kernels.items()))
+        for run, operators in r.get("decode_operators", {}).items():
+            console.print(f"  {run} RMSNorm, RoPE, decode attention: {operators}")
     targets_table = Table(title="targets (issue 20)")
     for column in ("what", "measured", "target", "verdict"):
         targets_table.add_column(column)

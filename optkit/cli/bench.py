@@ -107,6 +107,8 @@ def show(result: dict) -> None:
     print_table(table)
     for kernel, count in result.get("kernels", {}).items():
         console().print(f"{count} layers: {kernel}")
+    if result.get("decode_operators"):
+        console().print(f"RMSNorm, RoPE, decode attention: {result['decode_operators']}")
     if result.get("step_overhead"):
         o = result["step_overhead"]
         console().print(

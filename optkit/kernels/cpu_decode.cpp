@@ -308,6 +308,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
 TORCH_LIBRARY(optkit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+  m.def("has_avx512() -> bool", &cpu_has_avx512);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
         "int window, bool avx512) -> Tensor",
         &decode_attention);

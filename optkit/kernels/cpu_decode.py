@@ -42,6 +42,14 @@ def enabled(x: torch.Tensor) -> bool:
     return x.dtype in DTYPES and x.device.type == "cpu" and not unavailable_reason()
 
 
+def describe(dtype: torch.dtype) -> str:
+    """Which code runs RMSNorm, RoPE and decode attention on the CPU for activations of `dtype`, in words."""
+    reason = unavailable_reason() or ("" if dtype in DTYPES else f"{dtype} activations")
+    if reason:
+        return f"PyTorch ({reason})"
+    return f"optkit C++ ({'AVX-512' if avx512() and torch.ops.optkit_cpu.has_avx512() else 'portable loops'})"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool = True) -> torch.Tensor | None:
     """x [..., K] -> n = x / sqrt(mean(x²) + eps) in float32, then n · weight (float32 x), or in bfloat16
     bf16(bf16(n) · weight) (`cast_first`: LlamaRMSNorm) or bf16(n · weight) (Olmo2RMSNorm). None for

@@ -214,6 +214,7 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
     result = {
         "model": str(model),
         "kernels": layer_kernels(engine.model, config.device),
+        "decode_operators": decode_operators(engine.model, config.device),
         "step_overhead": overhead,
         "device": config.device,
         "device_name": torch.cuda.get_device_name() if config.device.startswith("cuda") else "cpu",
@@ -269,6 +270,15 @@ def step_overhead(engine: LLMEngine, prompt: list[int], steps: int = 100) -> dic
     overheads = [w - m for w, m in zip(walls, models, strict=True)]
     step, overhead = statistics.median(walls), statistics.median(overheads)
     return {"step_s": step, "overhead_s": overhead, "overhead_share": overhead / step, "steps": len(walls)}
+
+
+def decode_operators(model: torch.nn.Module, device: str) -> str | None:
+    """What runs RMSNorm, RoPE and decode attention on the CPU (kernels/cpu_decode.py); None elsewhere."""
+    if not device.startswith("cpu"):
+        return None
+    from optkit.kernels import cpu_decode
+
+    return cpu_decode.describe(model.get_input_embeddings().weight.dtype)
 
 
 def layer_kernels(model: torch.nn.Module, device: str, rows: int = 1) -> dict[str, int]:

@@ -1,5 +1,6 @@
-"""`optkit bench` says which kernel each quantized layer takes, the engine's own share of a decode
-step, and runs on the threads `--threads` asks for."""
+"""`optkit bench` says which kernel each quantized layer takes and what runs the decode step's norms,
+RoPE and attention, the engine's own share of a decode step, and runs on the threads `--threads`
+asks for."""
 
 import json
 
@@ -26,6 +27,11 @@ def test_bench_names_kernels_step_overhead_and_threads(run_cli, draft_w2):
 
     # the CPU default (kernels/cpu_w4a8.py), PyTorch's int4 kernel where it cannot build
     assert any(("cpu-int4" if cpu_w4a8.unavailable_reason() else "cpu-w4a8") in name for name in kernels), kernels
+    from optkit.kernels import cpu_decode
+
+    # RMSNorm, RoPE and decode attention: the C++ operators (kernels/cpu_decode.py) where they build
+    reason = cpu_decode.unavailable_reason()
+    assert result["decode_operators"].startswith(f"PyTorch ({reason})" if reason else "optkit C++ ("), result
     overhead = result["step_overhead"]
     assert overhead["steps"] == 5 and 0 < overhead["overhead_s"] < overhead["step_s"]
 
