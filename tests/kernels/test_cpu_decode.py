@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from optkit.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from tests.kernels.paged_steps import random_step
 from tests.models.paged import chunked_then_decode, run_paged
 
 pytestmark = pytest.mark.skipif(bool(cpu_decode.unavailable_reason()), reason="the C++ operators do not build here")
@@ -17,22 +18,9 @@ pytestmark = pytest.mark.skipif(bool(cpu_decode.unavailable_reason()), reason="t
 
 def decode_step(context_lens, block_size, heads, dim, dtype, seed=0):
     """One decode per sequence over caches of random keys, block tables shuffled."""
-    gen = torch.Generator().manual_seed(seed)
-    q_heads, kv_heads = heads
-    needed = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(needed) + 3
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in needed:
-        tables.append(pool[:n])
-        pool = pool[n:]
-    slots = [
-        t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, context_lens, strict=True)
-    ]
-    meta = AttentionMetadata.build([1] * len(context_lens), context_lens, tables, slots)
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
-    q = torch.randn(len(context_lens), q_heads, dim, generator=gen).to(dtype)
+    q, _, _, k_cache, v_cache, meta = random_step(
+        [1] * len(context_lens), context_lens, block_size, heads, dim, dtype, seed=seed
+    )
     return q, k_cache, v_cache, meta
 
 
@@ -75,7 +63,7 @@ def test_attention_takes_the_pytorch_path_where_the_operator_does_not_apply(call
     strided = k_cache.transpose(1, 2).contiguous().transpose(1, 2)  # same values, not contiguous
     assert torch.allclose(got, want, atol=1e-5) and calls == []
     assert torch.allclose(
-        paged_attention(q, strided, v_cache, meta, 0.2), paged_attention(q, k_cache, v_cache, meta, 0.2)
+        paged_attention(q, strided, v_cache, meta, 0.2), paged_attention(q, k_cache, v_cache, meta, 0.2), atol=1e-5
     )
     assert len(calls) == 1
     ((k8, v8),) = allocate(1, tuple(k_cache.shape), "int8", torch.float32, "cpu")

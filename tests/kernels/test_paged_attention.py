@@ -1,39 +1,15 @@
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from tests.kernels import paged_steps
 
 HQ, HKV, D = 8, 2, 16
 
 
 def random_step(query_lens, context_lens, block_size, seed=0, dtype=torch.float32):
-    """Caches full of random keys (earlier chunks' KV) with shuffled block tables; this step's
-    q/k/v written at the slots of positions context_len - query_len .. context_len - 1."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [math.ceil(n / block_size) for n in context_lens]
-    num_blocks = sum(needed) + 2
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in needed:
-        tables.append(pool[:n])
-        pool = pool[n:]
-    slots = [
-        table[t // block_size] * block_size + t % block_size
-        for table, q_len, c_len in zip(tables, query_lens, context_lens, strict=True)
-        for t in range(c_len - q_len, c_len)
-    ]
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, slots, "cpu")
-    k_cache = torch.randn(num_blocks, block_size, HKV, D, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, HKV, D, generator=gen).to(dtype)
-    num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, HQ, D, generator=gen).to(dtype)
-    k = torch.randn(num_tokens, HKV, D, generator=gen).to(dtype)
-    v = torch.randn(num_tokens, HKV, D, generator=gen).to(dtype)
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return q, k, v, k_cache, v_cache, meta
+    return paged_steps.random_step(query_lens, context_lens, block_size, (HQ, HKV), D, dtype, seed=seed)
 
 
 MIXED = [

@@ -10,7 +10,8 @@ from tests.kernels.triton_devices import DEVICES
 
 from optkit.kernels.paged_attention import paged_attention_reference
 from optkit.kernels.triton import paged_attention as kernels
-from tests.kernels.test_triton_paged_attention import MIXED, random_step
+from tests.kernels.paged_steps import random_step
+from tests.kernels.test_triton_paged_attention import MIXED
 
 
 @pytest.mark.parametrize("device", DEVICES)
