@@ -57,10 +57,11 @@ bool is_float_or_bf16(const at::Tensor& t) {
 
 // ---- RMSNorm: x [..., K] -> per row n = x / sqrt(mean(x²) + eps) in float32, then
 //   float32 x:                      n * weight
-//   bfloat16 x, cast_first:         bf16(bf16(n) * weight)   (LlamaRMSNorm: weight * x.to(dtype))
-//   bfloat16 x, not cast_first:     bf16(weight * n)         (Olmo2RMSNorm: (weight * x).to(dtype))
+//   bfloat16 x, cast_first:         bf16(bf16(n) * weight)        (LlamaRMSNorm: weight * x.to(dtype))
+//   bfloat16 x, not cast_first:     bf16(n * (offset + weight))   (Olmo2RMSNorm: (weight * x).to(dtype);
+//                                                                  Gemma's offset 1: x * (1 + weight) in float32)
 template <typename T, typename W>
-void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps, bool cast_first) {
+void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps, bool cast_first, float offset) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const T* xr = x + m * K;
@@ -68,27 +69,30 @@ void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps
       const float inv = 1.f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + eps);
       for (int64_t k = 0; k < K; ++k) {
         const float n = as_float(xr[k]) * inv;
-        yr[k] = cast_first ? rounded<T>(as_float(rounded<T>(n)) * as_float(w[k])) : rounded<T>(n * as_float(w[k]));
+        const float scale = offset != 0.f ? offset + as_float(w[k]) : as_float(w[k]);
+        yr[k] = cast_first ? rounded<T>(as_float(rounded<T>(n)) * scale) : rounded<T>(n * scale);
       }
     }
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool cast_first) {
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool cast_first, double offset) {
   TORCH_CHECK(is_float_or_bf16(x_in) && is_float_or_bf16(weight), "x, weight: float32 or bfloat16 CPU tensors");
   const int64_t K = weight.numel();
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && x_in.size(-1) == K, "weight: [K], x: [..., K]");
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat, "float32 x: float32 weight");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x);
   const int64_t M = x.numel() / K;
-  const float e = static_cast<float>(eps);
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, e, false);
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  const bool first = cast_first && x.scalar_type() == at::kBFloat16;
+  if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, e, false, o);
+  else if (x.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<BFloat16>(), y.data_ptr<float>(), M, K, e, false, o);
   else if (weight.scalar_type() == at::kFloat)
-    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<float>(), y.data_ptr<BFloat16>(), M, K, e, cast_first);
+    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<float>(), y.data_ptr<BFloat16>(), M, K, e, first, o);
   else
-    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<BFloat16>(), y.data_ptr<BFloat16>(), M, K, e, cast_first);
+    rms_norm_rows(x.data_ptr<BFloat16>(), weight.data_ptr<BFloat16>(), y.data_ptr<BFloat16>(), M, K, e, first, o);
   return y;
 }
 
@@ -306,7 +310,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
 }  // namespace
 
 TORCH_LIBRARY(optkit_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first) -> Tensor", &rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first, float offset) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
   m.def("has_avx512() -> bool", &cpu_has_avx512);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "

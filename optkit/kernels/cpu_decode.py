@@ -50,14 +50,19 @@ def describe(dtype: torch.dtype) -> str:
     return f"optkit C++ ({'AVX-512' if avx512() and torch.ops.optkit_cpu.has_avx512() else 'portable loops'})"
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool = True) -> torch.Tensor | None:
-    """x [..., K] -> n = x / sqrt(mean(x²) + eps) in float32, then n · weight (float32 x), or in bfloat16
-    bf16(bf16(n) · weight) (`cast_first`: LlamaRMSNorm) or bf16(n · weight) (Olmo2RMSNorm). None for
-    the dtypes where the PyTorch code's result is of another dtype (float32 x with a bfloat16 weight,
-    bfloat16 x cast first with a float32 weight)."""
-    if weight.dtype not in DTYPES or (weight.dtype != x.dtype and (x.dtype == torch.float32 or cast_first)):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cast_first: bool = True, offset: float = 0.0
+) -> torch.Tensor | None:
+    """x [..., K] -> n = x / sqrt(mean(x²) + eps) in float32, then as models/llama.py's RMSNorm: n · weight
+    (float32 x), bf16(bf16(n) · weight) (bfloat16 x, `cast_first`: LlamaRMSNorm), bf16(n · (offset +
+    weight)) (Olmo2RMSNorm; Gemma's offset 1, also in float32). None where the PyTorch code's result has
+    another dtype than x (a cast-first weight of another dtype, a float32 x with a bfloat16 weight)."""
+    if weight.dtype not in DTYPES:
         return None
-    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first)
+    after = offset != 0.0 or not cast_first  # the weight applied to n in float32
+    if weight.dtype != x.dtype and not (after and x.dtype == torch.bfloat16) and not offset:
+        return None
+    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, not after, offset)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
         # after it (Olmo2RMSNorm)
-        if not self.offset and cpu_decode.enabled(x):  # one C++ call rather than six, rounded alike
-            fast = cpu_decode.rms_norm(x, self.weight, self.eps, cast_first=not self.weight_in_float32)
+        if cpu_decode.enabled(x):  # one C++ call rather than six, rounded alike
+            cast_first = not (self.weight_in_float32 or self.offset)
+            fast = cpu_decode.rms_norm(x, self.weight, self.eps, cast_first, self.offset)
             if fast is not None:
                 return fast
         if x.dtype == torch.float32 and not self.offset:

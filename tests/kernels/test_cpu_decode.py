@@ -93,6 +93,26 @@ def test_rms_norm_equals_pytorch_within_float32_rounding(rows, size):
     assert cpu_decode.rms_norm(x, weight.bfloat16(), 1e-6) is None  # float32 x, bf16 weight: PyTorch's
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["llama", "olmo2", "gemma"])  # cast before the weight, after it, 1 + weight
+def test_every_rms_norm_of_the_families_takes_the_operator_and_rounds_as_pytorch(monkeypatch, dtype, kind):
+    from optkit.models.llama import RMSNorm
+
+    norm = RMSNorm(96, 1e-6, weight_in_float32=kind == "olmo2", offset=1.0 if kind == "gemma" else 0.0)
+    norm.weight.data = torch.randn(96) * 0.3
+    norm = norm.to(dtype)
+    x = (torch.randn(40, 96) * 4).to(dtype)
+    calls = []
+    real = torch.ops.optkit_cpu.rms_norm
+    monkeypatch.setattr(cpu_decode.torch.ops.optkit_cpu, "rms_norm", lambda *a: calls.append(a) or real(*a))
+    got = norm(x)
+    monkeypatch.setattr(cpu_decode, "enabled", lambda x: False)
+    want = norm(x)
+    assert len(calls) == 1 and got.dtype == want.dtype == dtype
+    step = torch.finfo(dtype).eps * want.float().abs() * (4 if dtype == torch.float32 else 1)
+    assert ((got.float() - want.float()).abs() <= step).all()
+
+
 def test_the_operators_run_alike_on_one_thread_and_on_two():
     q, k_cache, v_cache, meta = decode_step([3, 50, 77], 16, (8, 2), 64, torch.float32)
     threads = torch.get_num_threads()
