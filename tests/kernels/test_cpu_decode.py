@@ -141,3 +141,22 @@ def test_the_model_gives_the_pytorch_paths_logits(small_dir, monkeypatch, dtype)
     for got, want in zip(fast, reference, strict=True):
         torch.testing.assert_close(got, want, atol=tolerance, rtol=0)
         assert torch.equal(got.argmax(-1), want.argmax(-1)) or dtype == torch.bfloat16
+
+
+def test_a_failed_build_says_why_and_the_model_runs_the_pytorch_code(monkeypatch, tmp_path, small_dir):
+    from optkit.models.loader import load_runtime_model
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++;\n")
+    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_decode, "SOURCE", broken)
+    reason = cpu_decode.unavailable_reason.__wrapped__()  # a real compile of a broken source, not the cached one
+    assert reason.startswith("C++ build failed") and "\n" not in reason
+    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: reason)
+    assert cpu_decode.describe(torch.float32) == f"PyTorch ({reason})"
+    model = load_runtime_model(small_dir)
+    sequences = [list(range(3, 30))]
+    steps = chunked_then_decode([len(s) for s in sequences], seed=2)
+    fallback = run_paged(model, sequences, steps)
+    monkeypatch.undo()
+    torch.testing.assert_close(run_paged(model, sequences, steps)[0], fallback[0], atol=1e-4, rtol=0)
