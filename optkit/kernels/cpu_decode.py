@@ -57,12 +57,12 @@ def rms_norm(
     (float32 x), bf16(bf16(n) · weight) (bfloat16 x, `cast_first`: LlamaRMSNorm), bf16(n · (offset +
     weight)) (Olmo2RMSNorm; Gemma's offset 1, also in float32). None where the PyTorch code's result has
     another dtype than x (a cast-first weight of another dtype, a float32 x with a bfloat16 weight)."""
-    if weight.dtype not in DTYPES:
+    # with an offset, or a bfloat16 x weighted after the cast, the weight multiplies n in float32 and the
+    # result is cast to x's dtype: any weight dtype gives x's; otherwise the weight's dtype must be x's
+    in_float32 = offset != 0.0 or (not cast_first and x.dtype == torch.bfloat16)
+    if weight.dtype not in DTYPES or not (weight.dtype == x.dtype or in_float32):
         return None
-    after = offset != 0.0 or not cast_first  # the weight applied to n in float32
-    if weight.dtype != x.dtype and not (after and x.dtype == torch.bfloat16) and not offset:
-        return None
-    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, not after, offset)
+    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first and not offset, offset)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
