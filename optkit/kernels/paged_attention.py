@@ -274,7 +274,7 @@ def _decode_attention(
 ) -> torch.Tensor:
     """q [Bd, Hq, D], one token per sequence -> [Bd, Hq, D]."""
     if softcap is None and not isinstance(k_cache, QuantizedKVCache) and cpu_decode.enabled(q):
-        in_place = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+        in_place = k_cache.is_contiguous() and v_cache.is_contiguous()  # same shapes: paged_attention asserts it
         if in_place and k_cache.dtype == v_cache.dtype == q.dtype:  # read through the table: no gather, no mask
             return cpu_decode.decode_attention(q, k_cache, v_cache, group.block_tables, group.lens, scale, window)
     batch, q_heads, dim = q.shape

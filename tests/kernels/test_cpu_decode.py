@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
 from optkit.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from tests.kernels.broken_build import failed_build_reason
 from tests.kernels.paged_steps import random_step
 from tests.models.paged import chunked_then_decode, run_paged
 
@@ -146,13 +147,7 @@ def test_the_model_gives_the_pytorch_paths_logits(small_dir, monkeypatch, dtype)
 def test_a_failed_build_says_why_and_the_model_runs_the_pytorch_code(monkeypatch, tmp_path, small_dir):
     from optkit.models.loader import load_runtime_model
 
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++;\n")
-    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_decode, "SOURCE", broken)
-    reason = cpu_decode.unavailable_reason.__wrapped__()  # a real compile of a broken source, not the cached one
-    assert reason.startswith("C++ build failed") and "\n" not in reason
-    monkeypatch.setattr(cpu_decode, "unavailable_reason", lambda: reason)
+    reason = failed_build_reason(monkeypatch, tmp_path, cpu_decode, cpu_decode.unavailable_reason.__wrapped__)
     assert cpu_decode.describe(torch.float32) == f"PyTorch ({reason})"
     model = load_runtime_model(small_dir)
     sequences = [list(range(3, 30))]

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_int4, cpu_w4a8, w4a16
 from optkit.kernels.w4a16 import W4A16Linear
+from tests.kernels.broken_build import failed_build_reason
 from tests.kernels.test_w4a16 import random_quantized
 
 pytestmark = pytest.mark.skipif(bool(cpu_w4a8.unavailable_reason()), reason="the W4A8 kernel does not build here")
@@ -155,13 +156,7 @@ def _parts(bits, group_size):
 def test_a_failed_build_says_why_and_falls_back_to_the_aten_int4_kernel(monkeypatch, tmp_path):
     if not cpu_int4.aten_kernel_exists():
         pytest.skip("this torch has no CPU int4 kernel to fall back to")
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++;\n")
-    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_w4a8, "SOURCE", broken)
-    reason = cpu_w4a8._build.__wrapped__()  # a real compile of a broken source, not the cached result
-    assert reason.startswith("C++ build failed") and "\n" not in reason
-    monkeypatch.setattr(cpu_w4a8, "unavailable_reason", lambda: reason)
+    failed_build_reason(monkeypatch, tmp_path, cpu_w4a8, cpu_w4a8._build.__wrapped__)  # not the cached result
     layer, weight, bias = layer_and_reference(4, 64, True, False)
     kernel = layer.kernel_for("cpu")
     assert kernel.startswith(cpu_int4.NAME) and "C++ build failed" in kernel
