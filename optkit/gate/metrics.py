@@ -59,6 +59,7 @@ class TokenStats:
     nll_artifact: list[torch.Tensor] = field(default_factory=list)
     kld: list[torch.Tensor] = field(default_factory=list)
     top1_match: list[torch.Tensor] = field(default_factory=list)
+    window_tokens: list[int] = field(default_factory=list)  # predicted tokens of each window, in order
 
     def add(self, base_logits: torch.Tensor, artifact_logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Exact, full-vocabulary comparison. base_logits, artifact_logits [B, T, V]; tokens [B, T]."""
@@ -80,6 +81,8 @@ class TokenStats:
         kld: torch.Tensor,
         base_top1: torch.Tensor,
     ) -> None:
+        # every argument is [B, T-1]: one row per window
+        self.window_tokens.extend([kld.shape[-1]] * kld.shape[0])
         self.nll_base.append(nll_base.flatten())
         self.nll_artifact.append(-log_q.gather(-1, tokens[:, 1:].unsqueeze(-1)).flatten())
         self.kld.append(kld.flatten())
@@ -104,6 +107,57 @@ def kld_histogram(stats: TokenStats) -> dict:
     edges = torch.tensor(KLD_BIN_EDGES + [float("inf")], dtype=torch.float64)
     counts = torch.bucketize(kld, edges[1:-1], right=True).bincount(minlength=len(edges) - 1)
     return {"edges": KLD_BIN_EDGES, "counts": counts.tolist()}
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Per-window sums, [W] float64 each: the unit the gate's statistics resample (tokens inside a
+    window are correlated, windows are close to independent). Every gate metric is a ratio of sums,
+    so it is exact for any subset of windows: `window_metrics(stats.select(index))`."""
+
+    tokens: torch.Tensor  # predicted tokens per window
+    nll_base: torch.Tensor  # Σ NLL of the base
+    nll_artifact: torch.Tensor  # Σ NLL of the artifact
+    kld: torch.Tensor  # Σ KLD(t)
+    top1: torch.Tensor  # Σ top1(t): positions whose top token is the base's
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def select(self, index: torch.Tensor | list[int]) -> "WindowStats":
+        """The windows at `index` (repeats allowed: a bootstrap resample)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return WindowStats(*(getattr(self, f)[index] for f in ("tokens", "nll_base", "nll_artifact", "kld", "top1")))
+
+    @staticmethod
+    def of(stats: TokenStats) -> "WindowStats":
+        sizes = stats.window_tokens
+        if not sizes:
+            raise ValueError("no windows were scored")
+
+        def sums(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([w.double().sum() for w in torch.cat(parts).split(sizes)])
+
+        return WindowStats(
+            torch.tensor(sizes, dtype=torch.float64),
+            sums(stats.nll_base),
+            sums(stats.nll_artifact),
+            sums(stats.kld),
+            sums(stats.top1_match),
+        )
+
+
+def window_metrics(stats: WindowStats) -> dict[str, float]:
+    """The gate's ratio metrics over these windows (sums over windows, then one ratio): the same
+    numbers `summarize` gives for the same tokens, up to float rounding."""
+    tokens = stats.tokens.sum()
+    ppl_base = (stats.nll_base.sum() / tokens).exp()
+    ppl_artifact = (stats.nll_artifact.sum() / tokens).exp()
+    return {
+        "ppl_increase_pct": (100.0 * (ppl_artifact / ppl_base - 1.0)).item(),
+        "kld_mean": (stats.kld.sum() / tokens).item(),
+        "top1_pct": (100.0 * stats.top1.sum() / tokens).item(),
+    }
 
 
 def summarize(stats: TokenStats) -> dict[str, float]:

@@ -53,3 +53,23 @@ def test_nan_metric_fails_its_threshold():
         {"ppl_increase_pct": float("nan"), "kld_mean": 0.0, "top1_pct": 100.0}, Thresholds(max_ppl_increase=100)
     )
     assert not checks[0].passed
+
+
+def test_window_sums_give_the_token_level_metrics_for_any_subset_of_windows():
+    from optkit.gate.metrics import WindowStats, window_metrics
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 50, (5, 9))
+    base, artifact = torch.randn(5, 9, 50), torch.randn(5, 9, 50)
+    stats = TokenStats()
+    for rows in (slice(0, 3), slice(3, 5)):  # two batches
+        stats.add(base[rows], artifact[rows], tokens[rows])
+    windows = WindowStats.of(stats)
+    assert len(windows) == 5
+    # a subset of windows (with a repeat, as a bootstrap draws) scores as those windows alone
+    subset = [4, 0, 0]
+    alone = TokenStats()
+    alone.add(base[subset], artifact[subset], tokens[subset])
+    expected = summarize(alone)
+    for key, value in window_metrics(windows.select(subset)).items():
+        assert abs(value - expected[key]) < 1e-6 * max(1.0, abs(expected[key])), key
