@@ -146,7 +146,7 @@ def _install_quantized(
     else:
         marker = fmt.MARKER  # the tensor suffix that marks a weight-only quantized layer
         prefixes = [k.removesuffix(f".{marker}") for k in tensors if k.endswith(f".{marker}")]
-        schemes = layer_schemes(fmt, quant_config, prefixes)  # one scheme, or each layer's when mixed
+        schemes = layer_schemes(fmt, quant_config, prefixes, str(path / "config.json"))  # one, or each layer's
         modules = {}
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")

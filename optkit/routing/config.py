@@ -24,13 +24,13 @@ models once everything is merged (`check_references`), before any model is loade
 """
 
 import difflib
-import re
 from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from optkit.errors import OptkitError
 from optkit.runtime.engine_args import EngineArgs
+from optkit.untrusted_regex import check_untrusted
 
 
 class _Options(BaseModel):
@@ -63,9 +63,9 @@ class TierRule(_Options):
     def _compiles(cls, regex: str | None) -> str | None:
         if regex is not None:
             try:
-                re.compile(regex)
-            except re.error as e:
-                raise ValueError(f"regex {regex!r} does not compile ({e})") from None
+                check_untrusted(regex, "regex")  # it runs on every prompt: no backtracking for ever
+            except OptkitError as e:
+                raise ValueError(str(e)) from None
         return regex
 
     @model_validator(mode="after")

@@ -14,16 +14,20 @@ A format without such a block (AWQ) is refused in one line.
 import re
 from collections import defaultdict
 
+import regex
 import torch
+from pydantic import ValidationError
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.ladder import FULL_PRECISION, Rung, nominal_bits
+from optkit.untrusted_regex import RegexBudget, compile_untrusted, shown
 from optkit.weights.schemes import WeightScheme
 
 # shards that vLLM loads as one fused module -> the fused module's name
 FUSED = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
 MIXED_FORMATS = ("compressed-tensors", "gptq")
+MATCH_BUDGET_S = 2.0  # every override pattern against every layer name of one checkpoint
 
 
 def fused_units(names: list[str]) -> list[list[str]]:
@@ -100,28 +104,81 @@ def is_mixed(quant_config: dict) -> bool:
     return len(quant_config.get("config_groups") or {}) > 1 or bool(quant_config.get("dynamic"))
 
 
-def layer_schemes(fmt, quant_config: dict, prefixes: list[str]) -> dict[str, WeightScheme]:
-    """The scheme of each quantized linear of a checkpoint (one for all unless it is mixed)."""
-    default = fmt.scheme_from_config(_uniform(quant_config))
+def layer_schemes(fmt, quant_config: dict, prefixes: list[str], source: str = "config.json") -> dict[str, WeightScheme]:
+    """The scheme of each quantized linear of a checkpoint (one for all unless it is mixed).
+
+    A checkpoint comes from someone else: each override is validated as the artifact's own scheme
+    is, and its patterns (GPTQ `dynamic` keys, compressed-tensors `re:` targets) run under one
+    time budget for the whole checkpoint (optkit/untrusted_regex.py). `source`: the file, for
+    messages."""
+    default = _default_scheme(fmt, quant_config, source)
     if not is_mixed(quant_config):
         return dict.fromkeys(prefixes, default)
+    budget = RegexBudget(MATCH_BUDGET_S, source)
+    if quant_config.get("dynamic"):
+        rules = _dynamic_rules(quant_config["dynamic"], default, source)
+    else:
+        rules = _group_rules(quant_config["config_groups"], default, source)
     schemes = {}
     for prefix in prefixes:
         scheme = default
-        if quant_config.get("dynamic"):
-            for key, override in quant_config["dynamic"].items():
-                sign, pattern = (key[0], key[2:]) if key.startswith(("+:", "-:")) else ("+", key)
-                if sign == "+" and re.match(pattern, prefix):
-                    fields = {"bits": "bits", "group_size": "group_size", "sym": "symmetric"}
-                    scheme = scheme.model_copy(update={fields[k]: v for k, v in override.items() if k in fields})
-                    break
-        else:
-            for group in quant_config["config_groups"].values():
-                if any(t == prefix or (t.startswith("re:") and re.match(t[3:], prefix)) for t in group["targets"]):
-                    scheme = _scheme_of(group["weights"], default)
-                    break
+        for names, pattern, override in rules:
+            if prefix in names or (pattern is not None and budget.match(pattern, prefix)):
+                scheme = override
+                break
         schemes[prefix] = scheme
     return schemes
+
+
+_DYNAMIC_FIELDS = {"bits": "bits", "group_size": "group_size", "sym": "symmetric"}
+Rule = tuple[frozenset[str], regex.Pattern | None, WeightScheme]  # exact names, a pattern, the scheme
+
+
+def _dynamic_rules(dynamic: object, default: WeightScheme, source: str) -> list[Rule]:
+    """gptqmodel's `dynamic`: {"+:REGEX" or "REGEX": {bits, group_size, sym}, "-:REGEX": {}}, first match wins."""
+    where = f"{source}: quantization_config.dynamic"
+    if not isinstance(dynamic, dict):
+        raise OptkitError(
+            f"{where} must map patterns to overrides, not {type(dynamic).__name__}: re-create the artifact"
+        )
+    rules = []
+    for key, override in dynamic.items():
+        sign, pattern = (key[0], key[2:]) if key.startswith(("+:", "-:")) else ("+", key)
+        compiled = compile_untrusted(pattern, where)
+        if not isinstance(override, dict):
+            raise OptkitError(f'{where}[{shown(key)}] must be a mapping such as {{"bits": 8}}: re-create the artifact')
+        fields = {_DYNAMIC_FIELDS[k]: v for k, v in override.items() if k in _DYNAMIC_FIELDS}
+        if sign == "+":  # a "-:" layer is stored unquantized: it has no scheme to look up
+            rules.append((frozenset(), compiled, _validated(default, fields, f"{where}[{shown(key)}]")))
+    return rules
+
+
+def _group_rules(groups: object, default: WeightScheme, source: str) -> list[Rule]:
+    """compressed-tensors' `config_groups`: each group's targets are exact names or `re:` patterns."""
+    where = f"{source}: quantization_config.config_groups"
+    if not isinstance(groups, dict):
+        raise OptkitError(f"{where} must map group names to groups: re-create the artifact")
+    rules = []
+    for name, group in groups.items():
+        targets = group.get("targets") if isinstance(group, dict) else None
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if (
+            not isinstance(targets, list)
+            or not all(isinstance(t, str) for t in targets)
+            or not isinstance(weights, dict)
+        ):
+            raise OptkitError(
+                f"{where}.{shown(name)} needs a list of targets and a weights mapping: re-create the artifact"
+            )
+        scheme = _scheme_of(weights, default, f"{where}.{shown(name)}.weights")
+        exact = frozenset(t for t in targets if not t.startswith("re:"))
+        rules.append((exact, None, scheme))
+        rules += [
+            (frozenset(), compile_untrusted(t[3:], f"{where}.{shown(name)}.targets"), scheme)
+            for t in targets
+            if t.startswith("re:")
+        ]
+    return rules
 
 
 def _uniform(quant_config: dict) -> dict:
@@ -131,11 +188,39 @@ def _uniform(quant_config: dict) -> dict:
     return {k: v for k, v in quant_config.items() if k != "dynamic"}
 
 
-def _scheme_of(weights: dict, default: WeightScheme) -> WeightScheme:
-    group_size = -1 if weights.get("strategy") == "channel" else weights.get("group_size", default.group_size)
-    return default.model_copy(
-        update={"bits": weights["num_bits"], "group_size": group_size, "symmetric": weights["symmetric"]}
-    )
+def _default_scheme(fmt, quant_config: dict, source: str) -> WeightScheme:
+    try:
+        return fmt.scheme_from_config(_uniform(quant_config))
+    except KeyError as e:
+        raise OptkitError(f"{source}: quantization_config has no {shown(e.args[0])}: re-create the artifact") from None
+    except ValidationError as e:
+        raise OptkitError(f"{source}: quantization_config: {_first_error(e)}: re-create the artifact") from None
+
+
+def _scheme_of(weights: dict, default: WeightScheme, where: str) -> WeightScheme:
+    fields = {}
+    for key, field in (("num_bits", "bits"), ("symmetric", "symmetric")):
+        if key in weights:
+            fields[field] = weights[key]
+    if weights.get("strategy") == "channel":
+        fields["group_size"] = -1
+    elif weights.get("group_size") is not None:
+        fields["group_size"] = weights["group_size"]
+    return _validated(default, fields, where)
+
+
+def _validated(default: WeightScheme, fields: dict, where: str) -> WeightScheme:
+    """`default` with `fields` changed, validated as the top-level scheme is (model_copy would not)."""
+    try:
+        return WeightScheme.model_validate({**default.model_dump(), **fields})
+    except ValidationError as e:
+        raise OptkitError(f"{where}: {_first_error(e)}: re-create the artifact") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    first = e.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "the scheme"
+    return f"{field}: {first['msg'].removeprefix('Value error, ')} (got {shown(first.get('input'))})"
 
 
 def dequantized_state_dict(fmt, tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype) -> dict:
