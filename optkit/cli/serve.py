@@ -52,6 +52,7 @@ def serve(
     max_request_bytes: opt.MaxRequestBytes = None,
     body_timeout: opt.BodyTimeout = 30.0,
     allowed_host: opt.AllowedHosts = None,
+    docs: opt.Docs = False,
     served_model_name: Annotated[
         str | None, typer.Option(help="The model's name in the API (default: the model directory's name).")
     ] = None,
@@ -137,7 +138,7 @@ def serve(
         sock.close()
         raise
     try:
-        asyncio.run(run_server(router, sock, api_key, describe(router), limits))
+        asyncio.run(run_server(router, sock, api_key, describe(router), limits, docs))
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         print("stopped", file=sys.stderr)
     finally:

@@ -48,7 +48,10 @@ FallbackRecovery = Annotated[
 ]
 MaxRequestBytes = Annotated[
     int | None,
-    typer.Option(min=1024, help="Largest request body; larger ones get 413 (default: 4 MiB, or 32 per context token)."),
+    typer.Option(
+        min=1024,
+        help="Largest request body; larger ones get 413 (default: 32 bytes per context token, from 4 to 16 MiB).",
+    ),
 ]
 BodyTimeout = Annotated[
     float, typer.Option(min=0.1, help="Seconds a request body may take to arrive; slower ones get 408.")
@@ -56,4 +59,8 @@ BodyTimeout = Annotated[
 AllowedHosts = Annotated[
     list[str] | None,
     typer.Option("--allowed-host", help="Another name for this server in the Host header (without --api-key)."),
+]
+Docs = Annotated[
+    bool,
+    typer.Option("--docs", help="Serve FastAPI's /docs, /redoc and /openapi.json (behind --api-key when set)."),
 ]

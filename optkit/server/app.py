@@ -1,9 +1,9 @@
 """The FastAPI app: OpenAI's API over an `AsyncEngine` (docs/runtime.md, "The engine's front").
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id},
-GET /health, GET /metrics, and optkit's own under /v1/optkit (server/optkit_routes.py). In front of
-them (guards.py): the Host check, the API key (every route but /health), the body's size and time
-limits.
+GET /health, GET /metrics, and optkit's own under /v1/optkit (server/optkit_routes.py); FastAPI's
+/docs, /redoc and /openapi.json only when asked (`docs`, `optkit serve --docs`). In front of them
+(guards.py): the Host check, the API key (every route but /health), the body's size and time limits.
 
 Prompts are tokenized (and chat templates rendered) in a small thread pool, never on the event
 loop; a list of token ids longer than every served context is refused before any work per token.
@@ -64,9 +64,12 @@ class Served:
         return self.router.engines[self.router.default]
 
 
-def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False, limits: Limits | None = None) -> FastAPI:
+def build_app(
+    engine, api_key: str | None, *, shutdown_engine: bool = False, limits: Limits | None = None, docs: bool = False
+) -> FastAPI:
     """The app serving `engine` (an AsyncEngine, or anything with its interface) or a `Router`;
-    with `shutdown_engine`, the app's shutdown stops the engines."""
+    with `shutdown_engine`, the app's shutdown stops the engines; with `docs`, FastAPI's API pages
+    (behind the key when there is one)."""
     models = engine if isinstance(engine, Router) else Router.single(engine)
     limits = limits or Limits()
     pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="optkit-tokenize")
@@ -78,7 +81,8 @@ def build_app(engine, api_key: str | None, *, shutdown_engine: bool = False, lim
         if shutdown_engine:
             models.shutdown()
 
-    app = FastAPI(title="optkit", lifespan=lifespan)
+    pages = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="optkit", lifespan=lifespan, **pages)
     metrics = ServerMetrics(models)  # the engines' stats, added up
     metrics.registry.register(RouterCollector(models))
     app.state.served = Served(models, metrics, int(time.time()), pool)

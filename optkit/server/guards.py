@@ -2,7 +2,8 @@
 
 - `HostCheck`: without an API key, the `Host` header must name this server (DNS rebinding: a page
   on another site whose name resolves to 127.0.0.1 sends its own name, and gets a 403).
-- `BearerAuth`: with an API key, `Authorization: Bearer KEY` on /v1 and /metrics.
+- `BearerAuth`: with an API key, `Authorization: Bearer KEY` on every route but /health (/v1,
+  /metrics, and /docs, /redoc, /openapi.json when `optkit serve --docs` serves them).
 - `BodyLimit`: the whole body is read before the app parses anything, at most `max_bytes` of it
   (a Content-Length over the cap, or a chunked body that grows past it: 413) within `timeout_s`
   (408); the app then receives it as one message.
@@ -18,6 +19,9 @@ from optkit.server.errors import error_response
 
 MIB = 1 << 20
 MIN_MAX_REQUEST_BYTES = 4 * MIB
+# config.json's context length comes with the model (1e9 would mean 32 GB bodies): past this, only
+# --max-request-bytes on the command line raises the cap
+MAX_DEFAULT_REQUEST_BYTES = 16 * MIB
 BYTES_PER_CONTEXT_TOKEN = 32  # room for a context-filling prompt of JSON-escaped characters (6 bytes each)
 BODY_TIMEOUT_S = 30.0
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
@@ -35,7 +39,9 @@ class Limits:
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
-    return max(MIN_MAX_REQUEST_BYTES, BYTES_PER_CONTEXT_TOKEN * max_model_len)
+    """The body cap unless the command line sets one: room for a context-filling prompt, within
+    MIN_MAX_REQUEST_BYTES..MAX_DEFAULT_REQUEST_BYTES whatever the model's config says."""
+    return min(MAX_DEFAULT_REQUEST_BYTES, max(MIN_MAX_REQUEST_BYTES, BYTES_PER_CONTEXT_TOKEN * max_model_len))
 
 
 def allowed_hosts(bound: str, extra: list[str] | tuple[str, ...] = ()) -> frozenset[str] | None:
@@ -77,14 +83,15 @@ class HostCheck:
 
 
 class BearerAuth:
-    """/health stays open (a load balancer's probe; it says only ok or not)."""
+    """Every route needs the key but /health, which stays open (a load balancer's probe; it says
+    only ok or not)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.key = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] == "/metrics"):
+        if scope["type"] == "http" and scope["path"] != "/health":
             header = dict(scope["headers"]).get(b"authorization")
             scheme, _, token = (header or b"").partition(b" ")
             if header is None or scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):

@@ -36,12 +36,17 @@ def is_loopback(host: str) -> bool:
 
 
 async def run_server(
-    engine, sock: socket.socket, api_key: str | None, served: str | None = None, limits: Limits | None = None
+    engine,
+    sock: socket.socket,
+    api_key: str | None,
+    served: str | None = None,
+    limits: Limits | None = None,
+    docs: bool = False,
 ) -> None:
     """Serves `engine` (an AsyncEngine or a routing Router) until stopped; `served` names what is
     served in the line printed once it accepts requests (default: the engine's model name);
-    `limits`: the server's Limits (server/guards.py)."""
-    app = build_app(engine, api_key, shutdown_engine=True, limits=limits)
+    `limits`: the server's Limits (server/guards.py); `docs`: serve FastAPI's API pages too."""
+    app = build_app(engine, api_key, shutdown_engine=True, limits=limits, docs=docs)
     config = uvicorn.Config(
         app,
         log_level="warning",
