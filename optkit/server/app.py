@@ -5,8 +5,9 @@ GET /health, GET /metrics, and optkit's own under /v1/optkit (server/optkit_rout
 /docs, /redoc and /openapi.json only when asked (`docs`, `optkit serve --docs`). In front of them
 (guards.py): the Host check, the API key (every route but /health), the body's size and time limits.
 
-Prompts are tokenized (and chat templates rendered) in a small thread pool, never on the event
-loop; a list of token ids longer than every served context is refused before any work per token.
+Prompts are tokenized in a small thread pool, never on the event loop, and chat templates rendered
+from there in worker processes that a time limit can stop (server/template_render.py); a list of
+token ids longer than every served context is refused before any work per token.
 
 The app serves a `Router` (routing/router.py): one engine, or several models with a routing
 policy, shadow scoring and fallback. It picks each request's engine; the answer names it in the
@@ -37,11 +38,19 @@ from optkit.runtime.engine import QueueFull
 from optkit.runtime.sequence import SamplingParams
 from optkit.server import optkit_routes, responses
 from optkit.server.errors import APIError, ClientDisconnected, install_error_handlers
-from optkit.server.guards import BearerAuth, BodyLimit, HostCheck, Limits, default_max_request_bytes
+from optkit.server.guards import (
+    RENDERED_CHARS_PER_BODY_BYTE,
+    BearerAuth,
+    BodyLimit,
+    HostCheck,
+    Limits,
+    default_max_request_bytes,
+)
 from optkit.server.metrics import ServerMetrics
 from optkit.server.prompts import chat_prompt, completion_prompt, refuse_length
 from optkit.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from optkit.server.routing_metrics import RouterCollector
+from optkit.server.template_render import TemplateRenderer
 
 DEFAULT_MAX_TOKENS = 16  # completions; chat defaults to the rest of the context, as OpenAI does
 RETRY_AFTER_S = 1
@@ -57,6 +66,7 @@ class Served:
     metrics: ServerMetrics
     created: int
     tokenizer_pool: ThreadPoolExecutor
+    templates: TemplateRenderer
 
     @property
     def engine(self):
@@ -73,11 +83,14 @@ def build_app(
     models = engine if isinstance(engine, Router) else Router.single(engine)
     limits = limits or Limits()
     pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="optkit-tokenize")
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(_longest_context(models))
+    templates = TemplateRenderer(limits.chat_template_timeout_s, RENDERED_CHARS_PER_BODY_BYTE * max_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         pool.shutdown(wait=False, cancel_futures=True)
+        templates.close()
         if shutdown_engine:
             models.shutdown()
 
@@ -85,9 +98,8 @@ def build_app(
     app = FastAPI(title="optkit", lifespan=lifespan, **pages)
     metrics = ServerMetrics(models)  # the engines' stats, added up
     metrics.registry.register(RouterCollector(models))
-    app.state.served = Served(models, metrics, int(time.time()), pool)
+    app.state.served = Served(models, metrics, int(time.time()), pool, templates)
     install_error_handlers(app)
-    max_bytes = limits.max_request_bytes or default_max_request_bytes(_longest_context(models))
     app.add_middleware(BodyLimit, max_bytes=max_bytes, timeout_s=limits.body_timeout_s)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key)
@@ -168,7 +180,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @api.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     served = _served(request)
-    prompt = chat_prompt(body.messages, _longest_context(served.router))
+    prompt = chat_prompt(body.messages, _longest_context(served.router), served.templates)
     route = await _route(served, body.model, request, prompt, "messages")
     engine, prompt_ids = route.engine, route.prompt_ids
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

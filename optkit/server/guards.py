@@ -24,6 +24,8 @@ MIN_MAX_REQUEST_BYTES = 4 * MIB
 MAX_DEFAULT_REQUEST_BYTES = 16 * MIB
 BYTES_PER_CONTEXT_TOKEN = 32  # room for a context-filling prompt of JSON-escaped characters (6 bytes each)
 BODY_TIMEOUT_S = 30.0
+CHAT_TEMPLATE_TIMEOUT_S = 2.0  # a model's chat template renders in milliseconds; past this it is stopped
+RENDERED_CHARS_PER_BODY_BYTE = 2  # a rendered chat prompt's size, against the body's cap
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
@@ -31,11 +33,13 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 @dataclass(frozen=True)
 class Limits:
     """What one client may send. `max_request_bytes` None: `default_max_request_bytes`; `hosts`
-    None: any Host header (in-process tests, or a server bound to every interface)."""
+    None: any Host header (in-process tests, or a server bound to every interface);
+    `chat_template_timeout_s`: the time a model's chat template may take to render one request."""
 
     max_request_bytes: int | None = None
     body_timeout_s: float = BODY_TIMEOUT_S
     hosts: frozenset[str] | None = None
+    chat_template_timeout_s: float = CHAT_TEMPLATE_TIMEOUT_S
 
 
 def default_max_request_bytes(max_model_len: int) -> int:

@@ -16,6 +16,7 @@ from optkit.routing.router import Prompt
 from optkit.server.chat import chat_prompt_text
 from optkit.server.errors import APIError
 from optkit.server.protocol import ChatMessage
+from optkit.server.template_render import TemplateRenderer
 
 PROBE_CHARS_PER_TOKEN = 16
 PROBE_MARGIN = 16
@@ -48,10 +49,10 @@ def completion_prompt(prompt: str | list[int], limit: int) -> Prompt:
     return Prompt(encode=lambda tokenizer: list(prompt), text=lambda tokenizer: _decode(tokenizer, prompt))
 
 
-def chat_prompt(messages: list[ChatMessage], limit: int) -> Prompt:
+def chat_prompt(messages: list[ChatMessage], limit: int, renderer: TemplateRenderer) -> Prompt:
     def encode(tokenizer) -> list[int]:
         try:
-            text, add_special_tokens = chat_prompt_text(tokenizer, messages)
+            text, add_special_tokens = chat_prompt_text(tokenizer, messages, renderer)
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return encode_within(tokenizer, text, limit, "messages", add_special_tokens=add_special_tokens)
