@@ -79,7 +79,11 @@ void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps, bool cast_first, double offset) {
   TORCH_CHECK(is_float_or_bf16(x_in) && is_float_or_bf16(weight), "x, weight: float32 or bfloat16 CPU tensors");
   const int64_t K = weight.numel();
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && x_in.size(-1) == K, "weight: [K], x: [..., K]");
+  // shapes come from the model: a wrong one raises ValueError (the Python wrapper's user error), never
+  // reaches M = numel / K with K = 0
+  TORCH_CHECK_VALUE(weight.dim() == 1 && K >= 1 && x_in.dim() >= 1 && x_in.size(-1) == K,
+                    "rms_norm: weight [K] with K >= 1 and x [..., K]; got weight ", weight.sizes(), ", x ", x_in.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
   const at::Tensor x = x_in.contiguous();
   at::Tensor y = at::empty_like(x);
   const int64_t M = x.numel() / K;
@@ -126,11 +130,14 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t T_, int64_t
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(is_float_or_bf16(x) && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "x, cos, sin: float32 or bfloat16 CPU tensors of one dtype");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [T, H, D], heads contiguous");
+  TORCH_CHECK_VALUE(x.dim() == 3 && cos.dim() >= 1 && sin.dim() >= 1, "rope: x [T, H, D], cos and sin [T, 1, R]; got x ",
+                    x.sizes(), ", cos ", cos.sizes());
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "x: [T, H, D], heads contiguous");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), R = cos.size(-1);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * R && sin.numel() == T * R,
-              "cos, sin: contiguous [T, 1, R]");
-  TORCH_CHECK(R % 2 == 0 && R <= D, "rotary dims: even and at most the head dim");
+  TORCH_CHECK_VALUE(cos.numel() == T * R && sin.numel() == T * R, "rope: cos, sin: [T, 1, R]; got cos ", cos.sizes(),
+                    ", sin ", sin.sizes(), " for x ", x.sizes());
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos, sin: contiguous");
+  TORCH_CHECK_VALUE(R % 2 == 0 && R <= D, "rope: ", R, " rotary dims: even and at most the head dim ", D);
   at::Tensor y = at::empty({T, H, D}, x.options());
   if (x.scalar_type() == at::kFloat)
     rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>(), T, H, D, R,
@@ -275,13 +282,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   TORCH_CHECK(is_float_or_bf16(q_in) && k_cache.scalar_type() == q_in.scalar_type() &&
                   v_cache.scalar_type() == q_in.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "q, k_cache, v_cache: float32 or bfloat16 CPU tensors of one dtype");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes(),
-              "k_cache, v_cache: contiguous [N, block_size, Hkv, D] of one shape");
+  TORCH_CHECK_VALUE(q_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "decode_attention: q [B, Hq, D], k_cache and v_cache [N, block_size, Hkv, D] of one shape; got q ",
+                    q_in.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache, v_cache: contiguous");
   const at::Tensor q = q_in.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
-  TORCH_CHECK(q.dim() == 3 && k_cache.size(3) == D && Hq % Hkv == 0, "q: [B, Hq, D], Hq a multiple of Hkv");
+  // Hkv >= 1 before Hq % Hkv, block_size >= 1 before the divisions by it: never a SIGFPE
+  TORCH_CHECK_VALUE(Hq >= 1 && Hkv >= 1 && D >= 1 && block_size >= 1 && k_cache.size(3) == D && Hq % Hkv == 0,
+                    "decode_attention: Hq a multiple of Hkv, D and block_size at least 1; got q ", q.sizes(),
+                    ", k_cache ", k_cache.sizes());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == B,
               "block_tables: contiguous long [B, nb]");

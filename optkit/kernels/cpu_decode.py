@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from optkit.errors import OptkitError
 from optkit.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
@@ -62,12 +63,18 @@ def rms_norm(
     in_float32 = offset != 0.0 or (not cast_first and x.dtype == torch.bfloat16)
     if weight.dtype not in DTYPES or not (weight.dtype == x.dtype or in_float32):
         return None
-    return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first and not offset, offset)
+    try:
+        return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first and not offset, offset)
+    except ValueError as e:  # the operator's shape checks (a model whose sizes disagree)
+        raise shape_error(e) from e
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] (heads contiguous), cos and signed sin [T, 1, R] -> contiguous [T, H, D] rotated."""
-    return torch.ops.optkit_cpu.rope(x, cos, sin)
+    try:
+        return torch.ops.optkit_cpu.rope(x, cos, sin)
+    except ValueError as e:
+        raise shape_error(e) from e
 
 
 def decode_attention(
@@ -81,7 +88,20 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D], one token per sequence; caches [N, block_size, Hkv, D] of q's dtype; block_tables long [B, nb];
     lens long [B]: the keys of each sequence, its query the last -> [B, Hq, D]."""
-    return torch.ops.optkit_cpu.decode_attention(q, k_cache, v_cache, block_tables, lens, scale, window or 0, avx512())
+    try:
+        return torch.ops.optkit_cpu.decode_attention(
+            q, k_cache, v_cache, block_tables, lens, scale, window or 0, avx512()
+        )
+    except ValueError as e:
+        raise shape_error(e) from e
+
+
+def shape_error(e: ValueError) -> OptkitError:
+    """A C++ operator's refusal of its arguments' shapes (TORCH_CHECK_VALUE: ValueError; an internal
+    invariant, such as a block table, raises RuntimeError instead) as one line for the user: the
+    shapes come from the model's config.json and weights."""
+    reason = next(iter(str(e).splitlines()), "")[:300]
+    return OptkitError(f"optkit's C++ {reason}: check config.json against the checkpoint")
 
 
 @functools.cache

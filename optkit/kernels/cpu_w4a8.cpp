@@ -266,24 +266,32 @@ void run_tiles(const Problem& pr, int64_t T, int64_t isa) {
 
 at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
                        const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.is_floating_point(), "x: float [M, K]");
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.is_floating_point(), "w4a8 linear: x float [M, K]; got ", x_in.sizes());
+  // shapes come from the model: a wrong one raises ValueError (the Python wrapper's user error); the
+  // group size is checked positive before K % group_size, so never a SIGFPE
+  TORCH_CHECK_VALUE(n >= 1 && x_in.size(1) >= 1 && group_size >= kBlock && group_size % kBlock == 0 &&
+                        x_in.size(1) % group_size == 0,
+                    "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n,
+                    ", K ", x_in.size(1), ", group size ", group_size);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();  // no copy when it is already
   c10::optional<at::Tensor> bias;
   if (bias_in.has_value() && bias_in->defined()) bias = bias_in->to(at::kFloat).contiguous();
-  TORCH_CHECK(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                  weight.size(2) == kTileBytes,
-              "weight: uint8 [T, B, 256]");
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == kTileBytes,
+                    "w4a8 linear: weight uint8 [T, B, 256]; got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
   const int64_t M = x.size(0), K = x.size(1), T = weight.size(0), B = weight.size(1);
-  TORCH_CHECK(K == B * kBlock && T == (n + kLanes - 1) / kLanes, "x and weight disagree on K or N");
-  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size: a multiple of 32 dividing K");
+  TORCH_CHECK_VALUE(K == B * kBlock && T == (n + kLanes - 1) / kLanes,
+                    "w4a8 linear: x and weight disagree on K or N; got x ", x.sizes(), ", weight ", weight.sizes(),
+                    ", N ", n);
   const int64_t group_blocks = group_size / kBlock, G = K / group_size;
   const bool bf16_params = params.scalar_type() == at::kByte;
-  TORCH_CHECK(params.is_contiguous() && ((bf16_params && params.numel() == T * G * 3 * kLanes) ||
-                                         (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * kLanes)),
-              "params: contiguous float32 [T, G, 2, 16] or uint8 [T, G, 48]");
+  TORCH_CHECK_VALUE((bf16_params && params.numel() == T * G * 3 * kLanes) ||
+                        (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * kLanes),
+                    "w4a8 linear: params float32 [T, G, 2, 16] or uint8 [T, G, 48]; got ", params.sizes());
+  TORCH_CHECK(params.is_contiguous(), "params: contiguous");
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: float32 [N]");
+    TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
     bias_ptr = bias->data_ptr<float>();
   }
   TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");

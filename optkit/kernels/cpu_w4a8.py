@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from optkit.kernels import cpp_build
+from optkit.kernels import cpp_build, cpu_decode
 from optkit.kernels.cpu_int4 import contiguous_groups
 
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
@@ -90,6 +90,8 @@ def pack(
     bound by them)."""
     out_features, in_features = q.shape
     groups = scale.shape[1]
+    if groups < 1 or in_features < 1:
+        return f"{groups} groups of {in_features} columns"
     if bits > 4:
         return f"{bits}-bit weights (the kernel is 4-bit)"
     if in_features % groups:
@@ -130,7 +132,10 @@ def w4a8_linear(x: torch.Tensor, packed: W4A8Packed, bias: torch.Tensor | None =
     x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
     if packed.perm is not None:
         x2 = x2.index_select(1, packed.perm)
-    y = _linear_op()(x2, packed.weight, packed.params, bias, packed.out_features, packed.group_size, selected_isa())
+    try:
+        y = _linear_op()(x2, packed.weight, packed.params, bias, packed.out_features, packed.group_size, selected_isa())
+    except ValueError as e:  # the operator's shape checks (TORCH_CHECK_VALUE)
+        raise cpu_decode.shape_error(e) from e
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*shape[:-1], packed.out_features)

@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from optkit.kernels.w8a8 import check_scaled_linear
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 
@@ -110,9 +112,9 @@ class FP8Linear(torch.nn.Module):
         input_scale: torch.Tensor | None = None,
     ):
         super().__init__()
-        assert weight.dtype == FP8_DTYPE, weight.dtype
+        weight_scale = check_scaled_linear(weight, FP8_DTYPE, weight_scale, bias, input_scale)
         self.register_buffer("weight", weight.contiguous())  # float8_e4m3fn [out, in]
-        self.register_buffer("weight_scale", weight_scale.reshape(-1).float())  # [out]
+        self.register_buffer("weight_scale", weight_scale)  # [out]
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
+from optkit.kernels.w4a16 import check_layer_tensors
 from optkit.weights.codebooks import nf4_code
 from optkit.weights.packing import pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight, dequantize_codebook
@@ -24,13 +25,14 @@ class NF4Linear(torch.nn.Module):
 
     def __init__(self, qweight: torch.Tensor, absmax: torch.Tensor, in_features: int, bias: torch.Tensor | None = None):
         super().__init__()
+        zero_point = torch.zeros(absmax.shape, dtype=torch.int8)  # the W4A16 kernel's view: no zero point
+        check_layer_tensors(qweight, absmax, zero_point, 4, in_features, None, bias)
         self.in_features, self.out_features = in_features, absmax.shape[0]
         self.register_buffer("qweight", qweight)  # int32 [out, ceil(in / 8)], codes 0..15
         self.register_buffer("scale", absmax.float())  # [out, in / block]
         self.register_buffer("codebook", nf4_code().clone())  # [16]
         self.register_buffer("bias", bias)
-        # the W4A16 kernel's view: no zero point, contiguous blocks
-        self.register_buffer("zero_point", torch.zeros(absmax.shape, dtype=torch.int8), persistent=False)
+        self.register_buffer("zero_point", zero_point, persistent=False)  # and contiguous blocks
         self.g_idx = None
 
     @classmethod

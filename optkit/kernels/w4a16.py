@@ -28,6 +28,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from optkit.errors import OptkitError
 from optkit.kernels import cpu_int4, cpu_w4a8
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.weights.packing import field_bits, pack_int32, unpack_int32
@@ -74,6 +75,40 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     return buf[:numel]
 
 
+def check_layer_tensors(
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    bits: int,
+    in_features: int,
+    g_idx: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """An OptkitError naming the tensor unless they agree: every kernel (Triton's takes N from
+    scale.shape[0]) reads qweight, zero_point and bias by the scales' shape without checking it."""
+    if not 1 <= bits <= 8 or in_features < 1 or scale.dim() != 2 or min(scale.shape) < 1:
+        raise OptkitError(f"w{bits} scales {_shape(scale)} for {in_features} inputs: not a quantized linear")
+    out_features, groups = scale.shape
+    width = field_bits(bits)
+    packed = (out_features, in_features if width == 8 else -(-in_features // (32 // width)))
+    if tuple(qweight.shape) != packed:
+        raise OptkitError(f"qweight is {_shape(qweight)}, but the scales and inputs make it {list(packed)}")
+    if zero_point.shape != scale.shape:
+        raise OptkitError(f"zero_point is {_shape(zero_point)}, the scales {_shape(scale)}")
+    if g_idx is None and in_features % groups:
+        raise OptkitError(f"{in_features} inputs are not {groups} whole groups (the scales' columns)")
+    if g_idx is not None and g_idx.shape != (in_features,):
+        raise OptkitError(f"g_idx is {_shape(g_idx)}, not one group per each of {in_features} inputs")
+    if g_idx is not None and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise OptkitError(f"g_idx names groups outside the scales' {groups}")
+    if bias is not None and bias.shape != (out_features,):
+        raise OptkitError(f"bias is {_shape(bias)}, the layer has {out_features} outputs")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
 class W4A16Linear(torch.nn.Module):
     """y = x Ŵᵀ + b with Ŵ dequantized from packed integers at each call (any of 1..8 bits)."""
 
@@ -88,6 +123,7 @@ class W4A16Linear(torch.nn.Module):
         bias: torch.Tensor | None = None,
     ):
         super().__init__()
+        check_layer_tensors(qweight, scale, zero_point, bits, in_features, g_idx, bias)
         self.bits, self.in_features, self.out_features = bits, in_features, scale.shape[0]
         self.register_buffer("qweight", qweight)  # packed as in the module docstring
         self.register_buffer("scale", scale)  # [out, G], the stored dtype (the math runs in float32)

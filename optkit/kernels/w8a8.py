@@ -12,6 +12,7 @@ with the scales and bias in its epilogue) when triton imports and no `int_mm` is
 
 import torch
 
+from optkit.errors import OptkitError
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 INT8_MAX = 127
@@ -69,6 +70,33 @@ def int8_linear_reference(
     return int8_linear(x, weight_t, weight_scale, bias, input_scale, int_mm=_exact_int_mm)
 
 
+def check_scaled_linear(
+    weight: torch.Tensor,
+    dtype: torch.dtype,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """The weight scales as float32 [out] (one per-tensor scale repeated), after checking that the
+    tensors of an int8 or FP8 linear agree; an OptkitError naming the tensor otherwise."""
+    if weight.dtype != dtype or weight.dim() != 2 or min(weight.shape) < 1:
+        raise OptkitError(f"weight is {weight.dtype} {_shape(weight)}: a {dtype} [out, in] matrix was expected")
+    out_features = weight.shape[0]
+    if weight_scale.numel() not in (1, out_features):
+        raise OptkitError(
+            f"weight_scale is {_shape(weight_scale)}: give one scale, or one for each of {out_features} outputs"
+        )
+    if bias is not None and bias.numel() != out_features:
+        raise OptkitError(f"bias is {_shape(bias)}, the layer has {out_features} outputs")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise OptkitError(f"input_scale is {_shape(input_scale)}: a static input scale is one value")
+    return weight_scale.reshape(-1).float().expand(out_features).contiguous()
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
 class W8A8Linear(torch.nn.Module):
     """A linear layer that stays int8 in memory and multiplies in int8."""
 
@@ -80,10 +108,11 @@ class W8A8Linear(torch.nn.Module):
         input_scale: torch.Tensor | None = None,
     ):
         super().__init__()
+        weight_scale = check_scaled_linear(weight, torch.int8, weight_scale, bias, input_scale)
         # weight: int8 [out, in]; kept transposed, [in, out], row-major: the layout the Triton kernel
         # wants; `prepare` makes it column-major on the CPU, where oneDNN's int8 GEMV is 3x faster so
         self.register_buffer("weight_t", weight.t().contiguous())
-        self.register_buffer("weight_scale", weight_scale.reshape(-1).float())
+        self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from optkit.errors import OptkitError
+from optkit.hf_config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, check_config
 from optkit.models.moe import DENSE_TWINS, MoEConfig, dense_twin, moe_fields
 from optkit.models.rope import DEFAULT_THETA, rope_frequencies, standardize_rope
 from optkit.quant.families import model_types
@@ -109,15 +110,12 @@ class ModelConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": DEFAULT_THETA})
 
     def __post_init__(self):
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise OptkitError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
-                f"{self.num_key_value_heads}: fix config.json"
-            )
+        check_dimensions(self)
 
     @classmethod
     def from_hf(cls, config: dict, generation_config: dict | None = None) -> "ModelConfig":
         """From config.json (and, optionally, generation_config.json, which may add EOS tokens)."""
+        config = check_config(config, "config.json")  # a dict whose sizes are usable, before any is read
         model_type = config.get("model_type")
         if model_type == "gemma3":  # Gemma3ForConditionalGeneration: the runtime runs its language model
             text = config.get("text_config") or {}
@@ -125,20 +123,29 @@ class ModelConfig:
             config = {**text, "model_type": "gemma3", "eos_token_id": eos}
         if model_type in _GEMMA_DEFAULTS or model_type == "gemma3":
             config = {**_GEMMA_DEFAULTS["gemma2" if model_type == "gemma2" else "gemma3_text"], **config}
+        missing = [key for key in _REQUIRED if key not in config]
+        if missing and model_type in MODEL_TYPES:
+            raise OptkitError(f"config.json lacks {', '.join(missing)}: re-save the model with save_pretrained")
         if model_type in DENSE_TWINS and model_type in MODEL_TYPES:  # the dense twin's fields, and the experts
-            return cls(**{**vars(cls.from_hf(dense_twin(config), generation_config)), **moe_fields(config)})
+            try:
+                experts = moe_fields(config)
+            except KeyError as e:
+                raise OptkitError(f"config.json lacks {e.args[0]}, which {model_type} needs: fix config.json") from e
+            return cls(**{**vars(cls.from_hf(dense_twin(config), generation_config)), **experts})
         if model_type not in MODEL_TYPES:
             raise OptkitError(
                 f"model_type {model_type!r} is not supported by the runtime: it runs {', '.join(MODEL_TYPES)}"
             )
-        missing = [key for key in _REQUIRED if key not in config]
-        if missing:
-            raise OptkitError(f"config.json lacks {', '.join(missing)}: re-save the model with save_pretrained")
         gemma = _gemma_fields(config, model_type) if model_type in ("gemma2", "gemma3_text", "gemma3") else {}
         if not gemma and config.get("hidden_act", "silu") != "silu":
             raise OptkitError(f"hidden_act {config['hidden_act']!r} is not supported: the runtime runs silu MLPs")
         sliding = {} if gemma else _sliding_window(config, model_type)
         heads = config["num_attention_heads"]
+        if model_type != "qwen3" and not config.get("head_dim") and config["hidden_size"] % heads:
+            raise OptkitError(
+                f"config.json: hidden_size {config['hidden_size']} is not a multiple of num_attention_heads {heads} "
+                "and there is no head_dim: fix config.json"
+            )
         default_head_dim = 128 if model_type == "qwen3" else config["hidden_size"] // heads
         max_positions = config.get(
             "max_position_embeddings", _DEFAULT_MAX_POSITIONS["gemma3_text" if model_type == "gemma3" else model_type]
@@ -297,3 +304,55 @@ def _eos_token_ids(config: dict, generation_config: dict) -> list[int]:
             if token not in ids:
                 ids.append(token)
     return ids
+
+
+def check_dimensions(config: ModelConfig) -> None:
+    """Every size the runtime builds a tensor or divides by is a usable whole number (config.json
+    may say anything: hf_config.py checks its keys; this checks what the family's defaults made of them)."""
+    limits = dict.fromkeys(_DIMENSIONS, MAX_WIDTH) | {"vocab_size": MAX_VOCAB, "max_position_embeddings": MAX_POSITIONS}
+    for name, limit in limits.items():
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise OptkitError(f"config.json: {name} {value!r} is not a whole number from 1 to {limit}: fix config.json")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise OptkitError(
+            f"num_attention_heads {config.num_attention_heads} is not a multiple of num_key_value_heads "
+            f"{config.num_key_value_heads}: fix config.json"
+        )
+    rotary = config.rotary_dim
+    if rotary < 2 or rotary % 2:
+        raise OptkitError(
+            f"config.json: head_dim {config.head_dim} rotates {rotary} dimensions: RoPE needs an even number "
+            "of at least 2; fix head_dim or partial_rotary_factor"
+        )
+    if config.layer_types and len(config.layer_types) != config.num_hidden_layers:
+        raise OptkitError(
+            f"config.json: layer_types names {len(config.layer_types)} layers, num_hidden_layers "
+            f"{config.num_hidden_layers}: fix config.json"
+        )
+    window = config.sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise OptkitError(f"config.json: sliding_window {window!r} is not a positive whole number: fix config.json")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in config.eos_token_ids):
+        raise OptkitError(f"EOS token ids {config.eos_token_ids!r} are not token ids: fix eos_token_id")
+    moe = config.moe
+    if moe is not None and not (
+        1 <= moe.top_k <= moe.num_experts
+        and moe.intermediate_size >= 1
+        and all(0 <= i < config.num_hidden_layers for i in moe.sparse_layers)
+    ):
+        raise OptkitError(
+            f"config.json: {moe.num_experts} experts, {moe.top_k} per token, intermediate size "
+            f"{moe.intermediate_size}: give at least one expert per token, no more than there are; fix config.json"
+        )
+
+
+# the sizes the runtime allocates by (vocab and positions have their own bounds)
+_DIMENSIONS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+)

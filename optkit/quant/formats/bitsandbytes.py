@@ -18,10 +18,12 @@ block, so they are exactly the per-row groups of a WeightScheme with group_size 
 """
 
 import json
+import math
 
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.formats.common import read_checked
 from optkit.quant.nf4 import NESTED_BLOCKSIZE, double_dequantize, double_quantize
 from optkit.weights.codebooks import dynamic_code, nf4_code
 from optkit.weights.quantized import QuantizedWeight
@@ -39,6 +41,8 @@ SUFFIXES = (
     QUANT_STATE,
 )
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' quantize_4bit accepts
+MAX_STATE_BYTES = 4096  # a quant state is a few keys of JSON
+MAX_DIM = 2**24  # a side of a quantized weight (an output head's: the vocabulary)
 DTYPE = "float32"  # the dtype bitsandbytes dequantizes to (and computes in): exact, like optkit's reference
 
 
@@ -85,10 +89,59 @@ def _pack_json(data: dict) -> torch.Tensor:
 
 
 def _unpack_json(tensor: torch.Tensor, where: str) -> dict:
+    if tensor.numel() > MAX_STATE_BYTES:
+        raise OptkitError(f"{where}: the bitsandbytes quant state is {tensor.numel()} bytes, not a few keys of JSON")
     try:
-        return json.loads(bytes(tensor.to(torch.uint8).tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise OptkitError(f"{where}: the bitsandbytes quant state is not JSON ({e}): re-create the artifact") from e
+        state = json.loads(bytes(tensor.to(torch.uint8).reshape(-1).tolist()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        raise OptkitError(
+            f"{where}: the bitsandbytes quant state is not JSON ({reason}): re-create the artifact"
+        ) from e
+    if not isinstance(state, dict):
+        raise OptkitError(f"{where}: the bitsandbytes quant state is not a JSON object: re-create the artifact")
+    return state
+
+
+def _checked_state(state: dict, tensors: dict[str, torch.Tensor], prefix: str) -> tuple[int, int, int]:
+    """(out, in, block) of a quant state that the layer's tensors agree with; an OptkitError otherwise."""
+    where = f"{prefix}: the bitsandbytes quant state"
+    shape, block = state.get("shape"), state.get("blocksize")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_whole(d) and 1 <= d <= MAX_DIM for d in shape)):
+        raise OptkitError(f"{where} has shape {_shown(shape)}: [out, in] of whole numbers from 1 to {MAX_DIM} expected")
+    if not _whole(block) or block not in BLOCKSIZES:
+        raise OptkitError(f"{where} has blocksize {_shown(block)}: bitsandbytes blocks hold one of {BLOCKSIZES}")
+    out, inp = shape
+    packed = tensors[f"{prefix}.weight"]
+    if packed.dtype != torch.uint8 or packed.numel() != -(-out * inp // 2):
+        raise OptkitError(
+            f"{where} says {out}×{inp}, but {prefix}.weight holds {packed.numel()} {packed.dtype} values "
+            f"(the codes of {out}×{inp}, two a byte, are {-(-out * inp // 2)} uint8): re-create the artifact"
+        )
+    if inp % block:
+        raise OptkitError(f"{prefix}: blocks of {block} straddle rows of {inp}: optkit reads whole-row blocks")
+    absmax, blocks = tensors[f"{prefix}.weight.absmax"], out * inp // block
+    if absmax.numel() != blocks:
+        raise OptkitError(f"{prefix}.weight.absmax holds {absmax.numel()} values for {blocks} blocks: re-create it")
+    if "nested_offset" in state:
+        offset, nested = state["nested_offset"], tensors[f"{prefix}.weight.nested_absmax"]
+        if isinstance(offset, bool) or not isinstance(offset, int | float) or not math.isfinite(offset):
+            raise OptkitError(f"{where} has nested_offset {_shown(offset)}: a finite number expected")
+        if absmax.dtype != torch.uint8 or nested.numel() != -(-blocks // NESTED_BLOCKSIZE):
+            raise OptkitError(
+                f"{prefix}.weight.nested_absmax holds {nested.numel()} values for {blocks} uint8 absmax codes "
+                f"in blocks of {NESTED_BLOCKSIZE}: re-create the artifact"
+            )
+    return out, inp, block
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"a {type(value).__name__}"
 
 
 def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
@@ -116,11 +169,8 @@ def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightSche
     """Inverse of `compress`: NF4 codes [out, in] and the absmax each block is read with."""
     state = _unpack_json(tensors[f"{prefix}.{QUANT_STATE}"], prefix)
     if state.get("quant_type") != "nf4":
-        raise OptkitError(f"{prefix}: bitsandbytes quant_type {state.get('quant_type')!r}: optkit reads nf4")
-    out, inp = state["shape"]
-    block = int(state["blocksize"])
-    if inp % block:
-        raise OptkitError(f"{prefix}: blocks of {block} straddle rows of {inp}: optkit reads whole-row blocks")
+        raise OptkitError(f"{prefix}: bitsandbytes quant_type {_shown(state.get('quant_type'))}: optkit reads nf4")
+    out, inp, block = _checked_state(state, tensors, prefix)
     packed = tensors[f"{prefix}.weight"].reshape(-1).to(torch.uint8)
     codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[: out * inp].reshape(out, inp)
     code = tensors[f"{prefix}.weight.quant_map"].float()
@@ -155,5 +205,5 @@ def dequantized_state_dict(
     owned = {f"{p}.{suffix}" for p in prefixes for suffix in SUFFIXES}
     state = {k: v for k, v in tensors.items() if k not in owned}
     for prefix in prefixes:
-        state[f"{prefix}.weight"] = decompress(prefix, tensors).dequantize(dtype)
+        state[f"{prefix}.weight"] = read_checked(prefix, lambda p: decompress(p, tensors)).dequantize(dtype)
     return state

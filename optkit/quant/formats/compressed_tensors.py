@@ -143,15 +143,21 @@ def w8a8_modules(tensors: dict[str, torch.Tensor], quant_config: dict) -> dict[s
         for k, v in tensors.items()
         if k.endswith(".weight") and v.dtype in (torch.int8, FP8_DTYPE)
     ]
-    return {
-        p: (FP8Linear if tensors[f"{p}.weight"].dtype == FP8_DTYPE else W8A8Linear)(
-            tensors[f"{p}.weight"],
-            tensors[f"{p}.weight_scale"],
-            tensors.get(f"{p}.bias"),
-            tensors.get(f"{p}.input_scale"),
-        )
-        for p in prefixes
-    }
+    modules = {}
+    for p in prefixes:
+        if f"{p}.weight_scale" not in tensors:
+            raise OptkitError(f"{p}: the checkpoint lacks {p}.weight_scale: re-create the artifact")
+        layer = FP8Linear if tensors[f"{p}.weight"].dtype == FP8_DTYPE else W8A8Linear
+        try:
+            modules[p] = layer(
+                tensors[f"{p}.weight"],
+                tensors[f"{p}.weight_scale"],
+                tensors.get(f"{p}.bias"),
+                tensors.get(f"{p}.input_scale"),
+            )
+        except OptkitError as e:  # its tensors do not fit each other
+            raise OptkitError(f"{p}: {e}: re-create the artifact") from e
+    return modules
 
 
 def scheme_from_config(quant_config: dict) -> WeightScheme:

@@ -9,6 +9,7 @@ from optkit.errors import OptkitError
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.quant.families import family_for
 from optkit.quant.formats import reader_for
+from optkit.quant.formats.common import check_tensor_shapes
 from optkit.quant.formats.mixed import dequantized_state_dict
 from optkit.quant.moe import calibration_modules, unfuse_experts
 
@@ -53,6 +54,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     else:
         state = dequantized_state_dict(fmt, stored, quant_config, dtype)  # per-layer schemes when mixed
         state = {family.module_name(k): v for k, v in state.items()}
+    check_tensor_shapes(state, model.state_dict(), str(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not in_int8_module(k)]
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
