@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 from optkit import __version__
 from optkit.artifacts import file_hashes, file_sha256
 from optkit.errors import OptkitError
+from optkit.json_strict import dumps, finite
 
 MANIFEST = "optkit.json"
 _MAX_LINKS = 40  # symlinks followed while resolving one name (the kernel's own limit)
@@ -42,7 +43,8 @@ def versions() -> dict[str, str]:
 
 
 def write_manifest(directory: Path, fields: dict) -> dict:
-    """Write `optkit.json` last, with the sha256 of every other file in `directory`."""
+    """Write `optkit.json` last, with the sha256 of every other file in `directory`; returns it as
+    written: strict JSON, where a NaN (the loss of a layer no calibration measured) is null."""
     manifest = {
         "optkit_version": __version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -50,7 +52,8 @@ def write_manifest(directory: Path, fields: dict) -> dict:
         **fields,
         "files": file_hashes(directory, exclude=(MANIFEST,)),
     }
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest = finite(manifest)
+    (directory / MANIFEST).write_text(dumps(manifest, indent=2) + "\n")
     return manifest
 
 

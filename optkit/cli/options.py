@@ -108,6 +108,7 @@ def print_table(table, out=None) -> None:
 
 
 def print_json(data) -> None:
-    import json
+    """`data` as strict JSON on stdout: NaN and infinities as null (optkit/json_strict.py)."""
+    from optkit.json_strict import dumps
 
-    print(json.dumps(data, indent=2, default=str))
+    print(dumps(data, indent=2, default=str))

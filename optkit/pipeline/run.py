@@ -29,6 +29,7 @@ from optkit.artifacts import (
 )
 from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
+from optkit.json_strict import dumps
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
 from optkit.modeldir import resolve_model_dir
 from optkit.pipeline.model_card import model_card
@@ -65,7 +66,7 @@ def _record(work: Path, stage: str) -> dict | None:
 
 def _write_record(work: Path, stage: str, record: dict) -> None:
     tmp = work / f".{stage}.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tmp.write_text(dumps(record, indent=2, default=str) + "\n")
     tmp.replace(work / f"{stage}.json")
 
 
@@ -162,7 +163,7 @@ def run_recipe(
         for path in [artifact] if one_file else artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
-        (tmp / "gate.json").write_text(json.dumps(result.gate, indent=2) + "\n")
+        (tmp / "gate.json").write_text(dumps(result.gate, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
         (tmp / "report.html").write_text(render_report(release.name, manifest, result.gate, result.verdict))
         fields = {k: v for k, v in manifest.items() if k not in ("files", "optkit_version", "created", "versions")}

@@ -12,6 +12,7 @@ import json
 
 from fastapi import APIRouter, Request
 
+from optkit.json_strict import finite
 from optkit.server.errors import APIError
 
 api = APIRouter()
@@ -27,12 +28,12 @@ async def shadow(request: Request) -> dict:
     models = _routing(request)
     if models.shadow is None:
         raise APIError(404, "shadow mode is off: start optkit serve with --shadow QUANT=FULL", code="shadow_off")
-    return models.shadow.snapshot()
+    return finite(models.shadow.snapshot())  # an empty window's means are NaN: null in JSON
 
 
 @api.get("/v1/optkit/fallback")
 async def fallback(request: Request) -> dict:
-    return {"pairs": [monitor.state() for monitor in _fallbacks(request).values()]}
+    return finite({"pairs": [monitor.state() for monitor in _fallbacks(request).values()]})
 
 
 @api.post("/v1/optkit/fallback/reset")
@@ -53,7 +54,7 @@ async def fallback_reset(request: Request) -> dict:
         raise APIError(404, f"{model!r} has no fallback: the models with one are {pairs}", param="model")
     targets = [monitors[model]] if model is not None else list(monitors.values())
     reset = [monitor.quant for monitor in targets if monitor.reset()]
-    return {"reset": reset, "pairs": [monitor.state() for monitor in monitors.values()]}
+    return finite({"reset": reset, "pairs": [monitor.state() for monitor in monitors.values()]})
 
 
 def _fallbacks(request: Request) -> dict:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
+from optkit.json_strict import dumps
 from optkit.quant.formats import gguf_metadata as meta
 from optkit.quant.formats.common import dequantize_layers
 from optkit.weights import gguf_blocks
@@ -181,7 +182,7 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         meta.add_hyperparameters(writer, config)
         meta.add_tokenizer(writer, staged, config)
-        writer.add_string("optkit.manifest", json.dumps({k: v for k, v in manifest.items() if k != "files"}))
+        writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
 
         plan = []  # (GGUF name, HF key, raw type) in file order
         for key in reader.keys():
