@@ -65,3 +65,22 @@ class GateOptions(Thresholds):
     reference_cache: bool = False  # cache the base's top-k log-probs: reruns never load the base
     top_k: int = 256
     repair: RepairOptions | None = None  # absent: a failing gate is a verdict, nothing more
+    # gate/decision.py: `point` compares estimates with the thresholds; `confident` passes only when
+    # every one-sided bound at `confidence` is inside, rejects when one is outside (Bonferroni),
+    # and otherwise is inconclusive (exit 4)
+    decision: Literal["point", "confident"] = "point"
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0)  # the decision's one-sided level; intervals shown two-sided
+    bootstrap_seed: int = 0  # the bootstrap's resamples (gate/intervals.py): a report is reproducible
+    # gate/sequential.py: windows in a random order (seeded by bootstrap_seed), stopping as soon as
+    # every threshold is decided at `confidence` (anytime-valid bets; inconclusive if they run out)
+    sequential: bool = False
+
+    @model_validator(mode="after")
+    def _sequential_needs_a_threshold(self):
+        if self.sequential and not self.any_set():
+            raise ValueError("sequential stops once the thresholds are decided: set at least one (max_kld, ...)")
+        return self
+
+    @property
+    def alpha(self) -> float:
+        return 1.0 - self.confidence

@@ -74,6 +74,12 @@ def choice_logprobs(model, contexts: list[list[int]], choices: list[list[int]], 
     return torch.stack(scores)
 
 
+def item_correct(model, encoded: list[tuple[list[list[int]], list[list[int]], int]], pad_id: int) -> torch.Tensor:
+    """Whether the model picks the gold choice, per question: bool [num_questions] (the unit the
+    gate's task intervals resample, paired with the base's answers to the same questions)."""
+    picks = [int(choice_logprobs(model, c, choices, pad_id).argmax()) == gold for c, choices, gold in encoded]
+    return torch.tensor(picks, dtype=torch.bool)
+
+
 def accuracy(model, encoded: list[tuple[list[list[int]], list[list[int]], int]], pad_id: int) -> float:
-    correct = sum(int(choice_logprobs(model, c, choices, pad_id).argmax()) == gold for c, choices, gold in encoded)
-    return correct / len(encoded)
+    return item_correct(model, encoded, pad_id).double().mean().item()

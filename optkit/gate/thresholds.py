@@ -1,4 +1,5 @@
-"""Gate thresholds and the pass/fail decision. Field names are the recipe keys."""
+"""Gate thresholds and the point comparison of each metric with its threshold (gate/decision.py
+turns checks into a verdict). Field names are the recipe keys."""
 
 import math
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ class Thresholds(BaseModel):
     min_top1: float | None = None  # percent of tokens with the base's top token
     min_recovery: float | None = None  # task accuracy of the artifact / of the base (needs a task)
 
+    def any_set(self) -> bool:
+        return any(getattr(self, name) is not None for name in RULES)
+
 
 @dataclass(frozen=True)
 class Check:
@@ -22,11 +26,21 @@ class Check:
     value: float
     limit: float
     passed: bool
+    state: str = ""  # "ok" | "crossed" | "unsure" (confident rule: the bounds decide neither way)
+    bound: float | None = None  # confident rule: the one-sided bound that decided (or the pessimistic one)
+
+    def __post_init__(self):
+        if not self.state:
+            object.__setattr__(self, "state", "ok" if self.passed else "crossed")
+
+    @property
+    def upper(self) -> bool:
+        """True when the metric must stay at or below the limit."""
+        return not self.name.startswith("min_")
 
     @property
     def rule(self) -> str:
-        op = "≥" if self.name.startswith("min_") else "≤"
-        return f"{op} {self.limit:g}"
+        return f"{'≤' if self.upper else '≥'} {self.limit:g}"
 
 
 # threshold field -> (metric it bounds, True when the metric must stay at or below it)

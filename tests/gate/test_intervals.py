@@ -1,0 +1,81 @@
+"""The gate's bootstrap intervals: they cover the true value at about their nominal rate, they
+are paired, and a seed makes them reproducible."""
+
+import math
+
+import torch
+
+from optkit.gate.intervals import bootstrap_items, bootstrap_windows
+from optkit.gate.metrics import WindowStats, window_metrics
+
+
+def synthetic_windows(n: int, generator: torch.Generator, *, skew: float = 0.5, tokens: int = 255) -> WindowStats:
+    """n windows whose mean KLD per token is lognormal(log 0.01, skew) (right-skewed, as real KLD
+    is), with base NLL varying a lot between windows and the artifact's a little above it."""
+    t = torch.full((n,), float(tokens), dtype=torch.float64)
+    kld = torch.exp(torch.randn(n, generator=generator, dtype=torch.float64) * skew) * 0.01 * t
+    nll_base = t * (2.8 + 0.5 * torch.randn(n, generator=generator, dtype=torch.float64))
+    nll_artifact = nll_base + 2 * kld
+    top1 = t * (0.9 + 0.02 * torch.randn(n, generator=generator, dtype=torch.float64))
+    return WindowStats(t, nll_base, nll_artifact, kld, top1)
+
+
+def test_intervals_cover_the_true_mean_kld_at_about_the_nominal_rate():
+    generator = torch.Generator().manual_seed(0)
+    true_kld = 0.01 * math.exp(0.5**2 / 2)
+    repeats, covered, upper_holds = 400, 0, 0
+    for seed in range(repeats):
+        bounds = bootstrap_windows(synthetic_windows(40, generator), resamples=1000, seed=seed)
+        low, high = bounds.interval("kld_mean", 0.95)
+        covered += low <= true_kld <= high
+        upper_holds += true_kld <= bounds.upper("kld_mean", 0.05)
+    # 95% nominal; binomial noise over 400 repeats is ±2.2% (2 s.e.); a plain normal interval on
+    # such skewed windows covers ~91%
+    assert 0.91 <= covered / repeats <= 0.985, covered
+    assert 0.91 <= upper_holds / repeats <= 0.985, upper_holds
+
+
+def test_the_task_interval_covers_the_true_accuracy_at_about_the_nominal_rate():
+    generator = torch.Generator().manual_seed(1)
+    repeats, covered = 400, 0
+    for seed in range(repeats):
+        base = torch.rand(100, generator=generator) < 0.6
+        artifact = torch.where(torch.rand(100, generator=generator) < 0.1, ~base, base)  # 10% flipped
+        low, high = bootstrap_items(base, artifact, resamples=1000, seed=seed).interval("task_acc_artifact")
+        covered += low <= 0.6 * 0.9 + 0.4 * 0.1 <= high
+    assert 0.91 <= covered / repeats <= 0.985, covered
+
+
+def test_the_estimate_is_the_metric_of_every_window_and_the_interval_brackets_it():
+    windows = synthetic_windows(30, torch.Generator().manual_seed(2))
+    bounds = bootstrap_windows(windows)
+    for metric, value in window_metrics(windows).items():
+        low, high = bounds.interval(metric)
+        assert math.isclose(bounds.estimate(metric), value, rel_tol=1e-9), metric
+        assert low < value < high and bounds.units(metric) == 30, metric
+        assert bounds.lower(metric, 0.05) >= low and bounds.upper(metric, 0.05) <= high  # one side at 5% is inside
+
+
+def test_the_perplexity_interval_is_paired():
+    """Windows differ a lot in difficulty, the artifact's NLL moves with the base's: the paired
+    interval of Δppl sees only the difference, far narrower than the spread of either perplexity."""
+    windows = synthetic_windows(30, torch.Generator().manual_seed(3))
+    low, high = bootstrap_windows(windows).interval("ppl_increase_pct")
+    # an unpaired resample would move the base's ppl by ~5% (NLL s.d. 0.5 nats over 30 windows)
+    assert high - low < 1.0, (low, high)
+
+
+def test_the_same_seed_gives_the_same_interval_and_another_seed_a_different_one():
+    windows = synthetic_windows(20, torch.Generator().manual_seed(4))
+    first = bootstrap_windows(windows, seed=7).to_json()
+    assert bootstrap_windows(windows, seed=7).to_json() == first
+    assert bootstrap_windows(windows, seed=8).to_json() != first
+
+
+def test_an_artifact_equal_to_its_base_has_a_zero_width_interval():
+    t = torch.full((12,), 100.0, dtype=torch.float64)
+    nll = torch.rand(12, dtype=torch.float64) * 300
+    windows = WindowStats(t, nll, nll.clone(), torch.zeros(12, dtype=torch.float64), t.clone())
+    bounds = bootstrap_windows(windows)
+    assert bounds.interval("kld_mean") == (0.0, 0.0) and bounds.interval("top1_pct") == (100.0, 100.0)
+    assert bounds.interval("ppl_increase_pct") == (0.0, 0.0)
