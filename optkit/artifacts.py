@@ -3,6 +3,9 @@
 A temporary directory `.NAME.tmp-*` holds an output until it is complete, then is renamed to NAME.
 It records its owner (pid, host, process start time) in `.optkit-owner`, so that a later run can
 tell the leftovers of a killed run (removed) from a directory another run is still writing (kept).
+
+Nothing optkit did not write is ever deleted: `check_replaceable` is the one rule every place that
+deletes or replaces a directory obeys (an empty directory, or an optkit output nobody added to).
 """
 
 import contextlib
@@ -22,6 +25,7 @@ from optkit.errors import OptkitError
 log = logging.getLogger(__name__)
 
 OWNER = ".optkit-owner"  # in a temporary output directory, removed before the rename
+MANIFEST = "optkit.json"  # an output's list of its files (optkit/manifest.py writes and checks it)
 
 
 def check_writable_dir(path: Path, what: str, named: Path | None = None) -> None:
@@ -32,14 +36,83 @@ def check_writable_dir(path: Path, what: str, named: Path | None = None) -> None
 
 
 def check_output_dir(out: Path, overwrite: bool, what: str = "--out") -> None:
-    """Refuse an output directory that exists (without `overwrite`), is a file, or whose parent
-    cannot be written; `what` names the setting to change."""
+    """Refuse an output directory that exists (without `overwrite`), that optkit may not replace
+    (`check_replaceable`: not even with `overwrite`), or whose parent cannot be written; `what`
+    names the setting to change."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OptkitError(f"{what} {out} exists and is not a directory: choose another {what}")
-    if out.exists() and not overwrite:
-        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another {what}")
+    if os.path.lexists(out):
+        check_replaceable(out, what)
+        if not overwrite:
+            raise OptkitError(f"output {out} already exists: pass --overwrite or choose another {what}")
     _check_creatable(out, out.parent, what)
+
+
+def check_replaceable(path: Path, what: str = "--out") -> None:
+    """The rule for every directory optkit deletes or replaces (outputs, the work and scratch
+    directories beside them): only an empty directory, or an optkit output nobody added to (each
+    of its files listed in its optkit.json), goes. A symlink is never followed, a file or anything
+    else is never replaced here, and no option changes that. `what` names the setting that chose
+    `path`; OptkitError when it may not go."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OptkitError(
+            f"{what} {path} is a symlink: optkit never replaces or deletes through one; "
+            f"choose another {what} or remove the link yourself"
+        )
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise OptkitError(f"{what} {path} exists and is not a directory: choose another {what}")
+    stray = _unlisted_entry(path)
+    if stray is not None:
+        raise OptkitError(
+            f"{what} {path} already exists and is not an optkit output ({stray} is not listed in its {MANIFEST}): "
+            f"optkit replaces only an empty directory or one it wrote; choose another {what} or empty it yourself"
+        )
+
+
+def check_work_dir(path: Path, what: str) -> None:
+    """A directory optkit keeps its own records in and writes into (`optkit run`'s `.NAME.work`):
+    refused when it is a symlink or not a directory, so nothing is written or deleted through it."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        kind = "a symlink" if path.is_symlink() else "not a directory"
+        raise OptkitError(
+            f"{path}, the work directory of {what}, is {kind}: optkit never writes through one; move it away"
+        )
+
+
+def remove_dir(path: Path, what: str) -> None:
+    """Delete `path` if it is there and `check_replaceable` lets it go (OptkitError if not)."""
+    check_replaceable(path, what)
+    if Path(path).exists():
+        shutil.rmtree(path)
+
+
+def _unlisted_entry(directory: Path) -> str | None:
+    """The first entry under `directory` (a file, link or anything but a real directory) that its
+    optkit.json does not list, by relative name; None when there is none. Links are not followed."""
+    listed = _listed_files(directory)
+
+    def unreadable(error: OSError) -> None:
+        raise error
+
+    for parent, dirs, files in os.walk(directory, onerror=unreadable):
+        linked = [d for d in dirs if os.path.islink(os.path.join(parent, d))]
+        for entry in sorted(files + linked):
+            name = Path(parent, entry).relative_to(directory).as_posix()
+            if name != MANIFEST and name not in listed:
+                return name
+    return None
+
+
+def _listed_files(directory: Path) -> set[str]:
+    """The names optkit.json's "files" lists; none when it is missing or unreadable."""
+    try:
+        files = json.loads((directory / MANIFEST).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 
 
 def _check_creatable(named: Path, directory: Path, what: str) -> None:
@@ -124,26 +197,44 @@ def remove_stale_temporaries(out: Path) -> None:
             log.warning("removed stale temporary directory %s from an interrupted run (pid %d)", tmp, owner["pid"])
 
 
+def _owned_temporary(out: Path, what: str) -> Path:
+    """A new `.NAME.tmp-*` beside `out` that records its owner (this process)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OptkitError(f"output {out}: cannot create {out.parent} ({e.strerror}): choose another {what}") from e
+    remove_stale_temporaries(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    pid = os.getpid()
+    owner = {"pid": pid, "host": socket.gethostname(), "started": _process_start(pid)}
+    (tmp / OWNER).write_text(json.dumps(owner) + "\n")
+    return tmp
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
+def scratch_dir(near: Path, what: str = "--out") -> Iterator[Path]:
+    """A new working directory beside `near` (a `.NAME.tmp-*`, as an output's temporary), removed
+    when the block ends, however it ends; a killed run's is removed by the next for `near`."""
+    tmp = _owned_temporary(Path(near), what)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: Path, *, overwrite: bool, what: str = "--out") -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` only if the block completes.
 
     On any exception (Ctrl-C included) the temporary directory is removed and `out` is
     untouched, so an interrupted run leaves nothing at `out`. A run killed outright (SIGKILL,
     power loss) leaves its temporary directory; the next run for the same `out` removes it.
+    An `out` already there is replaced only as `check_replaceable` allows, checked again at the end.
     """
     out = Path(out)
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, what)
+    tmp = _owned_temporary(out, what)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OptkitError(f"output {out}: cannot create {out.parent} ({e.strerror}): choose another --out") from e
-    remove_stale_temporaries(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        pid = os.getpid()
-        owner = {"pid": pid, "host": socket.gethostname(), "started": _process_start(pid)}
-        (tmp / OWNER).write_text(json.dumps(owner) + "\n")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
@@ -152,16 +243,25 @@ def atomic_output_dir(out: Path, *, overwrite: bool) -> Iterator[Path]:
         for path in tmp.rglob("*"):  # some writers create private files; an artifact is for sharing
             if path.is_file():
                 os.chmod(path, 0o666 & ~umask)
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out, what)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_dir(source: Path, out: Path, what: str = "--out") -> None:
+    """Move the finished directory `source` to `out` in one rename, replacing what is there only
+    as `check_replaceable` allows."""
+    out = Path(out)
+    check_replaceable(out, what)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, trash / out.name)
+        os.replace(source, out)
+        shutil.rmtree(trash)
+    else:
+        os.replace(source, out)
 
 
 def file_sha256(path: Path) -> str:

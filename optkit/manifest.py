@@ -14,11 +14,10 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from optkit import __version__
-from optkit.artifacts import file_hashes, file_sha256
+from optkit.artifacts import MANIFEST, file_hashes, file_sha256
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, finite
 
-MANIFEST = "optkit.json"
 _MAX_LINKS = 40  # symlinks followed while resolving one name (the kernel's own limit)
 
 

@@ -7,6 +7,7 @@ confined to the directory: manifest.confined_file). A `compile/` in the director
 """
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -52,6 +53,12 @@ def check_model_dir(path: Path) -> None:
         ) from e
     if not weight_files(path):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        other = sorted(p.name for p in path.glob("*.safetensors"))
+        if other:
+            raise OptkitError(
+                f"model {path} has no model.safetensors or {INDEX} (found {', '.join(other)}): "
+                "name the weights as save_pretrained does"
+            )
         hint = (
             f" (found {', '.join(pickled)}: optkit never loads pickle; re-save with safe_serialization)"
             if pickled
@@ -60,8 +67,67 @@ def check_model_dir(path: Path) -> None:
         raise OptkitError(f"model {path} has no .safetensors weights{hint}")
 
 
+INDEX = "model.safetensors.index.json"
+
+
 def weight_files(path: Path) -> list[Path]:
-    return sorted(path.glob("*.safetensors"))
+    """The safetensors files a loader reads, as transformers picks them: `model.safetensors`, else
+    the shards `model.safetensors.index.json` names; in an optkit artifact each must be listed in
+    its optkit.json, and a weight file (or index) there that it does not list is refused rather
+    than ignored. Every name is confined to the directory (no symlink out of it); [] for none."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest is not None:
+        for entry in sorted(path.iterdir()):
+            if (entry.name.endswith(".safetensors") or entry.name == INDEX) and entry.name not in manifest["files"]:
+                raise OptkitError(
+                    f"{entry} is not listed in {MANIFEST}: optkit loads only the files an artifact's manifest "
+                    "lists; remove it or re-create the artifact"
+                )
+    if os.path.lexists(path / "model.safetensors"):
+        names = ["model.safetensors"]
+    elif os.path.lexists(path / INDEX):
+        names = _indexed_shards(path)
+    elif manifest is not None:  # an optkit artifact names its weight files in its manifest alone
+        names = sorted(name for name in manifest["files"] if "/" not in name and name.endswith(".safetensors"))
+    else:
+        return []
+    files = []
+    for name in names:
+        if confined_file(path, name, INDEX if name != "model.safetensors" else None) is None:
+            raise OptkitError(
+                f"{path / name} is missing: the model directory is incomplete, re-create or re-download it"
+            )
+        files.append(path / name)
+    return files
+
+
+def _indexed_shards(path: Path) -> list[str]:
+    """The file names `model.safetensors.index.json`'s weight_map names, each once."""
+    index = confined_file(path, INDEX)
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map") if index is not None else None
+    except (ValueError, AttributeError) as e:
+        raise OptkitError(f"{path / INDEX} is not valid JSON: repair or re-create it") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise OptkitError(f'{path / INDEX}: "weight_map" must map tensor names to file names: repair or re-create it')
+    return sorted(set(weight_map.values()))
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Which weight file holds each tensor; a tensor in two files is refused (neither may override
+    the other)."""
+    files: dict[str, Path] = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                if key in files:
+                    raise OptkitError(
+                        f"tensor {key} is in both {files[key].name} and {file.name} in {path}: "
+                        "a checkpoint stores each tensor once; re-create or re-download it"
+                    )
+                files[key] = file
+    return files
 
 
 def read_config(path: Path) -> dict:
@@ -95,10 +161,7 @@ class TensorReader:
     """Lazy access to the tensors of a model directory (all shards): one tensor read at a time."""
 
     def __init__(self, path: Path):
-        self._files = {}
-        for file in weight_files(path):
-            with safe_open(file, framework="pt") as f:
-                self._files.update(dict.fromkeys(f.keys(), file))
+        self._files = _tensor_files(path)
 
     def keys(self) -> list[str]:
         return list(self._files)
@@ -118,10 +181,13 @@ class TensorReader:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory (every shard), as stored: each file opened once (an open
     parses the header: ~0.7 ms, which per tensor was half of loading a 135M-parameter artifact)."""
+    by_file: dict[Path, list[str]] = {}
+    for key, file in _tensor_files(path).items():
+        by_file.setdefault(file, []).append(key)
     tensors = {}
-    for file in weight_files(path):
+    for file, keys in by_file.items():
         with safe_open(file, framework="pt") as f:
-            tensors.update({key: f.get_tensor(key) for key in f.keys()})
+            tensors.update({key: f.get_tensor(key) for key in keys})
     return tensors
 
 

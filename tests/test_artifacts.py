@@ -1,8 +1,17 @@
+import json
+
 import pytest
 
 from optkit.artifacts import atomic_output_dir, content_sha256
 from optkit.errors import OptkitError
 from tests.conftest import leftovers
+
+
+def old_output(out):
+    """An earlier optkit output at `out`: one file, listed in its optkit.json."""
+    out.mkdir()
+    (out / "old").write_text("old")
+    (out / "optkit.json").write_text(json.dumps({"files": {"old": "0" * 64}}))
 
 
 def test_complete_block_renames_into_place(tmp_path):
@@ -15,19 +24,17 @@ def test_complete_block_renames_into_place(tmp_path):
 
 def test_failed_block_leaves_nothing_and_keeps_the_old_output(tmp_path):
     out = tmp_path / "a"
-    out.mkdir()
-    (out / "old").write_text("old")
+    old_output(out)
     with pytest.raises(RuntimeError), atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new").write_text("new")
         raise RuntimeError("boom")
-    assert [p.name for p in out.iterdir()] == ["old"]
+    assert sorted(p.name for p in out.iterdir()) == ["old", "optkit.json"]
     assert leftovers(tmp_path, "a") == [out]
 
 
 def test_overwrite_replaces(tmp_path):
     out = tmp_path / "a"
-    out.mkdir()
-    (out / "old").write_text("old")
+    old_output(out)
     with pytest.raises(OptkitError, match="--overwrite"), atomic_output_dir(out, overwrite=False):
         pass
     with atomic_output_dir(out, overwrite=True) as tmp:

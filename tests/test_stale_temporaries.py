@@ -70,6 +70,7 @@ def test_a_live_writers_directory_is_left_alone(tmp_path, caplog):
             remove_stale_temporaries(out)
             with atomic_output_dir(out, overwrite=True) as tmp:
                 (tmp / "f").write_text("1")
+                (tmp / "optkit.json").write_text(json.dumps({"files": {"f": ""}}))  # the writer may replace it
         assert (live / "spill.bin").exists() and caplog.messages == []
         go.touch()
         assert process.wait(timeout=60) == 0

@@ -31,19 +31,24 @@ def verify(
     from optkit.cli.gguf_file import is_file_argument, verify_gguf
 
     if is_file_argument(artifact):
+        _check_against_release(Path(artifact), json_output)
         verify_gguf(Path(artifact), load, json_output)
         return
     require_supported(artifact)
     from optkit.errors import OptkitError
-    from optkit.manifest import read_manifest, verify_files
+    from optkit.manifest import MANIFEST, read_manifest, verify_files
     from optkit.modeldir import resolve_model_dir
 
-    path = resolve_model_dir(artifact)
+    path = Path(artifact)
+    if not (path / MANIFEST).is_file():  # a release of a .gguf has no config.json, and needs none here
+        path = resolve_model_dir(artifact)
     manifest = read_manifest(path)
     if manifest is None:
         raise OptkitError(f"{path} has no optkit.json: verify checks artifacts written by optkit")
     if load not in (None, "transformers"):
         raise OptkitError(f"--load {load!r} is not a loader verify runs: give --load transformers")
+    if load and not (path / "config.json").is_file():
+        raise OptkitError(f"--load transformers: {path} has no config.json: verify its .gguf with --load llama.cpp")
     problems = verify_files(path, manifest)
     if load and not problems:
         from optkit.compat.transformers_load import check_transformers_load
@@ -58,3 +63,24 @@ def verify(
         loaded = ", loads in transformers with the runtime's logits" if load else ""
         console().print(f"[bold green]ok[/] {path}: {len(manifest['files'])} files match optkit.json{loaded}")
     raise typer.Exit(1 if problems else 0)
+
+
+def _check_against_release(file: Path, json_output: bool) -> None:
+    """A file that an optkit release's optkit.json (beside it) lists must have the sha256 listed
+    there: exit 1 naming it when it does not. A file no manifest lists is left to the file's checks."""
+    from rich.markup import escape
+
+    from optkit.artifacts import file_sha256
+    from optkit.manifest import MANIFEST, confined_file, read_manifest
+
+    digest = (read_manifest(file.parent) or {}).get("files", {}).get(file.name)
+    if digest is None or confined_file(file.parent, file.name, MANIFEST) is None:
+        return
+    if file_sha256(file) == digest:
+        return
+    problem = f"{file.name}: sha256 differs from {file.parent / MANIFEST}"
+    if json_output:
+        print_json({"artifact": str(file), "problems": [problem], "ok": False})
+    else:
+        console().print(f"[bold red]mismatch[/] {escape(problem)}")
+    raise typer.Exit(1)

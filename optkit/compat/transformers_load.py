@@ -56,6 +56,9 @@ def load_transformers(path: Path, **kwargs) -> tuple[torch.nn.Module | None, lis
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from optkit.modeldir import verify_weights
+
+    verify_weights(path)  # transformers reads the weight files optkit would, and no file it refuses
     records = _Records()
     logger = hf_logging.get_logger("transformers")
     logger.addHandler(records)

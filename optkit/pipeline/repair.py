@@ -31,12 +31,11 @@ there at 5.3 MiB.
 """
 
 import math
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from optkit.artifacts import remove_dir, replace_dir
 from optkit.errors import OptkitError
 from optkit.gate.attribution import Attribution, attribute
 from optkit.gate.evaluate import GateResult, evaluate
@@ -141,7 +140,6 @@ def repair(
         evaluation += 1
         raised = {**prior, **raised_rungs(moves)}
         out = work / f"step-{evaluation}"
-        shutil.rmtree(out, ignore_errors=True)
         write_mixed_artifact(source, base, raised_rungs(moves), out, {})
         result = evaluate(out, base, gate)
         before = {**prior, **raised_rungs(previous)}
@@ -210,7 +208,7 @@ def repair(
     }
     if chosen_dir == artifact:  # nothing better than the uniform artifact: copy it to hold the record
         chosen_dir = work / "step-0"
-        shutil.rmtree(chosen_dir, ignore_errors=True)
+        remove_dir(chosen_dir, "repair work directory")
         shutil.copytree(artifact, chosen_dir)
     fields = {k: v for k, v in read_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
     write_manifest(chosen_dir, {**fields, **record})
@@ -231,16 +229,10 @@ def record_pass_without_repair(outcome: RepairOutcome) -> None:
     write_manifest(outcome.artifact, {**fields, "repair": record, "gate": outcome.gate.to_json()})
 
 
-def publish(source: Path, out: Path) -> None:
-    """Move a finished artifact directory to `out`, replacing what is there in one rename."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(source, out)
-        shutil.rmtree(trash)
-    else:
-        os.replace(source, out)
+def publish(source: Path, out: Path, what: str = "--out") -> None:
+    """Move a finished artifact directory to `out` in one rename, replacing what is there only as
+    artifacts.check_replaceable allows."""
+    replace_dir(source, out, what)
 
 
 def start_options(options, gate: GateOptions):
@@ -258,24 +250,21 @@ def quantize_and_repair(
 ) -> RepairOutcome:
     """`optkit quantize --target-kld`: quantize into a work directory beside `out`, gate, repair;
     the artifact that passes goes to `out`, else the closest to `out.rejected` (never to `out`)."""
-    from optkit.artifacts import check_output_dir
+    from optkit.artifacts import check_output_dir, check_replaceable, scratch_dir
     from optkit.modeldir import resolve_model_dir
     from optkit.quant.quantize import quantize_model
 
+    rejected = out.with_name(f"{out.name}.rejected")
     check_output_dir(out, overwrite)
+    check_replaceable(rejected, "--out")  # where a failed repair goes, replaced as --out is
     check_mixed(options.format)
     base = resolve_model_dir(model)
-    work = out.parent / f".{out.name}.repair"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with scratch_dir(out) as work:
         quantize_model(base, work / "uniform", start_options(options, gate), overwrite=True, device=device)
         outcome = repair(work / "uniform", base, gate, work, log=log)
         if outcome.artifact == work / "uniform":  # passed as it was: record the gate all the same
             record_pass_without_repair(outcome)
-        destination = out if outcome.passed else out.with_name(f"{out.name}.rejected")
+        destination = out if outcome.passed else rejected
         publish(outcome.artifact, destination)
         outcome.artifact = destination
         return outcome
-    finally:
-        shutil.rmtree(work, ignore_errors=True)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +23,13 @@ from optkit import __version__
 from optkit.artifacts import (
     atomic_output_dir,
     check_output_dir,
+    check_work_dir,
     check_writable_dir,
     content_sha256,
     file_sha256,
     remove_stale_temporaries,
+    scratch_dir,
 )
-from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
 from optkit.json_strict import dumps
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
@@ -65,9 +67,10 @@ def _record(work: Path, stage: str) -> dict | None:
 
 
 def _write_record(work: Path, stage: str, record: dict) -> None:
-    tmp = work / f".{stage}.json.tmp"
-    tmp.write_text(dumps(record, indent=2, default=str) + "\n")
-    tmp.replace(work / f"{stage}.json")
+    # a new file (O_EXCL), so that nothing planted in the work directory is written through
+    with tempfile.NamedTemporaryFile("w", dir=work, prefix=f".{stage}.json.", delete=False) as tmp:
+        tmp.write(dumps(record, indent=2, default=str) + "\n")
+    Path(tmp.name).replace(work / f"{stage}.json")
 
 
 def _git_commit(directory: Path) -> str | None:
@@ -86,11 +89,10 @@ def _prepare_outputs(release: Path, what: str) -> Path:
     left there; returns the work directory."""
     check_output_dir(release, overwrite=True, what=what)
     work = release.parent / f".{release.name}.work"
-    if work.exists() and not work.is_dir():
-        raise OptkitError(f"{work}, the work directory of {what} {release}, is not a directory: move it away")
+    check_work_dir(work, f"{what} {release}")
     check_writable_dir(work, what)
     work.mkdir(parents=True, exist_ok=True)
-    for output in (work / "quantized", release):
+    for output in (work / "quantized", work / "repair-steps", release):
         remove_stale_temporaries(output)
     return work
 
@@ -99,7 +101,8 @@ def run_recipe(
     recipe: Recipe, raw: dict, *, recipe_path: Path, out: Path | None = None, device: str = "auto"
 ) -> RunResult:
     release = Path(out or recipe.output)
-    work = _prepare_outputs(release, "--out" if out else "output")
+    what = "--out" if out else "output"
+    work = _prepare_outputs(release, what)
     base = resolve_model_dir(recipe.model)
     result = RunResult(release, "rejected")
 
@@ -159,7 +162,7 @@ def run_recipe(
 
     # 4. package: always rewritten (cheap), so the release reflects this recipe and verdict
     start = time.perf_counter()
-    with atomic_output_dir(release, overwrite=True) as tmp:
+    with atomic_output_dir(release, overwrite=True, what=what) as tmp:
         for path in [artifact] if one_file else artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
@@ -198,19 +201,17 @@ def _repair_stage(
     if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
         result.stages.append({"stage": "repair", "status": "skipped", "seconds": 0.0})
     else:
-        steps = work / "repair-steps"
-        shutil.rmtree(steps, ignore_errors=True)
-        steps.mkdir()
-        if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
-            artifact = steps / "start"
-            quantize_model(base, artifact, start_options(recipe.quantize, recipe.gate), overwrite=True, device=device)
-        outcome = repair(artifact, base, recipe.gate, steps)
-        if outcome.artifact == artifact:  # it passed as it was: package a copy, keep the stage's
-            shutil.copytree(artifact, steps / "as-is")
-            outcome.artifact = steps / "as-is"
-            record_pass_without_repair(outcome)
-        publish(outcome.artifact, repaired)
-        shutil.rmtree(steps, ignore_errors=True)
+        with scratch_dir(work / "repair-steps") as steps:
+            if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
+                artifact = steps / "start"
+                options = start_options(recipe.quantize, recipe.gate)
+                quantize_model(base, artifact, options, overwrite=True, device=device)
+            outcome = repair(artifact, base, recipe.gate, steps)
+            if outcome.artifact == artifact:  # it passed as it was: package a copy, keep the stage's
+                shutil.copytree(artifact, steps / "as-is")
+                outcome.artifact = steps / "as-is"
+                record_pass_without_repair(outcome)
+            publish(outcome.artifact, repaired)
         kept = read_manifest(repaired)
         _write_record(work, "repair", {"inputs": inputs})
         result.stages.append({"stage": "repair", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})

@@ -23,10 +23,10 @@ from pydantic import (
 )
 from safetensors.torch import save_file
 
-from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256
+from optkit.artifacts import atomic_output_dir, check_output_dir, content_sha256, scratch_dir
 from optkit.devices import resolve_device as resolve_device_str
 from optkit.errors import OptkitError
-from optkit.manifest import MANIFEST, write_manifest
+from optkit.manifest import MANIFEST, confined_file, write_manifest
 from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
@@ -278,14 +278,13 @@ def _quantize_to_file(model: str | Path, out: Path, options: QuantizeOptions, *,
     fmt = get_format(options.format)
     if out.suffix != fmt.SUFFIX or out.is_dir():
         raise OptkitError(f"--format {fmt.NAME} writes one file: give --out NAME{fmt.SUFFIX}")
+    if out.is_symlink():
+        raise OptkitError(f"--out {out} is a symlink: optkit never replaces one; choose another --out")
     if out.exists() and not overwrite:
         raise OptkitError(f"output {out} already exists: pass --overwrite or choose another --out")
-    stage = out.with_name(f".{out.name}.stage")
-    try:
-        manifest = quantize_model(model, stage, options, overwrite=True, device=device, _staging=True)
-        fmt.write_file(stage, out, manifest)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    with scratch_dir(out) as scratch:
+        manifest = quantize_model(model, scratch / "stage", options, overwrite=True, device=device, _staging=True)
+        fmt.write_file(scratch / "stage", out, manifest)
     return manifest
 
 
@@ -391,11 +390,15 @@ def _quantize_data_free(
 
 
 def _copy_side_files(base: Path, out: Path) -> None:
-    """Tokenizer, generation config and the like: everything but weights, config and manifest."""
-    skip = {"config.json", MANIFEST, "model.safetensors.index.json"} | {p.name for p in weight_files(base)}
+    """Tokenizer, generation config and the like: everything but weights (any *.safetensors: the
+    artifact's own are written above), config and manifest; only files inside `base`."""
+    skip = {"config.json", MANIFEST, "model.safetensors.index.json"}
     for path in base.iterdir():
-        if path.is_file() and path.name not in skip:
-            shutil.copy2(path, out / path.name)
+        if path.name in skip or path.name.endswith(".safetensors"):
+            continue
+        source = confined_file(base, path.name) if path.is_file() else None
+        if source is not None:
+            shutil.copy2(source, out / path.name)
 
 
 __all__ = ["QuantizeOptions", "quantize_model"]

@@ -101,7 +101,7 @@ def test_existing_out_without_overwrite(run_cli, out_parent, draft_dir):
     existing = out_parent / "q"
     existing.mkdir()
     (existing / "keep.txt").write_text("precious")
-    assert_user_error(run_cli("quantize", draft_dir, "--out", existing), "already exists", "--overwrite")
+    assert_user_error(run_cli("quantize", draft_dir, "--out", existing), "already exists", "not an optkit output")
     assert (existing / "keep.txt").read_text() == "precious"
     assert leftovers(out_parent, "q") == [existing]
 
