@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from optkit.cli.options import console, print_json, print_table
+from optkit.text_safety import printable, rich_text
 
 
 def is_file_argument(artifact: str) -> bool:
@@ -26,7 +27,7 @@ def inspect_gguf(path: Path, json_output: bool) -> None:
         print_json(info)
         return
     out = console()
-    about = Table(title=f"GGUF {path}", show_header=False)
+    about = Table(title=rich_text(f"GGUF {path}"), show_header=False)
     about.add_column()
     about.add_column(overflow="fold")
     tok, chat = info["tokenizer"], info["chat_template"]
@@ -44,14 +45,14 @@ def inspect_gguf(path: Path, json_output: bool) -> None:
     if info["optkit"]:
         rows.append(("optkit", _optkit_line(info["optkit"])))
     for key, value in rows:
-        about.add_row(key, f"{value:.7g}" if isinstance(value, float) else str(value))
+        about.add_row(rich_text(key), rich_text(f"{value:.7g}" if isinstance(value, float) else value))
     out.print(about)
     types = Table(title="tensors by type")
     for column in ("type", "tensors", "parameters", "MiB", "bits/weight"):
         types.add_column(column, justify="left" if column == "type" else "right")
     for row in info["types"]:
         types.add_row(
-            row["type"],
+            rich_text(row["type"]),
             str(row["tensors"]),
             f"{row['parameters']:,}",
             _mib(row["bytes"]),
@@ -63,21 +64,27 @@ def inspect_gguf(path: Path, json_output: bool) -> None:
         groups.add_column(column, justify="left" if column in ("tensor", "type") else "right")
     for row in info["groups"]:
         shape = "×".join(map(str, row["shape"]))
-        groups.add_row(row["name"], row["type"], shape, str(row["count"]), _mib(row["bytes"]))
+        groups.add_row(rich_text(row["name"]), rich_text(row["type"]), shape, str(row["count"]), _mib(row["bytes"]))
     print_table(groups, out)
 
 
 def _optkit_line(manifest: dict) -> str:
     """What optkit's manifest (the `optkit.manifest` key) says of the file, in one line."""
-    weights = (manifest.get("options") or {}).get("weights") or {}
-    scheme = f"{weights.get('bits')}-bit g{weights.get('group_size')} {'sym' if weights.get('symmetric') else 'asym'}"
-    calibration = (manifest.get("calibration") or {}).get("name") or "none"
-    return f"{manifest.get('method')} {scheme}, calibration {calibration}; optkit inspect --json shows the manifest"
+    weights = _get(_get(manifest, "options"), "weights")
+    symmetric = "sym" if _get(weights, "symmetric") else "asym"
+    scheme = f"{_get(weights, 'bits')}-bit g{_get(weights, 'group_size')} {symmetric}"
+    calibration = _get(_get(manifest, "calibration"), "name") or "none"
+    return f"{_get(manifest, 'method')} {scheme}, calibration {calibration}; optkit inspect --json shows the manifest"
+
+
+def _get(mapping, key: str):
+    """mapping[key] when mapping is a dict holding it (a manifest read from a file may hold anything)."""
+    return mapping.get(key) if isinstance(mapping, dict) else None
 
 
 def verify_gguf(path: Path, load: str | None, json_output: bool) -> None:
-    """Exit 0 when every check passes; 2 naming each problem on its own line (stderr, as the CLI's
-    other errors), or in the JSON's `problems`."""
+    """Exit 0 when every check passes; 2 naming the first problem in one line (stderr, as the CLI's
+    other errors), or every problem in the JSON's `problems`."""
     from optkit.errors import OptkitError
     from optkit.gate.llama_cpp import llama_cpp_available
     from optkit.quant.formats.gguf_check import check_file
@@ -119,13 +126,13 @@ def _print_verdict(report: dict, path: Path, json_output: bool) -> None:
     if json_output:
         print_json(report)
     else:
-        for problem in report["problems"]:
-            print(f"error: {path}: {problem}", file=sys.stderr)
-        for warning in report["warnings"]:
-            print(f"warning: {path}: {warning}", file=sys.stderr)
-        if report["ok"]:
-            console().print(
-                f"[bold green]ok[/] {path}: {report['tensors']} tensors; {', '.join(report['checked'])} check out; "
-                f"llama.cpp: {report['llama_cpp']}"
-            )
+        problems = report["problems"]
+        if problems:  # one line, as every refusal: the first problem, and how to see the rest
+            more = f" (and {len(problems) - 1} more: --json lists them)" if len(problems) > 1 else ""
+            print(printable(f"error: {path}: {problems[0]}{more}"), file=sys.stderr)
+        else:
+            for warning in report["warnings"]:
+                print(printable(f"warning: {path}: {warning}"), file=sys.stderr)
+            line = f"{path}: {report['tensors']} tensors; {', '.join(report['checked'])} check out; "
+            console().print("[bold green]ok[/]", rich_text(line + f"llama.cpp: {report['llama_cpp']}"))
     raise typer.Exit(0 if report["ok"] else 2)

@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from optkit.cli.options import JsonFlag, console, print_json, print_table, require_supported
+from optkit.text_safety import rich_text
 
 
 def inspect(
@@ -37,7 +38,7 @@ def inspect(
         print_json(manifest)
         return
     out = console()
-    summary = Table(title=f"artifact {path}", show_header=False)
+    summary = Table(title=rich_text(f"artifact {path}"), show_header=False)
     summary.add_column()
     summary.add_column(overflow="fold")
     for key, value in [
@@ -51,7 +52,7 @@ def inspect(
         ("versions", ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())),
         ("created", f"{manifest['created']} in {manifest['wall_time_s']:.1f}s"),
     ]:
-        summary.add_row(key, str(value))
+        summary.add_row(key, rich_text(value))  # the manifest's values are the file's: text, not markup
     out.print(summary)
     print_table(where_it_loads_table(path), out)
     layers = Table(title="per-layer weight error")
@@ -59,7 +60,10 @@ def inspect(
         layers.add_column(column, justify="left" if column == "layer" else "right")
     for layer in manifest["layers"]:
         layers.add_row(
-            layer["name"], "×".join(map(str, layer["shape"])), f"{layer['rel_error']:.4f}", f"{layer['mse']:.3e}"
+            rich_text(layer["name"]),
+            "×".join(map(str, layer["shape"])),
+            f"{layer['rel_error']:.4f}",
+            f"{layer['mse']:.3e}",
         )
     print_table(layers, out)
 

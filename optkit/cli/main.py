@@ -90,10 +90,12 @@ def main() -> None:
         print("interrupted: nothing was written", file=sys.stderr)
         sys.exit(130)
     except Exception as e:
+        from optkit.text_safety import printable
+
         line, code = describe_failure(e)
         if code == 3 or os.environ.get("OPTKIT_DEBUG"):
             traceback.print_exc()
-        print(f"error: {line}", file=sys.stderr)
+        print(f"error: {printable(line)}", file=sys.stderr)  # file names and values may hold ESC
         sys.exit(code)
 
 

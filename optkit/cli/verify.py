@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from optkit.cli.options import JsonFlag, console, print_json, require_supported
+from optkit.text_safety import rich_text
 
 
 def verify(
@@ -57,11 +58,12 @@ def verify(
     if json_output:
         print_json({"artifact": str(path), "files": len(manifest["files"]), "problems": problems, "ok": not problems})
     elif problems:
-        for problem in problems:
-            console().print(f"[bold red]mismatch[/] {problem}")
+        for problem in problems:  # file names are the artifact's: shown as text, never as markup
+            console().print("[bold red]mismatch[/]", rich_text(problem))
     else:
         loaded = ", loads in transformers with the runtime's logits" if load else ""
-        console().print(f"[bold green]ok[/] {path}: {len(manifest['files'])} files match optkit.json{loaded}")
+        line = f"{path}: {len(manifest['files'])} files match optkit.json{loaded}"
+        console().print("[bold green]ok[/]", rich_text(line))
     raise typer.Exit(1 if problems else 0)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
+from optkit.gate.llama_cpp_probe import probe_load
 
 INSTALL_HINT = "pip install 'optkit[gguf]' (llama-cpp-python, built from source)"
 
@@ -46,7 +47,8 @@ def llama_cpp_available() -> bool:
 class LlamaCppModel:
     """`model(tokens).logits` as a transformers model answers it: tokens [B, T] -> logits [B, T, V]
     (float32), each row evaluated from an empty context. n_threads: llama.cpp's threads (None: the
-    environment's OPTKIT_LLAMA_CPP_THREADS, else `idle_cores()` when the file is loaded)."""
+    environment's OPTKIT_LLAMA_CPP_THREADS, else `idle_cores()` when the file is loaded).
+    The file is loaded here only after llama.cpp loaded it in a child process (llama_cpp_probe.py)."""
 
     def __init__(self, path: str | Path, n_ctx: int = 2048, n_threads: int | None = None):
         try:
@@ -55,6 +57,9 @@ class LlamaCppModel:
             raise OptkitError(f"evaluating a .gguf runs llama.cpp: {INSTALL_HINT}") from e
         self.n_ctx = n_ctx
         self.n_threads = n_threads or _threads_from_env() or idle_cores()
+        problem = probe_load(path, n_ctx=n_ctx)  # in a child: a file that makes llama.cpp abort ends only it
+        if problem:
+            raise OptkitError(f"{path}: {problem}")
         try:
             self.llm = Llama(
                 model_path=str(path),

@@ -22,6 +22,8 @@ import numpy as np
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.gguf_header import Header, read_header, tensor_bytes
+from optkit.quant.formats.gguf_hparams import architecture, layer_values, metadata_value_problems
+from optkit.quant.formats.gguf_tensors import sizes, tensor_arrays, type_name
 
 # keys llama.cpp reads with no default, per architecture ({arch} is general.architecture's value)
 COMMON_KEYS = ("general.architecture", "{arch}.context_length", "{arch}.embedding_length", "{arch}.block_count")
@@ -45,6 +47,7 @@ ARCH_BLOCK_TENSORS = {
     "qwen3": (*BLOCK_TENSORS, "attn_q_norm", "attn_k_norm"),
 }
 # ggml's legacy blocks: (bytes per block, the fp16 halves at its start: d, or d and m)
+MAX_NAME = 64  # GGML_MAX_NAME, the terminating NUL included
 HALVES = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1), "Q5_0": (22, 1), "Q5_1": (24, 2)}
 
 
@@ -62,49 +65,55 @@ class CheckResult:
 
 def check_file(path: str | Path) -> CheckResult:
     """Every check above; raises OptkitError (one line) when the header itself does not parse."""
-    path = Path(path)
     result = CheckResult(read_header(path))
-    result.problems += layout_problems(result.header)
+    header = result.header
+    result.problems += layout_problems(header)
     result.checked.append("layout")
     if result.problems:
         return result
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    result.problems += metadata_problems(reader)
-    result.warnings += metadata_warnings(reader)
+    result.problems += metadata_problems(header)
+    result.warnings += metadata_warnings(header)
     result.checked.append("metadata")
     if result.problems:
         return result
-    result.problems += tensor_problems(reader)
+    result.problems += tensor_problems(header)
     result.checked.append("tensors")
-    result.problems += value_problems(reader)
+    if result.problems:
+        return result
+    result.problems += value_problems(header)
     result.checked.append("values")
     return result
 
 
-def open_checked(path: str | Path):
-    """(header, gguf-py's reader) for a file whose layout checks out, else OptkitError naming the
-    first problem in one line (gguf-py's own errors do not say "truncated")."""
-    import gguf
-
+def open_checked(path: str | Path) -> Header:
+    """The header of a file whose layout checks out, else OptkitError naming the first problem in one line."""
     header = read_header(path)
     problems = layout_problems(header)
     if problems:
         raise OptkitError(f"{path}: {problems[0]}")
-    return header, gguf.GGUFReader(path)
+    return header
+
+
+def open_for_loading(path: str | Path) -> Header:
+    """The header of a file whose layout, metadata and tensor shapes check out (what llama.cpp's
+    loader checks; the tensor values are not read), else OptkitError naming the first problem."""
+    header = open_checked(path)
+    problems = metadata_problems(header) or tensor_problems(header)
+    if problems:
+        raise OptkitError(f"{path}: {problems[0]}")
+    return header
 
 
 def layout_problems(header: Header) -> list[str]:
-    import gguf
-
-    sizes = {int(t): v for t, v in gguf.GGML_QUANT_SIZES.items()}
+    table = sizes()
     problems, spans, seen = [], [], set()
     for info in header.tensors:
         if info.name in seen:
             problems.append(f"tensor {info.name} appears twice")
         seen.add(info.name)
-        size = tensor_bytes(info, sizes)
+        if len(info.name.encode()) >= MAX_NAME:
+            problems.append(f"tensor name {info.name[:MAX_NAME]}... is longer than ggml's {MAX_NAME - 1} bytes")
+        size = tensor_bytes(info, table)
         if isinstance(size, str):
             problems.append(f"tensor {info.name}: {size}")
             continue
@@ -124,82 +133,111 @@ def layout_problems(header: Header) -> list[str]:
     return problems
 
 
-def _value(reader, key: str, default=None):
-    entry = reader.fields.get(key)
-    return default if entry is None else entry.contents()
-
-
-def required_keys(reader) -> list[str]:
-    arch = _value(reader, "general.architecture")
+def required_keys(header: Header) -> list[str]:
+    arch = architecture(header)
     keys = ARCH_KEYS.get(arch, COMMON_KEYS) + VOCAB_KEYS
-    if _value(reader, "tokenizer.ggml.model") == "gpt2":
+    if header.value("tokenizer.ggml.model") == "gpt2":
         keys += BPE_KEYS
     return [k.format(arch=arch) for k in keys]
 
 
-def metadata_problems(reader) -> list[str]:
-    missing = [k for k in required_keys(reader) if k not in reader.fields]
-    if missing:
-        arch = _value(reader, "general.architecture") or "unknown"
-        return [f"missing metadata {', '.join(missing)}: llama.cpp needs it to load a {arch} model"]
-    return []
+def metadata_problems(header: Header) -> list[str]:
+    if architecture(header) is not None:
+        missing = [k for k in required_keys(header) if k not in header.metadata]
+        if missing:
+            arch = architecture(header)
+            return [f"missing metadata {', '.join(missing)}: llama.cpp needs it to load a {arch} model"]
+    elif "general.architecture" not in header.metadata:
+        return ["missing metadata general.architecture: llama.cpp needs it to load any model"]
+    return metadata_value_problems(header)
 
 
-def metadata_warnings(reader) -> list[str]:
+def metadata_warnings(header: Header) -> list[str]:
     warnings = []
-    if _value(reader, "tokenizer.ggml.model") == "gpt2" and "tokenizer.ggml.pre" not in reader.fields:
+    if header.value("tokenizer.ggml.model") == "gpt2" and "tokenizer.ggml.pre" not in header.metadata:
         warnings.append("no tokenizer.ggml.pre: llama.cpp splits text with its default regex, not the model's")
-    if "tokenizer.chat_template" not in reader.fields:
+    if "tokenizer.chat_template" not in header.metadata:
         warnings.append("no tokenizer.chat_template: chat requests fall back to llama.cpp's default template")
     return warnings
 
 
-def tensor_problems(reader) -> list[str]:
-    arch = _value(reader, "general.architecture")
-    names = {t.name: t for t in reader.tensors}
+def expected_shapes(header: Header) -> dict[str, list[int]]:
+    """Tensor name -> the shape (GGUF order) llama.cpp's llama/qwen2/qwen3 loader creates it with,
+    for a header whose metadata checks out; {} for another architecture."""
+    arch = architecture(header)
+    if arch not in ARCH_BLOCK_TENSORS:
+        return {}
+    width, vocab = header.value(f"{arch}.embedding_length"), len(header.value("tokenizer.ggml.tokens"))
+    blocks = header.value(f"{arch}.block_count")
+    heads = layer_values(header, f"{arch}.attention.head_count")
+    kv_heads = layer_values(header, f"{arch}.attention.head_count_kv") or heads
+    ffn = layer_values(header, f"{arch}.feed_forward_length")
+    shapes = {"token_embd.weight": [width, vocab], "output_norm.weight": [width], "output.weight": [width, vocab]}
+    k = header.value(f"{arch}.attention.key_length", width // heads[0])
+    v = header.value(f"{arch}.attention.value_length", width // heads[0])
+    for i in range(blocks):
+        q, kv, f = heads[i] * k, kv_heads[i], ffn[i]
+        block = {
+            "attn_norm": [width], "attn_q": [width, q], "attn_k": [width, kv * k], "attn_v": [width, kv * v],
+            "attn_output": [heads[i] * v, width], "ffn_norm": [width], "ffn_gate": [width, f],
+            "ffn_up": [width, f], "ffn_down": [f, width], "attn_q_norm": [k], "attn_k_norm": [k],
+        }  # fmt: skip
+        shapes |= {f"blk.{i}.{name}.weight": shape for name, shape in block.items()}
+        shapes |= {f"blk.{i}.attn_{n}.bias": [block[f"attn_{n}"][-1]] for n in ("q", "k", "v")}
+    return shapes
+
+
+def tensor_problems(header: Header) -> list[str]:
+    arch = architecture(header)
+    names = {t.name: t for t in header.tensors}
     wanted = list(GLOBAL_TENSORS)
     if arch in ARCH_BLOCK_TENSORS:
-        blocks = _value(reader, f"{arch}.block_count")
+        blocks = header.value(f"{arch}.block_count")
         wanted += [f"blk.{i}.{n}.weight" for i in range(blocks) for n in ARCH_BLOCK_TENSORS[arch]]
     missing = [n for n in wanted if n not in names]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return [f"missing tensor {', '.join(missing[:3])}{more}: llama.cpp's {arch} graph needs it"]
     embd = names["token_embd.weight"]
-    want = [_value(reader, f"{arch}.embedding_length"), len(reader.fields["tokenizer.ggml.tokens"].data)]
-    if [int(d) for d in embd.shape] != want:
-        shape = "×".join(str(int(d)) for d in embd.shape)
+    tokens = header.value("tokenizer.ggml.tokens")
+    want = [header.value(f"{arch}.embedding_length"), len(tokens) if isinstance(tokens, list) else 0]
+    if list(embd.dims) != want:
+        shape = "×".join(str(d) for d in embd.dims)
         return [f"token_embd.weight is {shape}, not embedding_length × vocabulary ({want[0]}×{want[1]})"]
-    return []
+    problems = []
+    for name, shape in expected_shapes(header).items():
+        if name in names and list(names[name].dims) != shape:
+            have = "×".join(str(d) for d in names[name].dims)
+            problems.append(f"tensor {name} is {have}; the metadata makes it {'×'.join(map(str, shape))}")
+    return problems[:3]
 
 
-def value_problems(reader) -> list[str]:
+def value_problems(header: Header) -> list[str]:
     """Tensors holding NaN or ±inf. Float tensors are checked whole; legacy quantized blocks by their
     fp16 scales; other block types (K-quants, i-quants) through gguf-py's dequantizer."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     problems = []
-    for tensor in reader.tensors:
-        kind = tensor.tensor_type
-        data = np.asarray(tensor.data)
-        if kind == T.BF16:
+    for info, data in tensor_arrays(header):
+        kind = type_name(info.type_id)
+        if info.type_id == T.BF16:
             values = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        elif kind in (T.F32, T.F16, T.F64):
+        elif info.type_id in (T.F32, T.F16, T.F64):
             values = data
-        elif kind.name in HALVES:
-            block, halves = HALVES[kind.name]
+        elif kind in HALVES:
+            block, halves = HALVES[kind]
             scales = data.reshape(-1, block)[:, : 2 * halves]
             values = np.ascontiguousarray(scales).view(np.float16)
-        elif kind in (T.I8, T.I16, T.I32, T.I64):
+        elif info.type_id in (T.I8, T.I16, T.I32, T.I64):
             continue
         else:
             try:
-                values = quants.dequantize(data, kind)
+                values = quants.dequantize(np.asarray(data), T(info.type_id))
             except NotImplementedError:
                 continue
         bad = int(np.count_nonzero(~np.isfinite(values)))
         if bad:
-            what = "scales" if kind.name in HALVES else "values"
-            problems.append(f"tensor {tensor.name} ({kind.name}): {bad} {what} are NaN or infinite")
+            what = "scales" if kind in HALVES else "values"
+            problems.append(f"tensor {info.name} ({kind}): {bad} {what} are NaN or infinite")
     return problems

@@ -3,11 +3,14 @@ the architecture and its hyperparameters, the tokenizer, whether a chat template
 tensors by type (count, parameters, bytes, bits per weight) and by shape, and optkit's manifest when
 optkit wrote the file."""
 
-import json
+import math
 import re
 from pathlib import Path
 
 from optkit.quant.formats.gguf_check import open_checked
+from optkit.quant.formats.gguf_header import ARRAY, Header
+from optkit.quant.formats.gguf_hparams import architecture, optkit_manifest
+from optkit.quant.formats.gguf_tensors import byte_count, type_name
 
 HYPERPARAMETERS = (
     "context_length",
@@ -24,58 +27,75 @@ HYPERPARAMETERS = (
 )
 
 
-def _value(reader, key: str):
-    entry = reader.fields.get(key)
-    return None if entry is None else entry.contents()
+def _scalar(header: Header, key: str):
+    """A metadata value as inspect shows it: an array by its length, never its items."""
+    entry = header.metadata.get(key)
+    if entry is None:
+        return None
+    if entry.type_id == ARRAY:
+        return f"[{len(entry.value)} items]"
+    if isinstance(entry.value, float) and not math.isfinite(entry.value):
+        return str(entry.value)  # JSON has no NaN
+    return entry.value
+
+
+def _count(header: Header, key: str) -> int | None:
+    entry = header.metadata.get(key)
+    return len(entry.value) if entry is not None and entry.type_id == ARRAY else None
 
 
 def summary(path: str | Path) -> dict:
     """The file's description; raises OptkitError (one line) when its header does not parse."""
     path = Path(path)
-    header, reader = open_checked(path)  # a broken file is named here, in one line
-    arch = _value(reader, "general.architecture")
-    tokens, merges = reader.fields.get("tokenizer.ggml.tokens"), reader.fields.get("tokenizer.ggml.merges")
-    template = _value(reader, "tokenizer.chat_template")
-    manifest = _value(reader, "optkit.manifest")
+    header = open_checked(path)  # a broken file is named here, in one line
+    arch = architecture(header)
+    template = header.value("tokenizer.chat_template")
     tensors = [
-        {"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in t.shape], "bytes": int(t.n_bytes)}
-        for t in reader.tensors
+        {"name": t.name, "type": type_name(t.type_id), "shape": list(t.dims), "bytes": byte_count(t)}
+        for t in header.tensors
     ]
     return {
         "file": str(path),
         "size_bytes": header.file_size,
         "gguf_version": header.version,
-        "architecture": arch,
-        "name": _value(reader, "general.name"),
-        "file_type": _file_type(_value(reader, "general.file_type")),
-        "quantized_by": _value(reader, "general.quantized_by"),
+        "architecture": _scalar(header, "general.architecture"),
+        "name": _scalar(header, "general.name"),
+        "file_type": _file_type(_scalar(header, "general.file_type")),
+        "quantized_by": _scalar(header, "general.quantized_by"),
         "hyperparameters": {
-            key: value for key in HYPERPARAMETERS if (value := _value(reader, f"{arch}.{key}")) is not None
-        },
+            key: value for key in HYPERPARAMETERS if (value := _scalar(header, f"{arch}.{key}")) is not None
+        }
+        if arch is not None
+        else {},
         "tokenizer": {
-            "model": _value(reader, "tokenizer.ggml.model"),
-            "pre": _value(reader, "tokenizer.ggml.pre"),
-            "vocab_size": len(tokens.data) if tokens is not None else None,
-            "merges": len(merges.data) if merges is not None else None,
-            "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id"),
-            "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id"),
-            "add_bos_token": _value(reader, "tokenizer.ggml.add_bos_token"),
+            "model": _scalar(header, "tokenizer.ggml.model"),
+            "pre": _scalar(header, "tokenizer.ggml.pre"),
+            "vocab_size": _count(header, "tokenizer.ggml.tokens"),
+            "merges": _count(header, "tokenizer.ggml.merges"),
+            "bos_token_id": _scalar(header, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": _scalar(header, "tokenizer.ggml.eos_token_id"),
+            "add_bos_token": _scalar(header, "tokenizer.ggml.add_bos_token"),
         },
-        "chat_template": {"present": template is not None, "chars": len(template) if template else 0},
-        "metadata_keys": len(header.keys),
+        "chat_template": {
+            "present": template is not None,
+            "chars": len(template) if isinstance(template, str) else 0,
+        },
+        "metadata_keys": len(header.metadata),
         "parameters": sum(_elements(t["shape"]) for t in tensors),
         "types": by_type(tensors),
         "groups": by_shape(tensors),
         "tensors": tensors,
-        "optkit": json.loads(manifest) if manifest else None,
+        "optkit": optkit_manifest(header),
     }
 
 
 def _file_type(value) -> str | None:
     import gguf
 
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None if value is None else str(value)
     try:
-        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_") if value is not None else None
+        return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
     except ValueError:
         return str(value)
 

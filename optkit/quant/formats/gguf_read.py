@@ -12,6 +12,11 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.quant.formats import gguf_metadata as meta
+from optkit.quant.formats.gguf_check import open_for_loading
+from optkit.quant.formats.gguf_header import Header
+from optkit.quant.formats.gguf_hparams import architecture, layer_values
+from optkit.quant.formats.gguf_tensors import tensor_arrays, type_name
+from optkit.text_safety import printable
 from optkit.weights import gguf_blocks
 
 MAGIC = b"GGUF"
@@ -27,54 +32,49 @@ def is_gguf(path: str | Path) -> bool:
         return f.read(4) == MAGIC
 
 
-def _reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as e:
-        raise OptkitError(f"{path} is not a readable GGUF file ({e}): re-create it") from e
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def read_config(path: str | Path) -> dict:
-    """The Hugging Face config.json the file's metadata describes."""
-    reader = _reader(Path(path))
-    return _config(reader, Path(path))
+    """The Hugging Face config.json the file's metadata describes, once its layout, metadata and
+    tensor shapes check out (gguf_check.open_for_loading)."""
+    return _config(open_for_loading(path))
 
 
-def _config(reader, path: Path) -> dict:
-    arch = _field(reader, "general.architecture")
+def _config(header: Header) -> dict:
+    path, arch = header.path, architecture(header)
     if arch not in _MODEL_TYPES:
-        raise OptkitError(f"{path}: GGUF architecture {arch!r} is not one optkit runs (llama, qwen2, qwen3)")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    names = {t.name for t in reader.tensors}
+        shown = printable(arch)[:40] if arch is not None else None
+        raise OptkitError(f"{path}: GGUF architecture {shown!r} is not one optkit runs (llama, qwen2, qwen3)")
+    sizes = {}
+    for key in ("feed_forward_length", "attention.head_count", "attention.head_count_kv"):
+        values = layer_values(header, f"{arch}.{key}")
+        if values is not None and len(set(values)) > 1:
+            raise OptkitError(f"{path}: {arch}.{key} differs between layers; optkit's runtime reads one value")
+        sizes[key] = values[0] if values else None
+    heads, hidden = sizes["attention.head_count"], header.value(f"{arch}.embedding_length")
+    names = {t.name for t in header.tensors}
     config = {
         "model_type": _MODEL_TYPES[arch],
         "architectures": [_CLASSES[arch]],
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "num_hidden_layers": header.value(f"{arch}.block_count"),
+        "max_position_embeddings": header.value(f"{arch}.context_length"),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "intermediate_size": sizes["feed_forward_length"],
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "rms_norm_eps": float(f"{_field(reader, f'{arch}.attention.layer_norm_rms_epsilon'):.7g}"),  # a float32 in GGUF
-        "rope_parameters": {"rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0), "rope_type": "default"},
-        "vocab_size": len(_field(reader, "tokenizer.ggml.tokens")),
+        "num_key_value_heads": sizes["attention.head_count_kv"] or heads,
+        "head_dim": header.value(f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": float(f"{header.value(f'{arch}.attention.layer_norm_rms_epsilon'):.7g}"),  # an f32
+        "rope_parameters": {"rope_theta": header.value(f"{arch}.rope.freq_base", 10000.0), "rope_type": "default"},
+        "vocab_size": len(header.value("tokenizer.ggml.tokens")),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": header.value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": header.value("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
     }
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
-        config["rope_parameters"].update(rope_type="linear", factor=_field(reader, f"{arch}.rope.scaling.factor"))
+    if header.value(f"{arch}.rope.scaling.type") == "linear":
+        factor = header.value(f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise OptkitError(f"{path}: linear RoPE scaling without {arch}.rope.scaling.factor: re-create the file")
+        config["rope_parameters"].update(rope_type="linear", factor=factor)
     if "rope_freqs.weight" in names:
         raise OptkitError(f"{path}: Llama 3.1 RoPE scaling is read back by llama.cpp only, not by optkit's runtime")
     return config
@@ -84,23 +84,22 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, float32 state dict with Hugging Face names)."""
     from gguf import GGMLQuantizationType as T
 
-    path = Path(path)
-    reader = _reader(path)
-    config = _config(reader, path)
+    header = open_for_loading(path)
+    config = _config(header)
     state = {}
-    for tensor in reader.tensors:
-        hf = meta.hf_name(tensor.name)
-        data = torch.from_numpy(np.array(tensor.data))
-        kind = tensor.tensor_type.name
+    for info, array in tensor_arrays(header):
+        hf = meta.hf_name(info.name)
+        data = torch.from_numpy(np.array(array))
+        kind = type_name(info.type_id)
         if kind in gguf_blocks.BLOCK_BYTES:
             cols = data.shape[1] // gguf_blocks.BLOCK_BYTES[kind] * gguf_blocks.BLOCK
             weight = gguf_blocks.dequantize(kind, data, cols)
-        elif tensor.tensor_type == T.BF16:
+        elif info.type_id == T.BF16:
             weight = data.view(torch.bfloat16).float()
-        elif tensor.tensor_type in (T.F16, T.F32):
+        elif info.type_id in (T.F16, T.F32):
             weight = data.float()
         else:
-            raise OptkitError(f"{path}: {tensor.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q8_0")
+            raise OptkitError(f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q8_0")
         heads = meta.qk_heads(config, hf)
         state[hf] = meta.unpermute_qk(weight, heads) if heads is not None else weight
     return config, state
