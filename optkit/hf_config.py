@@ -26,7 +26,7 @@ _WHOLE_NUMBERS = {
     "head_dim": (1, MAX_WIDTH),
     "max_position_embeddings": (1, MAX_POSITIONS),
     "original_max_position_embeddings": (1, MAX_POSITIONS),
-    "sliding_window": (1, MAX_POSITIONS),
+    "sliding_window": (0, MAX_POSITIONS),  # 0: none (Qwen2-MoE's default)
     "sliding_window_pattern": (1, MAX_WIDTH),
     "max_window_layers": (0, MAX_WIDTH),
     # mixtures of experts

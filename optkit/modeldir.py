@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from optkit.artifacts import file_sha256
 from optkit.errors import OptkitError
+from optkit.hf_config import check_config
 from optkit.manifest import MANIFEST, confined_file, read_manifest
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "zoo" / "models"
@@ -45,12 +46,7 @@ def check_model_dir(path: Path) -> None:
         raise OptkitError(f"model {path} is a file: give the directory that holds config.json")
     if not (path / "config.json").is_file():
         raise OptkitError(f"model {path} has no config.json: give a directory saved with save_pretrained")
-    try:
-        json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise OptkitError(
-            f"{path / 'config.json'} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it"
-        ) from e
+    read_config(path)  # every size in it checked before anything is built from it
     if not weight_files(path):
         pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         other = sorted(p.name for p in path.glob("*.safetensors"))
@@ -131,11 +127,22 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def read_config(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
+    """config.json as a dict whose sizes are all usable (hf_config.check_config), else one OptkitError."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise OptkitError(f"{file} is not UTF-8 text (byte {e.start}): repair or re-create it") from e
+    except json.JSONDecodeError as e:
+        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it") from e
+    except RecursionError as e:
+        raise OptkitError(f"{file} is nested too deeply to be a model's config: repair or re-create it") from e
+    return check_config(config, str(file))
 
 
 def verify_weights(path: Path) -> None:
-    """Every safetensors header parses and fits its file; files match the manifest's sha256."""
+    """Every safetensors header parses and fits its file, each tensor is in one file only; files
+    match the manifest's sha256."""
     expected = (read_manifest(path) or {}).get("files", {})
     for file in weight_files(path):
         if not file.is_file():  # a FIFO would block the read
@@ -192,6 +199,51 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(name_or_path: str | Path):
+    """The model directory's tokenizer, by the classes transformers ships: code that its
+    tokenizer_config.json or config.json names in `auto_map` is never run (trust_remote_code is
+    False, so transformers neither runs it nor asks on the terminal whether to), and a tokenizer
+    that needs it is refused in one line."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(name_or_path))
+    path = resolve_model_dir(name_or_path)
+    _check_tokenizer_config(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise OptkitError(
+            f"{path}: its tokenizer is custom code (auto_map {_auto_map(path)}), and optkit never runs code "
+            "from a model directory: give a tokenizer transformers ships (tokenizer_class) or a tokenizer.json"
+        ) from e
+
+
+def _check_tokenizer_config(path: Path) -> None:
+    """tokenizer_config.json, where there is one, is a JSON object whose class names transformers can read."""
+    file = path / TOKENIZER_CONFIG
+    if not file.is_file():
+        return
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise OptkitError(f"{file} is not a JSON object of tokenizer settings: repair or re-create it") from e
+    except json.JSONDecodeError as e:
+        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it") from e
+    if not isinstance(config, dict):
+        raise OptkitError(f"{file} holds no JSON object: repair or re-create it")
+    for key, kind, name in (("tokenizer_class", str, "a class name"), ("auto_map", dict, "an object")):
+        if config.get(key) is not None and not isinstance(config[key], kind):
+            raise OptkitError(f"{file}: {key} is not {name}: repair or re-create it")
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def _auto_map(path: Path) -> str:
+    """The custom tokenizer classes tokenizer_config.json names, for an error line."""
+    try:
+        names = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8")).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        names = None
+    text = repr(names)
+    return text if len(text) <= 80 else text[:77] + "..."

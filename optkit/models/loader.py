@@ -22,6 +22,7 @@ from optkit.models.config import ModelConfig
 from optkit.models.fusion import fuse_projections
 from optkit.models.llama import CausalLM
 from optkit.quant.families import family_for
+from optkit.quant.formats.common import check_tensor_shapes, read_checked
 
 # tensors a checkpoint may carry that the runtime recomputes
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -58,13 +59,14 @@ def load_runtime_model(
     }
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # a copy of the embedding some checkpoints store anyway
-    expected = set(model.state_dict())
-    unexpected = sorted(set(state) - expected)
+    expected = model.state_dict()  # on the meta device: names and shapes, no memory
+    unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise OptkitError(
             f"{path}: weights the {config.model_type} model has no place for: {', '.join(unexpected[:3])}: "
             "check config.json against the checkpoint"
         )
+    check_tensor_shapes(state, expected, str(path))
     model.load_state_dict(state, strict=False, assign=True)
     missing = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
@@ -126,9 +128,14 @@ def _generation_config(path: Path) -> dict | None:
     if not file.exists():
         return None
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise OptkitError(f"{file} is not a JSON object of generation settings: repair or delete it") from e
     except json.JSONDecodeError as e:
         raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or delete it") from e
+    if not isinstance(config, dict):
+        raise OptkitError(f"{file} holds no JSON object: repair or delete it")
+    return config
 
 
 def _install_quantized(
@@ -141,7 +148,10 @@ def _install_quantized(
     fmt = reader_for(quant_config, str(path))
     is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
     if is_w8a8 and is_w8a8(quant_config):
-        modules = fmt.w8a8_modules(tensors, quant_config)
+        try:
+            modules = fmt.w8a8_modules(tensors, quant_config)
+        except OptkitError as e:  # a layer whose tensors do not fit each other
+            raise OptkitError(f"{path}: {e}") from e
         suffixes = ("weight", "weight_scale", "input_scale", "bias")
     else:
         marker = fmt.MARKER  # the tensor suffix that marks a weight-only quantized layer
@@ -150,9 +160,15 @@ def _install_quantized(
         modules = {}
         for prefix in prefixes:
             bias = tensors.get(f"{prefix}.bias")
-            qw = fmt.decompress(prefix, tensors, schemes[prefix])
+            try:
+                qw = read_checked(prefix, lambda p: fmt.decompress(p, tensors, schemes[p]))  # errors name the layer
+            except OptkitError as e:
+                raise OptkitError(f"{path}: {e}") from e
             layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else W4A16Linear
-            modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
+            try:
+                modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
+            except OptkitError as e:  # the bias does not fit
+                raise OptkitError(f"{path}: {prefix}: {e}") from e
         suffixes = (*fmt.SUFFIXES, "bias")
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     strays = sorted(set(modules) - linears)

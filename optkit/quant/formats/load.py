@@ -27,10 +27,10 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     hf_logging.disable_progress_bar()  # optkit shows its own progress
     quant_config = read_config(path).get("quantization_config")
     if quant_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
         return model.eval()
     fmt = reader_for(quant_config, str(path))
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never runs auto_map code, never asks
     del config.quantization_config
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
