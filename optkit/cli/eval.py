@@ -48,14 +48,44 @@ def eval_(
             "int8 or fp8 (default: transformers, no paged cache)."
         ),
     ] = None,
+    decision: Annotated[
+        str,
+        typer.Option(
+            help="point: pass when every estimate is inside its threshold. confident: pass only when every "
+            "one-sided bound at --confidence is inside, reject when one is outside (Bonferroni), else "
+            "inconclusive (exit 4)."
+        ),
+    ] = "point",
+    confidence: Annotated[
+        float, typer.Option(help="Confidence of the intervals shown and of --decision confident's bounds.")
+    ] = 0.95,
+    bootstrap_seed: Annotated[int, typer.Option(help="Seed of the bootstrap: the same seed, the same report.")] = 0,
+    plan: Annotated[
+        bool,
+        typer.Option(
+            "--plan",
+            help="Score a pilot of --pilot-windows windows and print what the eval set can resolve per "
+            "threshold and the windows each needs; no verdict (exit 0).",
+        ),
+    ] = False,
+    pilot_windows: Annotated[int, typer.Option(help="--plan: windows in the pilot.", min=2)] = 8,
     threads: Threads = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Compare an artifact with its full-precision base; exit 1 if a threshold is crossed.
+    """Compare an artifact with its full-precision base, with a confidence interval per metric.
 
-    Exit codes: 0 all thresholds hold, 1 a threshold is crossed, 2 bad input or an unusable file.
+    With no threshold the gate only reports (REPORT ONLY, exit 0): it never says PASS unasked.
+
+    Exit codes: 0 every threshold holds (or no threshold: report only), 1 rejected: a threshold is
+    crossed, 2 bad input or an unusable file, 3 a bug in optkit, 4 inconclusive (--decision
+    confident: the eval set cannot tell; the report says how many more windows would most likely
+    decide it).
 
     Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
+
+    Example: optkit eval out/small-w4 --baseline small --max-kld 0.01 --decision confident
+
+    Example: optkit eval out/small-w4 --baseline small --max-kld 0.01 --plan  (how many windows it needs)
 
     Example: optkit eval out/small-w4 --baseline small --attribute  (which layers cause the KLD)
     """
@@ -65,8 +95,14 @@ def eval_(
     from optkit.errors import OptkitError
     from optkit.gate.evaluate import evaluate
     from optkit.gate.options import GateOptions
-    from optkit.gate.report import gate_table, write_report
+    from optkit.gate.report import gate_table, plan_table, write_report
 
+    if decision not in ("point", "confident"):
+        raise OptkitError(f"unknown --decision {decision!r}: choose point or confident")
+    if not 0.5 < confidence < 1:
+        raise OptkitError(f"--confidence {confidence:g} is not a probability above 0.5: give e.g. 0.95")
+    if plan and all(x is None for x in (max_ppl_increase, max_kld, min_top1, min_recovery)):
+        raise OptkitError("--plan plans for thresholds: add --max-kld, --max-ppl-increase, --min-top1 or --task")
     if min_recovery is not None and task is None:
         raise OptkitError("--min-recovery needs a task: add --task next_line (or a .jsonl task)")
     if report is not None:  # before the gate runs, not after
@@ -85,8 +121,17 @@ def eval_(
         reference_cache=reference_cache,
         top_k=top_k,
         task=task,
+        decision=decision,
+        confidence=confidence,
+        bootstrap_seed=bootstrap_seed,
     )
-    result = evaluate(artifact, baseline, options, artifact_model=_paged_model(artifact, kv_cache_dtype, task))
+    result = evaluate(
+        artifact,
+        baseline,
+        options,
+        artifact_model=_paged_model(artifact, kv_cache_dtype, task),
+        pilot_windows=pilot_windows if plan else None,
+    )
     attribution = None
     if attribute:  # on held-out calibration windows, not the gate's set
         from optkit.gate.attribution import attribute as attribute_layers
@@ -94,17 +139,21 @@ def eval_(
         found = attribute_layers(artifact, baseline, windows=attribute_windows, seq_len=seq_len, exact=exact_swaps)
         attribution = found.to_json()
     payload = result.to_json() | ({"attribution": attribution} if attribution else {})
+    for warning in result.plan.get("warnings", []):
+        typer.echo(f"warning: {warning}", err=True)
     if report is not None:
         write_report(result, report, extra={"attribution": attribution} if attribution else None)
     if json_output:
         print_json(payload)
     else:
         print_table(gate_table(result))
+        if result.plan.get("metrics"):
+            print_table(plan_table(result.plan))
         if attribution:
             from optkit.gate.report import attribution_table
 
             print_table(attribution_table(attribution))
-    raise typer.Exit(0 if result.passed else 1)
+    raise typer.Exit(result.exit_code)
 
 
 def _paged_model(artifact: str, kv_cache_dtype: str | None, task: str | None):

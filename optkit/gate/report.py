@@ -1,11 +1,11 @@
 """How a gate result reads: a rich table for people, JSON for machines."""
 
-import json
 from pathlib import Path
 
 from rich.table import Table
 
 from optkit.gate.evaluate import GateResult
+from optkit.json_strict import dumps
 
 ROWS = [  # (metric, label, format)
     ("ppl_artifact", "perplexity (artifact)", "{:.3f}"),
@@ -23,34 +23,92 @@ ROWS = [  # (metric, label, format)
 ]
 
 
+VERDICTS = {
+    "pass": "[bold green]PASS[/]",
+    "fail": "[bold red]FAIL[/]",
+    "inconclusive": "[bold yellow]INCONCLUSIVE[/]",
+    "report_only": "[bold]REPORT ONLY[/] (no threshold set)",
+}
+STATES = {"ok": "[green]ok[/]", "crossed": "[bold red]crossed[/]", "unsure": "[yellow]unsure[/]"}
+
+
+def interval_text(result_json: dict, metric: str, fmt: str) -> str:
+    """The metric's interval as "[low, high]", or "" when it has none."""
+    found = (result_json.get("intervals") or {}).get("metrics", {}).get(metric)
+    if not found or found["low"] is None or found["high"] is None:
+        return ""
+    return f"[{fmt.format(found['low'])}, {fmt.format(found['high'])}]"
+
+
+def verdict_line(result: GateResult) -> str:
+    """What follows "optkit gate:" (rich markup): the verdict and, when inconclusive, what decides it."""
+    text = VERDICTS[result.verdict]
+    decision = result.to_json().get("decision") or {}
+    if result.verdict == "inconclusive":
+        more = []
+        if decision.get("extra_windows"):
+            more.append(f"~{decision['extra_windows']} more windows")
+        if decision.get("extra_items"):
+            more.append(f"~{decision['extra_items']} more task questions")
+        text += f" ({' and '.join(more) or 'no number of windows'} would most likely decide it)"
+    return text
+
+
 def gate_table(result: GateResult) -> Table:
+    report = result.to_json()
     checks = {c.metric: c for c in result.checks}
-    verdict = "[bold green]PASS[/]" if result.passed else "[bold red]FAIL[/]"
+    confident = result.decision is not None and result.decision.rule == "confident"
+    confidence = (report.get("intervals") or {}).get("confidence", 0.95)
     table = Table(
-        title=f"optkit gate: {verdict}  ({result.metrics['num_tokens']:,} tokens of {result.eval_set['name']})"
+        title=f"optkit gate: {verdict_line(result)}  "
+        f"({result.metrics['num_tokens']:,} tokens of {result.eval_set['name']})"
     )
     table.add_column("metric")
     table.add_column("value", justify="right")
+    table.add_column(f"{confidence:.0%} interval", justify="right")
     table.add_column("threshold", justify="right")
+    if confident:
+        table.add_column(f"{confidence:.0%} bound", justify="right")
     table.add_column("", justify="center")
     for metric, label, fmt in ROWS:
         if metric not in result.metrics:
             continue
-        value = fmt.format(result.metrics[metric])
+        cells = [label, fmt.format(result.metrics[metric]), interval_text(report, metric, fmt)]
         c = checks.get(metric)
-        if c is None:
-            table.add_row(label, value, "", "")
-        elif c.passed:
-            table.add_row(label, value, c.rule, "[green]ok[/]")
-        else:
-            table.add_row(f"[red]{label}[/]", f"[red]{value}[/]", f"[red]{c.rule}[/]", "[bold red]crossed[/]")
+        bound = "" if c is None or c.bound is None else fmt.format(c.bound)
+        cells += ["", bound, ""] if c is None else [c.rule, bound, STATES[c.state]]
+        if not confident:
+            del cells[4]
+        if c is not None and c.state == "crossed":
+            cells[:-1] = [f"[red]{cell}[/]" for cell in cells[:-1]]
+        table.add_row(*cells)
+    return table
+
+
+def plan_table(plan: dict) -> Table:
+    """What the eval set can resolve per threshold (gate/power.py)."""
+    table = Table(title=f"plan: {plan['confidence']:.0%} confidence, {plan['power']:.0%} power")
+    columns = ("threshold", "estimate", "sd per unit", "units", "margin to pass", "margin to reject", "units needed")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "threshold" else "right")
+    for metric in plan["metrics"].values():
+        needed = metric["units_for_threshold"]
+        table.add_row(
+            f"{metric['threshold']} {metric['limit']:g}",
+            f"{metric['estimate']:.5g}",
+            f"{metric['sd_per_unit']:.3g}",
+            f"{metric['eval_units']} {metric['unit']}",
+            f"{metric['margin_to_pass']:.3g}",
+            f"{metric['margin_to_reject']:.3g}",
+            "" if needed is None else f"{needed}",
+        )
     return table
 
 
 def write_report(result: GateResult, path: Path, extra: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result.to_json() | (extra or {}), indent=2) + "\n")
+    tmp.write_text(dumps(result.to_json() | (extra or {}), indent=2) + "\n")
     tmp.replace(path)
 
 
