@@ -69,6 +69,23 @@ def eval_(
         ),
     ] = False,
     pilot_windows: Annotated[int, typer.Option(help="--plan: windows in the pilot.", min=2)] = 8,
+    sequential: Annotated[
+        bool,
+        typer.Option(
+            "--sequential",
+            help="Score windows in a random order (--bootstrap-seed) and stop as soon as every threshold "
+            "is decided at --confidence (anytime-valid: gate/sequential.py); inconclusive (exit 4) if "
+            "the windows run out first.",
+        ),
+    ] = False,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            "--compare",
+            help="A second artifact of the same base: the paired difference ARTIFACT − COMPARE on the same "
+            "windows (and task questions), with its interval and p-value.",
+        ),
+    ] = None,
     threads: Threads = None,
     json_output: JsonFlag = False,
 ) -> None:
@@ -87,6 +104,10 @@ def eval_(
 
     Example: optkit eval out/small-w4 --baseline small --max-kld 0.01 --plan  (how many windows it needs)
 
+    Example: optkit eval out/small-w4 --baseline small --max-kld 0.01 --sequential  (stop once decided)
+
+    Example: optkit eval out/small-gptq --compare out/small-rtn --baseline small  (is GPTQ better?)
+
     Example: optkit eval out/small-w4 --baseline small --attribute  (which layers cause the KLD)
     """
     require_supported(artifact, baseline, runtime=True)
@@ -103,6 +124,11 @@ def eval_(
         raise OptkitError(f"--confidence {confidence:g} is not a probability above 0.5: give e.g. 0.95")
     if plan and all(x is None for x in (max_ppl_increase, max_kld, min_top1, min_recovery)):
         raise OptkitError("--plan plans for thresholds: add --max-kld, --max-ppl-increase, --min-top1 or --task")
+    thresholds = (max_ppl_increase, max_kld, min_top1, min_recovery, task)
+    if sequential and all(x is None for x in thresholds):
+        raise OptkitError("--sequential stops once the thresholds are decided: add --max-kld (or another threshold)")
+    if sequential and (plan or compare):
+        raise OptkitError(f"--sequential scores a varying number of windows: drop {'--plan' if plan else '--compare'}")
     if min_recovery is not None and task is None:
         raise OptkitError("--min-recovery needs a task: add --task next_line (or a .jsonl task)")
     if report is not None:  # before the gate runs, not after
@@ -124,6 +150,7 @@ def eval_(
         decision=decision,
         confidence=confidence,
         bootstrap_seed=bootstrap_seed,
+        sequential=sequential,
     )
     result = evaluate(
         artifact,
@@ -139,6 +166,11 @@ def eval_(
         found = attribute_layers(artifact, baseline, windows=attribute_windows, seq_len=seq_len, exact=exact_swaps)
         attribution = found.to_json()
     payload = result.to_json() | ({"attribution": attribution} if attribution else {})
+    comparison = None
+    if compare is not None:
+        other = evaluate(compare, baseline, options, artifact_model=_paged_model(compare, kv_cache_dtype, task))
+        comparison = _compare(result, other, confidence, bootstrap_seed)
+        payload["compare"] = comparison
     for warning in result.plan.get("warnings", []):
         typer.echo(f"warning: {warning}", err=True)
     if report is not None:
@@ -147,13 +179,34 @@ def eval_(
         print_json(payload)
     else:
         print_table(gate_table(result))
+        if result.sequential:
+            typer.echo(_sequential_line(result.sequential, result.decision.reason))
         if result.plan.get("metrics"):
             print_table(plan_table(result.plan))
         if attribution:
             from optkit.gate.report import attribution_table
 
             print_table(attribution_table(attribution))
+        if comparison is not None:
+            from optkit.gate.compare import comparison_table
+
+            print_table(comparison_table(comparison, artifact, compare))
     raise typer.Exit(result.exit_code)
+
+
+def _sequential_line(bets: dict, reason: str) -> str:
+    """How many windows --sequential scored of those it could have, and why it stopped."""
+    return f"{reason} (of {bets['windows_available']} windows; error rate {bets['alpha']:g} per verdict)"
+
+
+def _compare(result, other, confidence: float, seed: int) -> dict:
+    """--compare: ARTIFACT − COMPARE on the windows (and questions) both were scored on."""
+    from optkit.gate.compare import compare_items, compare_windows, to_json
+
+    differences = compare_windows(result.windows, other.windows, confidence=confidence, seed=seed)
+    if result.answers is not None and other.answers is not None:
+        differences.append(compare_items(result.answers[1], other.answers[1], confidence=confidence, seed=seed))
+    return to_json(differences, confidence) | {"artifact": result.artifact, "compare": other.artifact}
 
 
 def _paged_model(artifact: str, kv_cache_dtype: str | None, task: str | None):

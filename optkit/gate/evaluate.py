@@ -24,6 +24,7 @@ from optkit.gate.reference_cache import (
     save_cached_value,
     save_reference,
 )
+from optkit.gate.sequential_run import add_answers, drawing_order, new_gate, score_until_decided, sequential_decision
 from optkit.gate.tasks import encode_task, item_correct, load_task
 from optkit.gate.thresholds import Check
 from optkit.json_strict import finite
@@ -46,6 +47,9 @@ class GateResult:
     decision: Decision | None = None  # None: the point rule on `checks`
     intervals: dict = field(default_factory=dict)  # Bootstrap.to_json(): two-sided, per metric
     plan: dict = field(default_factory=dict)  # gate/power.py: what this eval set can resolve
+    windows: WindowStats | None = None  # per-window sums, in the order scored (`--compare`, report.html)
+    answers: tuple[torch.Tensor, torch.Tensor] | None = None  # task: (base, artifact) correct per question
+    sequential: dict = field(default_factory=dict)  # --sequential: the bets (gate/sequential.py)
 
     @property
     def verdict(self) -> str:
@@ -80,6 +84,8 @@ class GateResult:
                 "decision": decision,
                 "plan": self.plan,
                 "kld_histogram": self.kld_histogram,
+                "window_kld": [] if self.windows is None else (self.windows.kld / self.windows.tokens).tolist(),
+                **({"sequential": self.sequential} if self.sequential else {}),
                 "wall_time_s": self.wall_time_s,
             }
         )
@@ -193,17 +199,42 @@ def evaluate(
     if artifact_model is None:
         artifact_model = _gguf_model(artifact_dir, seq_len) if gguf_file else load_model(artifact_dir)
     base_model = load_model(baseline_dir) if reference is None else None
+    bets = new_gate(options, options.alpha) if options.sequential else None
+
+    def score_batch(index: torch.Tensor) -> TokenStats:  # --sequential: the windows at index
+        cached = reference[index] if reference is not None else None
+        part, built = score_windows(
+            artifact_model,
+            windows[index],
+            base_model=base_model,
+            reference=cached,
+            top_k=top_k if reference_cache and cached is None else None,
+            batch_size=batch_size,
+        )
+        if built is not None:
+            save_reference(key.select(index), built)
+        return part
+
     with progress_bar() as bar:
         progress_task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
-        stats, built = score_windows(
-            artifact_model,
-            windows,
-            base_model=base_model,
-            reference=reference,
-            top_k=top_k if reference_cache and reference is None else None,
-            batch_size=batch_size,
-            advance=lambda n: bar.update(progress_task, advance=n),
-        )
+
+        def advance(n: int) -> None:
+            bar.update(progress_task, advance=n)
+
+        if bets is not None:
+            order = drawing_order(len(windows), options.bootstrap_seed)
+            stats, used = score_until_decided(order, score_batch, bets, batch_size=batch_size, advance=advance)
+            windows, built = windows[used], None
+        else:
+            stats, built = score_windows(
+                artifact_model,
+                windows,
+                base_model=base_model,
+                reference=reference,
+                top_k=top_k if reference_cache and reference is None else None,
+                batch_size=batch_size,
+                advance=advance,
+            )
     if built is not None:
         save_reference(key, built)
 
@@ -229,7 +260,12 @@ def evaluate(
         metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
     if gguf_file:
         artifact_model.close()
-    decision, bounds, plan = judge(metrics, WindowStats.of(stats), answers, options, eval_windows=configured)
+    window_stats = WindowStats.of(stats)
+    decision, bounds, plan = judge(metrics, window_stats, answers, options, eval_windows=configured)
+    if bets is not None:
+        if answers is not None:
+            add_answers(bets, answers, options.bootstrap_seed)
+        decision = sequential_decision(bets, metrics, options)
     if pilot_windows is not None:  # a plan, not a verdict: the pilot is too small to judge on
         decision = Decision("report_only", options.decision, options.alpha, [], reason="--plan: a pilot, no verdict")
     return GateResult(
@@ -253,6 +289,9 @@ def evaluate(
         decision=decision,
         intervals=bounds.to_json(options.confidence),
         plan=plan,
+        windows=window_stats,
+        answers=answers,
+        sequential=bets.to_json() | {"windows_available": configured} if bets is not None else {},
     )
 
 
