@@ -98,11 +98,11 @@ def full_kld(base_logits: torch.Tensor, artifact_logits: torch.Tensor) -> torch.
     return _kld(torch.log_softmax(base_logits.float(), dim=-1), torch.log_softmax(artifact_logits.float(), dim=-1))
 
 
-KLD_BIN_EDGES = [0.0] + [10.0**e for e in range(-6, 2)]  # nats: 0, 1e-6, 1e-5, ..., 10
+KLD_BIN_EDGES = [0.0] + [10.0 ** (e / 4) for e in range(-24, 5)]  # nats: 0, then 1e-6 to 10, 4 per decade
 
 
 def kld_histogram(stats: TokenStats) -> dict:
-    """How many tokens fall in each decade of KL divergence (the report's histogram)."""
+    """How many tokens fall in each quarter decade of KL divergence (the report's histogram)."""
     kld = torch.cat(stats.kld).double()
     edges = torch.tensor(KLD_BIN_EDGES + [float("inf")], dtype=torch.float64)
     counts = torch.bucketize(kld, edges[1:-1], right=True).bincount(minlength=len(edges) - 1)

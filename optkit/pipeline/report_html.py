@@ -1,12 +1,14 @@
-"""`report.html`: a release's metrics, per-layer error chart and KL-divergence histogram, one
-self-contained file (the charts are matplotlib PNGs embedded as data URIs)."""
+"""`report.html`: a release's metrics with their intervals, the per-layer error and sensitivity
+charts (matplotlib PNGs as data URIs) and the gate's statistics pictures (inline SVG,
+report_svg.py): per-token KLD distribution, per-window KLD, interval bars. One self-contained
+file: no script, nothing fetched."""
 
 import base64
 import html
 import io
-from itertools import pairwise
 
 from optkit.gate.report import ROWS
+from optkit.pipeline import report_svg
 
 
 def _png(figure) -> str:
@@ -64,28 +66,45 @@ def _attribution_section(manifest: dict) -> str:
 """
 
 
-def _kld_chart(histogram: dict) -> str:
-    import matplotlib
+def _interval_rows(gate: dict, checks: dict) -> list[dict]:
+    """report_svg.interval_bars' rows: every metric with an interval, in the table's order."""
+    intervals = (gate.get("intervals") or {}).get("metrics") or {}
+    rows = []
+    for metric, label, _ in ROWS:
+        found = intervals.get(metric)
+        if not found or gate["metrics"].get(metric) is None:
+            continue
+        check = checks.get(metric)
+        limit = check["limit"] if check else None
+        upper = check["name"].startswith("max_") if check else True
+        rows.append(
+            {"label": label, "value": gate["metrics"][metric], "low": found["low"], "high": found["high"]}
+            | {"limit": limit, "upper": upper}
+        )
+    return rows
 
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
 
-    edges, counts = histogram["edges"], histogram["counts"]
-    labels = [f"<{edges[1]:g}"] + [f"{lo:g}–{hi:g}" for lo, hi in pairwise(edges[1:])] + [f"≥{edges[-1]:g}"]
-    figure, axis = plt.subplots(figsize=(10, 3.5))
-    axis.bar(range(len(counts)), counts, color="#1f77b4")
-    axis.set_xticks(range(len(counts)), labels[: len(counts)], fontsize=8)
-    axis.set_yscale("log")
-    axis.set_xlabel("KL(P_base ‖ P_artifact) per token, nats")
-    axis.set_ylabel("tokens")
-    axis.set_title("KL divergence histogram")
-    data = _png(figure)
-    plt.close(figure)
-    return data
+def _statistics_section(gate: dict, checks: dict) -> str:
+    """The gate's pictures: what is there to draw (an older gate.json has no intervals or windows)."""
+    parts = []
+    if gate.get("kld_histogram"):
+        parts.append("<h2>KL divergence per token</h2>\n" + report_svg.kld_distribution(gate["kld_histogram"]))
+    if gate.get("window_kld"):
+        interval = ((gate.get("intervals") or {}).get("metrics") or {}).get("kld_mean")
+        limit = checks["kld_mean"]["limit"] if "kld_mean" in checks else None
+        picture = report_svg.window_kld(gate["window_kld"], interval, limit, gate["metrics"].get("kld_mean"))
+        parts.append("<h2>KL divergence per window</h2>\n" + picture)
+    rows = _interval_rows(gate, checks)
+    if rows:
+        confidence = gate["intervals"].get("confidence", 0.95)
+        method = html.escape(str(gate["intervals"].get("method", "")))
+        parts.append(f"<h2>Intervals ({confidence:.0%}; {method})</h2>\n" + report_svg.interval_bars(rows))
+    return "\n".join(parts)
 
 
 def render_report(title: str, manifest: dict, gate: dict, verdict: str) -> str:
     checks = {c["metric"]: c for c in gate["checks"]}
+    intervals = (gate.get("intervals") or {}).get("metrics") or {}
     rows = []
     for metric, label, fmt in ROWS:
         if metric not in gate["metrics"]:
@@ -94,8 +113,12 @@ def render_report(title: str, manifest: dict, gate: dict, verdict: str) -> str:
         status = "" if check is None else ("ok" if check["passed"] else "CROSSED")
         css = ' class="crossed"' if check is not None and not check["passed"] else ""
         rule = check["rule"] if check else ""
+        found = intervals.get(metric) or {}
+        interval = ""
+        if found.get("low") is not None and found.get("high") is not None:
+            interval = f"[{fmt.format(found['low'])}, {fmt.format(found['high'])}]"
         rows.append(
-            f"<tr{css}><td>{label}</td><td>{fmt.format(gate['metrics'][metric])}</td>"
+            f"<tr{css}><td>{label}</td><td>{fmt.format(gate['metrics'][metric])}</td><td>{interval}</td>"
             f"<td>{html.escape(rule)}</td><td>{status}</td></tr>"
         )
     color = "#1a7f37" if verdict == "released" else "#cf222e"
@@ -109,12 +132,11 @@ tr.crossed td{{color:#cf222e;font-weight:bold}} .verdict{{color:{color};font-siz
 <p>method <b>{html.escape(str(manifest["method"]))}</b>, format {html.escape(str(manifest["format"]))},
 base {html.escape(manifest["base_model"]["path"])}; gate on {html.escape(gate["eval_set"]["name"])}
 ({gate["metrics"]["num_tokens"]:,} tokens).</p>
-<table><tr><th>metric</th><th>value</th><th>threshold</th><th></th></tr>
+<table><tr><th>metric</th><th>value</th><th>interval</th><th>threshold</th><th></th></tr>
 {chr(10).join(rows)}
 </table>
 <h2>Per-layer error</h2>
 <img alt="per-layer error" src="data:image/png;base64,{_layer_chart(manifest["layers"])}">
-{_attribution_section(manifest)}<h2>KL divergence</h2>
-<img alt="KL divergence histogram" src="data:image/png;base64,{_kld_chart(gate["kld_histogram"])}">
+{_attribution_section(manifest)}{_statistics_section(gate, checks)}
 </body></html>
 """
