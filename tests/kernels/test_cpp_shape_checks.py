@@ -18,6 +18,7 @@ CHILD = """
 import torch
 from optkit.errors import OptkitError
 from optkit.kernels import cpu_decode, cpu_w4a8
+cpu_decode.unavailable_reason(), cpu_w4a8.unavailable_reason()  # build or find and load the libraries
 
 def attention_args(q_heads, kv_heads, block_size=16):
     q = torch.randn(1, q_heads, 32)
