@@ -5,7 +5,16 @@ from typing import Annotated
 
 import typer
 
-from optkit.cli.options import Device, Dtype, JsonFlag, TorchCompile, console, print_json, require_supported
+from optkit.cli.options import (
+    CompileDir,
+    Device,
+    Dtype,
+    JsonFlag,
+    TorchCompile,
+    console,
+    print_json,
+    require_supported,
+)
 
 
 def compile_(
@@ -15,12 +24,13 @@ def compile_(
     device: Device = None,
     dtype: Dtype = None,
     torch_compile: TorchCompile = None,
+    compile_dir: CompileDir = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Warm the engine at each batch size and capture its decode CUDA graphs (CUDA), on the machine
     that will serve: the record (and torch.compile's cache with --torch-compile) goes into this
-    machine's cache, $OPTKIT_CACHE/compile, keyed by the model's content hash, torch version and
-    device. `serve` and `generate` look there, never in the model directory.
+    machine's cache, $OPTKIT_CACHE/compile (or --compile-dir), keyed by the model's content hash,
+    torch version and device. `serve` and `generate` look there, never in the model directory.
 
     Example: optkit compile out/small-w4 --batch-sizes 1,8,32
     """
@@ -38,7 +48,13 @@ def compile_(
             "run `optkit compile MODEL` on the serving machine, it warms $OPTKIT_CACHE/compile"
         )
     sizes = parse_batch_sizes(batch_sizes)
-    args = EngineArgs.from_cli_args(device=device, dtype=dtype, torch_compile=torch_compile, max_num_seqs=max(sizes))
+    args = EngineArgs.from_cli_args(
+        device=device,
+        dtype=dtype,
+        torch_compile=torch_compile,
+        compile_dir=None if compile_dir is None else str(compile_dir),
+        max_num_seqs=max(sizes),
+    )
     config = args.engine_config()  # room for the largest batch size
     manifest = compile_model(model, sizes, config, log_line=lambda line: print(line, file=sys.stderr))
     if json_output:

@@ -59,13 +59,14 @@ def describe_failure(e: Exception) -> tuple[str, int]:
     from pydantic import ValidationError
     from safetensors import SafetensorError
 
-    from optkit.errors import OptkitError
+    from optkit.errors import MAX_LINE_CHARS, OptkitError, shorten
 
     if isinstance(e, OptkitError):
-        return str(e), e.exit_code
+        return shorten(str(e), MAX_LINE_CHARS), e.exit_code  # one line, whatever values it quotes
     if isinstance(e, ValidationError):
         first = e.errors()[0]
-        return f"invalid option {'.'.join(str(p) for p in first['loc'])}: {first['msg']}", 2
+        where = shorten(".".join(str(p) for p in first["loc"]))
+        return f"invalid option {where}: {shorten(first['msg'], MAX_LINE_CHARS // 2)}", 2
     if isinstance(e, OSError):
         names = [f for f in (e.filename, e.filename2) if f is not None]
         where = " -> ".join(os.fsdecode(f) if isinstance(f, bytes) else str(f) for f in names)

@@ -76,6 +76,13 @@ TorchCompile = Annotated[
     bool | None,
     _engine_option("torch_compile", "Also torch.compile each decode bucket (CUDA only; experimental)."),
 ]
+CompileDir = Annotated[
+    Path | None,
+    _engine_option(
+        "compile_dir",
+        "The compile cache (default: $OPTKIT_CACHE/compile): yours alone, as it holds code; no recipe can set it.",
+    ),
+]
 
 
 def require_supported(*models: str | None, runtime: bool = False) -> None:

@@ -21,6 +21,9 @@ def run(
 ) -> None:
     """Quantize, gate and package a release; exit 1 (release marked rejected) if the gate fails.
 
+    Exit codes: 0 released, 1 rejected, 2 bad input (a recipe without a gate threshold too), 3 a bug,
+    4 inconclusive (gate.decision: confident and the eval set cannot tell; marked inconclusive).
+
     Example: optkit run recipes/small-gptq-w4.yaml --set gate.max_kld=0.005
     """
     require_supported(_recipe_model(recipe, set_ or []))
@@ -43,9 +46,9 @@ def run(
             table.add_row(stage["stage"], stage["status"], f"{stage['seconds']:.1f}")
         out_console = console()
         print_table(table, out_console)
-        color = "green" if result.passed else "red"
+        color = "green" if result.passed else "yellow" if result.verdict == "inconclusive" else "red"
         out_console.print(f"[bold {color}]{result.verdict.upper()}[/] {result.release}")
-    raise typer.Exit(0 if result.passed else 1)
+    raise typer.Exit(result.exit_code)
 
 
 def _recipe_model(recipe: Path, overrides: list[str]) -> str | None:
@@ -56,11 +59,12 @@ def _recipe_model(recipe: Path, overrides: list[str]) -> str | None:
         key, _, value = override.partition("=")
         if key.strip() == "model":
             return value.strip()
-    try:
-        import yaml
+    from optkit.errors import OptkitError
+    from optkit.yaml_files import read_yaml_mapping
 
-        data = yaml.safe_load(recipe.read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+    try:
+        data = read_yaml_mapping(recipe, "recipe")  # the bounded reader: load_recipe repeats its refusal
+    except (OptkitError, OSError):
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None

@@ -6,6 +6,7 @@ import typer
 
 from optkit.cli import serve_options as opt
 from optkit.cli.options import (
+    CompileDir,
     Device,
     Dtype,
     EnforceEager,
@@ -68,6 +69,7 @@ def serve(
     speculative: Speculative = None,
     num_speculative_tokens: NumSpeculativeTokens = None,
     enforce_eager: EnforceEager = None,
+    compile_dir: CompileDir = None,
     kv_cache_dtype: KvCacheDtype = None,
     threads: Threads = None,
     head: Head = None,
@@ -127,6 +129,8 @@ def serve(
     )
     options = resolve_options(model, served_model_name, None if recipe is None else str(recipe), flags)
     config = options.engine.engine_config()  # device "auto" resolved once, for every model
+    if compile_dir is not None:  # the command line's alone: a recipe's serve.engine cannot name it
+        config = config.model_copy(update={"compile_dir": str(compile_dir)})
     limits = Limits(max_request_bytes, body_timeout, allowed_hosts(host, allowed_host or []))
     sock = bind(host, port)  # before loading the models: a port in use fails at once
     if not is_loopback(host) and not api_key:

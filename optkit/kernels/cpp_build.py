@@ -5,11 +5,19 @@ hash over the source, the flags and torch's version, so a machine builds each ve
 and a changed source or flag never loads a stale library. The libraries register their operators
 with TORCH_LIBRARY (torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules.
 
+The libraries are code that runs in this process, so the build directory must be this user's own:
+$OPTKIT_CACHE/kernels and its <name>_<hash> directories are created writable by this user alone, and
+one that another user owns or may write into (or a library in it that is) is never built into or
+loaded; the operators then run on the PyTorch path, and the reason, naming the directory and the
+chmod that fixes it, is logged once and shown where the C++ path would be (`bench`). A fallback, not
+an exit: the first call comes from inside a model's forward, possibly while a server answers.
+
 -fopenmp matters: at::parallel_for is inlined from ATen's headers and runs on one thread unless the
 extension itself is compiled with OpenMP (a W4A8 linear on two threads took as long as on one).
 """
 
 import hashlib
+import logging
 import os
 import platform
 import threading
@@ -17,6 +25,9 @@ from pathlib import Path
 
 import torch
 
+from optkit.errors import OptkitError
+
+log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off")  # no fused multiply-add where the C++ writes a * b + c
 _lock = threading.Lock()  # two threads' first calls must not register the same operators twice
 
@@ -33,18 +44,22 @@ def load(source: Path, prefix: str) -> str:
         return f"not x86-64 ({platform.machine()})"
     from torch.utils import cpp_extension
 
-    from optkit.cache import cache_dir
-
     key = source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
     name = f"{prefix}_{hashlib.sha256(key).hexdigest()[:16]}"
     with _lock:
+        try:
+            build_directory = private_build_directory(name)
+        except (OptkitError, OSError) as e:
+            reason = f"C++ library not loaded: {e}"
+            log.warning("%s", reason)
+            return reason
         try:
             cpp_extension.load(
                 name,
                 [str(source)],
                 extra_cflags=list(FLAGS),
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(cache_dir("kernels", name)),
+                build_directory=str(build_directory),
                 is_python_module=False,
                 verbose=False,
             )
@@ -52,3 +67,16 @@ def load(source: Path, prefix: str) -> str:
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             return f"C++ build failed: {first[:160]}"
     return ""
+
+
+def private_build_directory(name: str) -> Path:
+    """$OPTKIT_CACHE/kernels/`name`, created writable by this user alone; an OptkitError naming the
+    directory when it, the kernels directory or the library already built there is not."""
+    from optkit.cache import cache_root, check_private, make_private_dirs
+
+    top = cache_root() / "kernels"
+    directory = top / name
+    make_private_dirs(directory, top)
+    for path in (top, directory, directory / f"{name}.so"):
+        check_private(path, "C++ kernel cache")
+    return directory

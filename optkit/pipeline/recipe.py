@@ -8,13 +8,13 @@ from typing import get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from optkit.errors import OptkitError
+from optkit.errors import MAX_LINE_CHARS, OptkitError, shorten, shown
 from optkit.gate.options import GateOptions
 from optkit.quant import methods
 from optkit.quant.formats import get_format
 from optkit.quant.quantize import QuantizeOptions
 from optkit.routing.config import ServeOptions
-from optkit.yaml_files import read_yaml_mapping
+from optkit.yaml_files import load_yaml, read_yaml_mapping
 
 
 def method_of_stages(stages: list[str]) -> str:
@@ -109,18 +109,19 @@ def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
 
 
 def _describe(error: dict) -> str:
-    where = ".".join(str(p) for p in error["loc"])
+    """The error's one line; the keys and values it quotes from the recipe are shortened."""
+    where = shown(".".join(str(p) for p in error["loc"]))
+    message = shorten(error["msg"].removeprefix("Value error, "), MAX_LINE_CHARS // 2)
     if error["type"] == "extra_forbidden":
         valid = _fields_at(Recipe, error["loc"][:-1])
-        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
+        close = difflib.get_close_matches(str(error["loc"][-1])[:100], valid, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid keys here: {', '.join(valid)}"
-        return f"recipe key {where!r} is unknown: {hint}"
+        return f"recipe key {where} is unknown: {hint}"
     if error["type"] == "missing":
-        return f"recipe key {where!r} is required"
+        return f"recipe key {where} is required"
     if error["type"] == "value_error":
-        message = error["msg"].removeprefix("Value error, ")
-        return f"recipe key {where!r}: {message}" if where else f"recipe: {message}"
-    return f"recipe key {where!r}: {error['msg']} (got {error.get('input')!r})"
+        return f"recipe key {where}: {message}" if error["loc"] else f"recipe: {message}"
+    return f"recipe key {where}: {message} (got {shown(error.get('input'))})"
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -135,7 +136,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(key, {})
             if not isinstance(node, dict):
                 raise OptkitError(f"--set {path}: {key!r} is not a section of the recipe")
-        node[keys[-1]] = yaml.safe_load(value)
+        try:
+            node[keys[-1]] = load_yaml(value)
+        except (yaml.YAMLError, ValueError) as e:
+            raise OptkitError(f"--set {path}: {shorten(value)} is not a YAML value ({shorten(str(e))})") from None
     return data
 
 
@@ -154,3 +158,5 @@ def parse_recipe(data: dict, source: str | Path) -> Recipe:
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise OptkitError(f"{source}: {_describe(e.errors()[0])}") from e
+    except OptkitError as e:  # from a section's own checks, which may quote the recipe's values
+        raise OptkitError(f"{source}: {shorten(str(e), MAX_LINE_CHARS // 2)}") from e

@@ -17,7 +17,7 @@ holding only a `serve:` section) might read:
       spill_over: {max_queue_wait_s: 2.0}
       shadow: {pairs: {small-w2: small}, rate: 0.05}
       fallback: {threshold: {kld: 0.5, top1: 80}, window: 20, recovery: manual}
-      engine: {device: auto, max_num_seqs: 32}   # runtime/engine_args.py: every engine flag, one key each
+      engine: {device: auto, max_num_seqs: 32}   # runtime/engine_args.py: every engine flag but --compile-dir
 
 The flags of `optkit serve` override these keys (cli/serve_flags.py). Names are checked against the
 models once everything is merged (`check_references`), before any model is loaded.
@@ -28,8 +28,8 @@ from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from optkit.errors import OptkitError
-from optkit.runtime.engine_args import EngineArgs
+from optkit.errors import MAX_LINE_CHARS, OptkitError, shorten, shown
+from optkit.runtime.engine_args import EngineArgs, check_file_engine_section
 from optkit.untrusted_regex import check_untrusted
 
 
@@ -143,30 +143,39 @@ class ServeOptions(_Options):
     fallback: FallbackOptions = Field(default_factory=FallbackOptions)
     engine: EngineArgs = Field(default_factory=EngineArgs)  # what every served model's engine runs with
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _no_compile_dir(cls, engine):
+        check_file_engine_section(engine)  # the compile cache is this machine's: never a file's to name
+        return engine
+
 
 def serve_options(data: dict) -> ServeOptions:
     """Validated options; a user error naming the first bad key."""
     try:
         options = ServeOptions.model_validate(data)
+        check_references(options)
     except ValidationError as e:
         raise OptkitError(_describe(e.errors()[0])) from None
-    check_references(options)
+    except OptkitError as e:  # the engine's or check_references' line, which may quote the file's values
+        raise OptkitError(shorten(str(e), MAX_LINE_CHARS // 2)) from None
     return options
 
 
 def _describe(error: dict) -> str:
-    where = ".".join(str(p) for p in error["loc"])
+    """The error's one line; the keys and values it quotes from the file are shortened."""
+    where = shown(".".join(str(p) for p in error["loc"]))
     if error["type"] == "extra_forbidden":
         valid = _fields_at(error["loc"][:-1])
-        close = difflib.get_close_matches(str(error["loc"][-1]), valid, n=1)
+        close = difflib.get_close_matches(str(error["loc"][-1])[:100], valid, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"valid keys here: {', '.join(valid)}"
-        return f"serve key {where!r} is unknown: {hint}"
+        return f"serve key {where} is unknown: {hint}"
     if error["type"] == "missing":
-        return f"serve key {where!r} is required"
-    message = error["msg"].removeprefix("Value error, ")
+        return f"serve key {where} is required"
+    message = shorten(error["msg"].removeprefix("Value error, "), MAX_LINE_CHARS // 2)
     if error["type"] == "value_error":
-        return f"serve key {where!r}: {message}"
-    return f"serve key {where!r}: {message} (got {error.get('input')!r})"
+        return f"serve key {where}: {message}"
+    return f"serve key {where}: {message} (got {shown(error.get('input'))})"
 
 
 def _fields_at(path: tuple) -> list[str]:

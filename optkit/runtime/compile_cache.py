@@ -11,16 +11,21 @@ so they are code: optkit loads them only from this machine's own cache, written 
   ROOT/MODEL_ID/KEY/compile.json        what was warmed: torch, device name, batch sizes, timings
   ROOT/MODEL_ID/KEY/torch_compile.bin   torch.compiler.save_cache_artifacts() (--torch-compile)
 
-ROOT is $OPTKIT_CACHE/compile (EngineArgs.compile_dir overrides it; never inside the model
-directory). It is trusted local state: keep it writable by you alone. MODEL_ID is `model_id`:
-the sha256 of what the engine's graphs are built from (config.json and the safetensors). KEY is
-the torch version and device name.
+ROOT is $OPTKIT_CACHE/compile, or the command line's --compile-dir (EngineArgs.compile_dir, which
+no recipe or routing config may set: runtime/engine_args.py's FileEngineArgs; never inside the model
+directory). It is trusted local state, so ROOT, ROOT/MODEL_ID, ROOT/MODEL_ID/KEY and the blob must
+belong to this user and be writable by no one else: anything else is refused in one line before a
+byte is read (cache.check_private), and `save_cache` creates them so. MODEL_ID is `model_id`: the
+sha256 of what the engine's graphs are built from (config.json and the safetensors). KEY is the
+torch version and device name.
 
 torch.compile is off unless asked (EngineArgs.torch_compile, `optkit compile --torch-compile`),
 and needs CUDA: on CPU the engine's packed steps change shape every step, so a dynamic=False
-compile would recompile per step; it was not measured to help there. On CUDA it compiles the
-model's forward per decode bucket (fixed shapes) right before that bucket's graph is captured;
-that path is unverified on a GPU so far. Prefill and mixed steps always run the eager model.
+compile would recompile per step; it was not measured to help there. So its blob is unpickled
+only for a CUDA device (`load_cache`); on any other the engine refuses --torch-compile with
+nothing loaded. On CUDA it compiles the model's forward per decode bucket (fixed shapes) right
+before that bucket's graph is captured; that path is unverified on a GPU so far. Prefill and
+mixed steps always run the eager model.
 """
 
 import hashlib
@@ -33,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from optkit import cache
+from optkit.cache import check_private, make_private_dirs
 from optkit.errors import OptkitError
 
 log = logging.getLogger(__name__)
@@ -76,9 +83,8 @@ def cache_path(model_dir: Path, device: str, compile_dir: str | Path | None = No
 
 
 def cache_root(model_dir: Path, compile_dir: str | Path | None = None) -> Path:
-    """ROOT: `compile_dir`, or $OPTKIT_CACHE/compile; refused when it lies inside the model directory."""
-    from optkit import cache
-
+    """ROOT: `compile_dir` (--compile-dir), or $OPTKIT_CACHE/compile; refused when it lies inside the
+    model directory."""
     root = Path(compile_dir) if compile_dir is not None else cache.cache_root() / "compile"
     model, resolved = Path(model_dir).resolve(), root.resolve()
     if resolved == model or model in resolved.parents:
@@ -100,9 +106,17 @@ def warn_legacy_cache(model_dir: Path) -> None:
         )
 
 
-def load_cache(directory: Path) -> dict | None:
+def check_entry(directory: Path) -> None:
+    """Refuse an entry ROOT/MODEL_ID/KEY whose directories another user owns or may write into."""
+    for part in (directory.parents[1], directory.parent, directory):
+        check_private(part, "compile cache")
+
+
+def load_cache(directory: Path, device: str = "cpu") -> dict | None:
     """The warm-up record in the local cache `directory` (None when there is none); loads
-    torch.compile's artifacts when they were saved there."""
+    torch.compile's artifacts when they were saved there and `device` is CUDA (torch.compile needs
+    it: on any other device the engine refuses --torch-compile, and nothing is unpickled first)."""
+    check_entry(directory)
     path = directory / MANIFEST
     if not path.is_file():
         return None
@@ -110,9 +124,13 @@ def load_cache(directory: Path) -> dict | None:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise OptkitError(f"{path} is not valid JSON ({e}): delete it and re-run optkit compile") from e
+    if not isinstance(manifest, dict):
+        raise OptkitError(f"{path} is not a warm-up record: delete it and re-run optkit compile")
     manifest["loaded_artifacts"] = False
-    if manifest.get("torch_compile") and (directory / TORCH_CACHE).is_file():
-        torch.compiler.load_cache_artifacts((directory / TORCH_CACHE).read_bytes())  # local, written by us
+    blob = directory / TORCH_CACHE
+    if manifest.get("torch_compile") and device.startswith("cuda") and blob.is_file():
+        check_private(blob, "compile cache file")
+        torch.compiler.load_cache_artifacts(blob.read_bytes())  # local, written by this user's optkit compile
         manifest["loaded_artifacts"] = True
     return manifest
 
@@ -135,17 +153,22 @@ def lookup(model_dir: Path, device: str, compile_dir: str | Path | None = None) 
     `compile/` shipped in the model directory, which is never read."""
     warn_legacy_cache(model_dir)
     root = cache_root(model_dir, compile_dir)
-    if not (root.is_dir() and any(root.iterdir())):  # nothing warmed: no need to hash the model for its id
+    if not root.is_dir():
+        return None
+    check_private(root, "compile cache")
+    if not any(root.iterdir()):  # nothing warmed: no need to hash the model for its id
         return None
     path = cache_path(model_dir, device, compile_dir)
-    record = load_cache(path)
+    record = load_cache(path, device)
     return Warmup(path, record) if record is not None else None
 
 
 def save_cache(directory: Path, record: dict, torch_artifacts: bytes | None = None) -> None:
-    """Write the warm-up record (and torch.compile's blob) into the local cache `directory`."""
+    """Write the warm-up record (and torch.compile's blob) into the local cache `directory`
+    (ROOT/MODEL_ID/KEY), its directories and files writable by this user alone."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(directory, directory.parents[1])
+        check_entry(directory)
         if torch_artifacts is not None:
             _write_atomic(directory / TORCH_CACHE, torch_artifacts)
         _write_atomic(directory / MANIFEST, (json.dumps(record, indent=2) + "\n").encode())
@@ -157,5 +180,7 @@ def save_cache(directory: Path, record: dict, torch_artifacts: bytes | None = No
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as file:  # not g+w
+        file.write(data)
     tmp.replace(path)

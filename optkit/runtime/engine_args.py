@@ -1,7 +1,9 @@
 """The engine's settings, declared once (as vLLM's `EngineArgs`): `optkit generate`, `serve`, `bench`
 and `compile` build their engine flags from these fields (cli/options.py), and a recipe's
-`serve.engine:` section has the same keys (routing/config.py). Field names are the keys; the flag
-of `max_num_seqs` is `--max-num-seqs`.
+`serve.engine:` section has the same keys (routing/config.py) but one: `compile_dir` is refused there
+(`check_file_engine_section`). The compile cache holds torch pickles, code, so only this machine's
+$OPTKIT_CACHE or the command line (`--compile-dir`) may name it, never a recipe or routing config
+from somewhere else. Field names are the keys; the flag of `max_num_seqs` is `--max-num-seqs`.
 
 `EngineArgs` is what the user said, where device and dtype may be "auto"; `engine_config()`
 resolves them (optkit/devices.py, the one resolver) into the `EngineConfig` that `LLMEngine` runs
@@ -12,7 +14,7 @@ told otherwise: what a test or a script gets when it builds one directly).
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from optkit.devices import DTYPES, resolve_device, resolve_dtype
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown
 
 
 class EngineArgs(BaseModel):
@@ -36,7 +38,7 @@ class EngineArgs(BaseModel):
     # CUDA graphs and the compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
     torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
-    compile_dir: str | None = None  # the local compile cache (default: $OPTKIT_CACHE/compile; never a model dir)
+    compile_dir: str | None = None  # --compile-dir (default: $OPTKIT_CACHE/compile); never a model dir, nor from a file
     # CPU: torch's threads for the process (None: torch's default, every core it sees; set_num_threads
     # is process-wide, so the last engine built sets it), and the output head (runtime/head_policy.py)
     threads: int | None = None
@@ -48,13 +50,13 @@ class EngineArgs(BaseModel):
             if getattr(self, name) < 1:
                 raise OptkitError(f"--{name.replace('_', '-')} must be at least 1")
         if self.dtype not in (*DTYPES, "auto"):
-            raise OptkitError(f"unknown --dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+            raise OptkitError(f"unknown --dtype {shown(self.dtype)}: choose one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise OptkitError(f"--threads {self.threads}: give a positive number of CPU threads")
         if self.head not in ("full", "bf16", "int8"):  # runtime/head_policy.py's HEAD_POLICIES
-            raise OptkitError(f"unknown --head {self.head!r}: choose full, bf16 or int8")
+            raise OptkitError(f"unknown --head {shown(self.head)}: choose full, bf16 or int8")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise OptkitError(f"unknown --kv-cache-dtype {self.kv_cache_dtype!r}: choose auto, int8 or fp8")
+            raise OptkitError(f"unknown --kv-cache-dtype {shown(self.kv_cache_dtype)}: choose auto, int8 or fp8")
         if self.speculative is not None:
             from optkit.runtime.proposers import parse_speculative
 
@@ -75,6 +77,15 @@ class EngineArgs(BaseModel):
         """These settings with device and dtype resolved: what LLMEngine runs with."""
         device = resolve_device(self.device)
         return EngineConfig(**{**self.model_dump(), "device": device, "dtype": resolve_dtype(self.dtype, device)})
+
+
+def check_file_engine_section(section: object) -> None:
+    """A recipe's or routing config's `engine:` section takes every key but compile_dir (a ValueError naming it)."""
+    if isinstance(section, dict) and "compile_dir" in section:
+        raise ValueError(
+            "compile_dir cannot come from a recipe or routing config (the compile cache holds code): drop it; "
+            "the cache is $OPTKIT_CACHE/compile, or --compile-dir on the command line"
+        )
 
 
 class EngineConfig(EngineArgs):

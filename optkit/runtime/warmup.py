@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from optkit.artifacts import check_writable_dir
+from optkit.cache import check_private
 from optkit.modeldir import resolve_model_dir
 from optkit.runtime import compile_cache
 from optkit.runtime.engine import LLMEngine
@@ -26,7 +27,8 @@ def compile_model(
     torch_compile) to this machine's compile cache; the record, with the entry's `path`."""
     path = resolve_model_dir(model)
     root = compile_cache.cache_root(path, config.compile_dir)
-    check_writable_dir(root, "OPTKIT_CACHE" if config.compile_dir is None else "compile_dir")
+    check_writable_dir(root, "OPTKIT_CACHE" if config.compile_dir is None else "--compile-dir")
+    check_private(root, "compile cache")  # before the model loads: the entry is checked again on writing
     start = time.perf_counter()
     engine = LLMEngine(path, config)  # checks the files against optkit.json, which model_id trusts
     load_seconds = time.perf_counter() - start
