@@ -9,7 +9,7 @@
   passing an artifact that breaks some threshold is at most α with no multiplicity correction;
 - reject (exit 1) when some threshold's optimistic bound is outside it at level α/m (Bonferroni
   across the m thresholds: the chance of rejecting an artifact that meets them all is ≤ α);
-- otherwise inconclusive (exit 4), with the number of windows that would most likely decide it.
+- otherwise inconclusive (exit 4), with the number of windows that would decide it if the estimate holds.
 Below MIN_WINDOWS windows (MIN_ITEMS task questions) `confident` never passes: a bootstrap over so
 few units understates its own spread.
 
@@ -19,7 +19,9 @@ nothing, so it says nothing passed.
 The windows needed: a bound's distance from the estimate, d, shrinks as 1/√n, so if the estimate
 stays where it is the bound reaches the threshold L at n' = n (d / |L − θ̂|)²: the pass side when
 every estimate is inside (the largest n' over the undecided thresholds), the reject side when some
-estimate is outside (the smallest n' over those).
+estimate is outside (the smallest n' over those). At n' the estimate, if it holds, just decides: a
+fresh estimate is as likely above as below it, so n' is where the odds turn, not a guarantee; the
+plan (gate/power.py, units_for_this_artifact) gives the windows that decide with 80% power.
 """
 
 import math
@@ -52,7 +54,7 @@ class Decision:
     rule: Rule
     alpha: float
     checks: list[Check] = field(default_factory=list)
-    windows_needed: int | None = None  # inconclusive: windows that would most likely decide it
+    windows_needed: int | None = None  # inconclusive: windows that decide it if the estimates hold
     items_needed: int | None = None  # inconclusive on a task metric: questions that would
     reason: str = ""
 
@@ -139,7 +141,7 @@ def units_to_reach(n: int, distance: float, gap: float, minimum: int) -> int | N
 
 
 def _units_needed(checks: list[Check], bounds: Bounds, alpha: float) -> tuple[int | None, int | None]:
-    """(windows, task questions) that would most likely decide the undecided checks (module doc)."""
+    """(windows, task questions) that decide the undecided checks if the estimates hold (module doc)."""
     m = len(checks)
     needed: dict[bool, list[int | None]] = {True: [], False: []}  # keyed by "is a task metric"
     rejecting: dict[bool, list[int | None]] = {True: [], False: []}

@@ -50,7 +50,7 @@ def verdict_line(result: GateResult) -> str:
             more.append(f"~{decision['extra_windows']} more windows")
         if decision.get("extra_items"):
             more.append(f"~{decision['extra_items']} more task questions")
-        text += f" ({' and '.join(more) or 'no number of windows'} would most likely decide it)"
+        text += f" ({' and '.join(more) or 'no number of windows'} would decide it if the estimates hold)"
     return text
 
 
@@ -88,11 +88,20 @@ def gate_table(result: GateResult) -> Table:
 def plan_table(plan: dict) -> Table:
     """What the eval set can resolve per threshold (gate/power.py)."""
     table = Table(title=f"plan: {plan['confidence']:.0%} confidence, {plan['power']:.0%} power")
-    columns = ("threshold", "estimate", "sd per unit", "units", "margin to pass", "margin to reject", "units needed")
+    columns = (
+        "threshold",
+        "estimate",
+        "sd per unit",
+        "units",
+        "margin to pass",
+        "margin to reject",
+        "units for the threshold",
+        "units for this one",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "threshold" else "right")
     for metric in plan["metrics"].values():
-        needed = metric["units_for_threshold"]
+        needed, this_one = metric["units_for_threshold"], metric["units_for_this_artifact"]
         table.add_row(
             f"{metric['threshold']} {metric['limit']:g}",
             f"{metric['estimate']:.5g}",
@@ -101,6 +110,7 @@ def plan_table(plan: dict) -> Table:
             f"{metric['margin_to_pass']:.3g}",
             f"{metric['margin_to_reject']:.3g}",
             "" if needed is None else f"{needed}",
+            "on the line" if this_one is None else f"{this_one}",
         )
     return table
 

@@ -14,13 +14,19 @@ def model_card(recipe, manifest: dict, gate: dict, verdict: str) -> str:
         if metric not in metrics:
             continue
         check = checks.get(metric)
-        rule = f"{check['rule']} ({'ok' if check['passed'] else 'CROSSED'})" if check else ""
-        rows.append(f"| {label} | {fmt.format(metrics[metric])} | {rule} |")
-    status = (
-        "RELEASED: every gate threshold holds"
-        if verdict == "released"
-        else ("REJECTED: a gate threshold is crossed; do not ship this artifact")
-    )
+        state = check.get("state") or ("ok" if check["passed"] else "crossed") if check else ""
+        rule = f"{check['rule']} ({state if state == 'ok' else state.upper()})" if check else ""
+        interval = (gate.get("intervals") or {}).get("metrics", {}).get(metric)
+        value = fmt.format(metrics[metric])
+        if interval and interval["low"] is not None and interval["high"] is not None:
+            value += f" [{fmt.format(interval['low'])}, {fmt.format(interval['high'])}]"
+        rows.append(f"| {label} | {value} | {rule} |")
+    confidence = (gate.get("intervals") or {}).get("confidence", 0.95)
+    status = {
+        "released": "RELEASED: every gate threshold holds",
+        "inconclusive": "INCONCLUSIVE: the gate's eval set cannot tell whether the thresholds hold; do not ship "
+        "this artifact before a larger gate decides",
+    }.get(verdict, "REJECTED: a gate threshold is crossed; do not ship this artifact")
     groups = "per channel" if scheme.group_size == -1 else f"group size {scheme.group_size}"
     symmetry = "symmetric" if scheme.symmetric else "asymmetric"
     if q.activations:
@@ -40,7 +46,7 @@ Calibration: {manifest["calibration"]["name"] or "none"}.
 
 ## Quality gate ({gate["eval_set"]["name"]}, {metrics["num_tokens"]:,} tokens)
 
-| metric | value | threshold |
+| metric | value [{confidence:.0%} interval] | threshold |
 |---|---|---|
 {chr(10).join(rows)}
 

@@ -19,6 +19,8 @@ byte until the gate passes, the size budget is spent or the evaluations are.
    `shrink_evaluations` on shorter prefixes of the moves, each chosen by interpolating the gate's
    KLD between the last failing and the last passing prefix in the cumulative estimated drop
    (regula falsi), and keep the smallest artifact that passes. Every evaluation is a step in the manifest.
+   A candidate the gate calls inconclusive (`decision: confident` on `max_windows` windows) is
+   gated again on the whole eval set before repair climbs from it (`settle`).
 
 Why attribute again: the estimate is a first-order step from the attributed weights, good near
 them. From the default 2-bit start (KLD 0.16-0.18 on `small`, target 0.01) the first plan must
@@ -86,7 +88,20 @@ def _step(index: int, raised: dict[str, Rung], result: GateResult, artifact: Pat
         "top1_pct": m["top1_pct"],
         "size_mb": round(size_mb(artifact), 4),
         "passed": result.passed,
+        "verdict": result.verdict,
+        "windows": result.eval_set.get("windows"),
     }
+
+
+def settle(artifact: Path, base: Path, gate: GateOptions, result: GateResult, log) -> GateResult:
+    """An inconclusive gate (`decision: confident` on a `max_windows` subset) is not a failure to
+    climb from: the candidate is gated again on the whole eval set first, which decides most
+    candidates; one still inconclusive there is treated as failing (repair raises more layers)."""
+    windows, available = result.eval_set.get("windows"), result.eval_set.get("windows_available")
+    if result.verdict != "inconclusive" or gate.max_windows is None or (windows or 0) >= (available or 0):
+        return result
+    log(f"repair: {artifact.name} is inconclusive on {windows} windows; gating it on all {available}")
+    return evaluate(artifact, base, gate.model_copy(update={"max_windows": None}))
 
 
 def weight_itemsizes(base: Path) -> dict[str, int]:
@@ -109,7 +124,7 @@ def repair(
     if manifest is None:
         raise OptkitError(f"{artifact} has no optkit.json: repair starts from an optkit artifact")
     check_mixed(manifest["format"])
-    result = initial or evaluate(artifact, base, gate)
+    result = settle(artifact, base, gate, initial or evaluate(artifact, base, gate), log)
     steps = [_step(0, {}, result, artifact, [])]
     if result.passed:
         return RepairOutcome(True, artifact, result, steps)
@@ -141,13 +156,13 @@ def repair(
         raised = {**prior, **raised_rungs(moves)}
         out = work / f"step-{evaluation}"
         write_mixed_artifact(source, base, raised_rungs(moves), out, {})
-        result = evaluate(out, base, gate)
+        result = settle(out, base, gate, evaluate(out, base, gate), log)
         before = {**prior, **raised_rungs(previous)}
         changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
         steps.append(_step(evaluation, raised, result, out, changed))
         log(
             f"repair step {evaluation}: raised {len(raised)} linears, KLD {result.metrics['kld_mean']:.5f} "
-            f"(target {target:g}), {steps[-1]['size_mb']:.2f} MB: {'pass' if result.passed else 'fail'}"
+            f"(target {target:g}), {steps[-1]['size_mb']:.2f} MB: {result.verdict}"
         )
         smaller = result.passed and (not best[2].passed or size_mb(out) < size_mb(best[1]))
         if smaller or (not best[2].passed and result.metrics["kld_mean"] < best[0]):

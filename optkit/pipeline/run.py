@@ -30,6 +30,7 @@ from optkit.artifacts import (
     remove_stale_temporaries,
     scratch_dir,
 )
+from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
 from optkit.json_strict import dumps
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
@@ -48,13 +49,34 @@ from optkit.runtime.warmup import compile_model
 @dataclass
 class RunResult:
     release: Path
-    verdict: str  # "released" | "rejected"
+    verdict: str  # "released" | "rejected" | "inconclusive" (gate.decision confident: the eval set cannot tell)
     stages: list[dict] = field(default_factory=list)
     gate: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         return self.verdict == "released"
+
+    @property
+    def exit_code(self) -> int:
+        return {"released": 0, "rejected": 1, "inconclusive": 4}[self.verdict]
+
+
+RELEASE_VERDICTS = {"pass": "released", "fail": "rejected", "inconclusive": "inconclusive"}
+
+
+def release_verdict(gate: dict) -> str:
+    """The release's verdict from its gate's (a gate record without one is never released)."""
+    return RELEASE_VERDICTS.get(gate.get("verdict"), "rejected")
+
+
+def require_thresholds(recipe: Recipe) -> None:
+    """A release gate asked nothing approves nothing: a recipe must set a threshold."""
+    if not recipe.gate.any_set():
+        raise OptkitError(
+            "the recipe's gate sets no threshold, so it could approve anything: add gate.max_kld "
+            "(or gate.max_ppl_increase, gate.min_top1, or gate.task with gate.min_recovery)"
+        )
 
 
 def _digest(data: dict) -> str:
@@ -100,6 +122,7 @@ def _prepare_outputs(release: Path, what: str) -> Path:
 def run_recipe(
     recipe: Recipe, raw: dict, *, recipe_path: Path, out: Path | None = None, device: str = "auto"
 ) -> RunResult:
+    require_thresholds(recipe)
     release = Path(out or recipe.output)
     what = "--out" if out else "output"
     work = _prepare_outputs(release, what)
@@ -149,7 +172,7 @@ def run_recipe(
         result.gate = outcome.to_json()
         _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
         result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
-    result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
+    result.verdict = release_verdict(result.gate)
 
     # 2b. repair: the recipe asks the gate to raise the layers that caused the failure, or (start:
     # smallest) for the smallest mixed artifact that passes, whatever the gate said of this one
@@ -216,7 +239,7 @@ def _repair_stage(
         _write_record(work, "repair", {"inputs": inputs})
         result.stages.append({"stage": "repair", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
     result.gate = kept["gate"]
-    result.verdict = "released" if result.gate["verdict"] == "pass" else "rejected"
+    result.verdict = release_verdict(result.gate)
     return repaired, kept
 
 

@@ -332,7 +332,7 @@ def write_recipe(directory, model, output) -> str:
     recipe = {
         "model": str(model),
         "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 64}},
-        "gate": {"max_windows": 2},
+        "gate": {"max_windows": 2, "max_kld": 1.0},
         "output": str(output),
     }
     path = directory / "recipe.yaml"
