@@ -62,6 +62,8 @@ class RatioBootstrap:
     t_star: torch.Tensor  # [B] float64, sorted: (θ* − θ̂) / se* per resample
     units: int
     transform: object = _identity  # g: θ -> the metric as reported (monotone increasing)
+    unseen: float = 0.0  # task metrics: the change in θ one unseen disagreement makes (below)
+    ceiling: float = math.inf  # the largest θ can be (1 for an accuracy)
 
     def value(self) -> float:
         return self.transform(self.estimate)
@@ -69,10 +71,22 @@ class RatioBootstrap:
     def quantile(self, level: float) -> float:
         """The bound below which the metric lies with probability `level` (0 < level < 1)."""
         if self.se <= 0.0 or self.units < 2:
-            return self.value()  # every unit agrees (or one unit): no spread to bound
+            return self._without_spread(level)
         b = self.t_star.numel()
         index = min(max(math.ceil((1.0 - level) * b) - 1, 0), b - 1)  # the (1 − level)-quantile of t*
         return self.transform(self.estimate - self.t_star[index].item() * self.se)
+
+    def _without_spread(self, level: float) -> float:
+        """Every unit agrees (an artifact answering each question as its base does, or all right):
+        the bootstrap sees no spread, yet a disagreement may be merely unseen. With none among n
+        units, the rate of disagreement is below p = 1 − α^{1/n} at level α (the exact binomial
+        bound at zero events, ≈ 3/n at α = 0.05), and θ moves by at most n·p·`unseen`."""
+        if self.unseen <= 0.0:
+            return self.value()  # windows: an identical artifact has zero KLD on every token
+        alpha = min(level, 1.0 - level)
+        shift = self.units * -math.expm1(math.log(alpha) / self.units) * self.unseen
+        bound = self.estimate - shift if level < 0.5 else self.estimate + shift
+        return self.transform(min(max(bound, 0.0), self.ceiling))
 
 
 @dataclass(frozen=True)
@@ -140,8 +154,9 @@ def ratio_se(y: torch.Tensor, t: torch.Tensor) -> tuple[float, float]:
     return theta, (spread.sqrt() / t.sum().clamp(min=1e-12)).item()
 
 
-def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int) -> Bootstrap:
-    """ratios: metric -> (y [n], t [n], g); every metric is resampled with the same counts."""
+def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int, unseen: dict | None = None) -> Bootstrap:
+    """ratios: metric -> (y [n], t [n], g); every metric is resampled with the same counts.
+    unseen: metric -> (the change in θ one disagreement makes, θ's ceiling) (RatioBootstrap)."""
     n = next(iter(ratios.values()))[0].numel()
     if n == 0:
         raise ValueError("nothing to resample")
@@ -160,7 +175,9 @@ def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int) -> Bootstrap
             parts[k].append((theta_star - theta) / se_star.clamp(min=floor))
     return Bootstrap(
         {
-            k: RatioBootstrap(fits[k][0], fits[k][1], torch.cat(parts[k]).sort().values, n, g)
+            k: RatioBootstrap(
+                fits[k][0], fits[k][1], torch.cat(parts[k]).sort().values, n, g, *(unseen or {}).get(k, ())
+            )
             for k, (_, _, g) in ratios.items()
         },
         resamples,
@@ -190,4 +207,6 @@ def bootstrap_items(
         "task_acc_artifact": (artifact, torch.ones_like(base), _identity),
         "task_recovery": (artifact, base, _identity),
     }
-    return _bootstrap(ratios, resamples, seed)
+    n = base.numel()  # one unseen flip moves accuracy by 1/n and recovery by 1/(questions the base gets)
+    unseen = {"task_acc_artifact": (1.0 / max(n, 1), 1.0), "task_recovery": (1.0 / max(base.sum().item(), 1.0),)}
+    return _bootstrap(ratios, resamples, seed, unseen)

@@ -79,3 +79,18 @@ def test_an_artifact_equal_to_its_base_has_a_zero_width_interval():
     bounds = bootstrap_windows(windows)
     assert bounds.interval("kld_mean") == (0.0, 0.0) and bounds.interval("top1_pct") == (100.0, 100.0)
     assert bounds.interval("ppl_increase_pct") == (0.0, 0.0)
+
+
+def test_a_task_answered_exactly_as_the_base_answers_still_has_an_interval():
+    """No question answered differently: the bootstrap sees no spread, but a disagreement may be
+    unseen; the bound is the exact binomial one at zero events (≈ 3/n at 95%)."""
+    base = torch.arange(30) % 2 == 0  # 15 of 30 right
+    bounds = bootstrap_items(base, base.clone())
+    low, _ = bounds.interval("task_recovery", 0.90)
+    lost = 30 * (1 - 0.05 ** (1 / 30))  # questions the artifact may lose unseen, at 5%
+    assert math.isclose(low, 1 - lost / 15, rel_tol=1e-9) and low < 0.95
+    many = torch.arange(400) % 2 == 0
+    assert bootstrap_items(many, many.clone()).lower("task_recovery", 0.05) > 0.95
+    everything = torch.ones(30, dtype=torch.bool)
+    low, high = bootstrap_items(everything, everything.clone()).interval("task_acc_artifact", 0.90)
+    assert high == 1.0 and math.isclose(low, 0.05 ** (1 / 30), rel_tol=1e-9)  # Clopper-Pearson at 30 of 30
