@@ -196,7 +196,7 @@ def read_header(path: str | Path) -> Header:
         key = cursor.string()
         cursor.where = f"metadata {key!r}"
         if key in metadata:
-            raise cursor.fail("the key a second time")
+            raise OptkitError(f"{path}: metadata key {key!r} appears twice (entry {i + 1}): the header is corrupted")
         metadata[key] = cursor.value(cursor.unpack("I"))
     alignment = _alignment(metadata, path)
     tensors = [_tensor_info(cursor, i, n_tensors) for i in range(n_tensors)]
