@@ -42,6 +42,9 @@ def interval_text(result_json: dict, metric: str, fmt: str) -> str:
 
 def verdict_line(result: GateResult) -> str:
     """What follows "optkit gate:" (rich markup): the verdict and, when inconclusive, what decides it."""
+    pilot = result.eval_set.get("pilot_of")
+    if pilot is not None:
+        return f"[bold]PLAN[/] (a pilot of {result.eval_set['windows']} of {pilot} windows, no verdict)"
     text = VERDICTS[result.verdict]
     decision = result.to_json().get("decision") or {}
     if result.verdict == "inconclusive":

@@ -73,4 +73,5 @@ def test_plan_scores_a_pilot_and_says_what_the_eval_set_resolves(run_cli, draft_
     assert "too small for max_kld" in err  # a threshold under the eval set's noise is warned about
     code, out, _ = run_cli(*args, "--max-kld", "1")
     assert code == 0 and "plan: 95% confidence, 80% power" in out and "PASS" not in out
+    assert "PLAN (a pilot of 8 of 40 windows, no verdict)" in out
     assert run_cli("eval", draft_w2, "--baseline", draft_dir, "--plan")[0] == 2  # nothing to plan for
