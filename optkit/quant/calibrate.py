@@ -37,7 +37,7 @@ class LayerStream:
     def __init__(self, path, device: torch.device, moe_calibration: str = "all"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.config = AutoConfig.from_pretrained(path)
+        self.config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         with torch.device("meta"):
             try:
                 skeleton = AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")

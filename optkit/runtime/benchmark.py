@@ -96,7 +96,7 @@ def load_hf(path, dtype: torch.dtype, device: str):
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
     model = model.to(device).eval()
     model.generation_config.eos_token_id = None  # every request produces exactly gen_len tokens
     return model

@@ -171,7 +171,8 @@ def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     their types (control for special added tokens), the merges, special ids, add-BOS/EOS as
     transformers' tokenizer does it, and the chat template."""
     import gguf
-    from transformers import AutoTokenizer
+
+    from optkit.modeldir import load_tokenizer
 
     file = model_dir / "tokenizer.json"
     if not file.is_file():
@@ -182,7 +183,7 @@ def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
             f"{file}: --format gguf writes byte-level BPE tokenizers (GPT-2, Llama 3, Qwen); a SentencePiece-style "
             "vocabulary is not written yet: use --format compressed-tensors"
         )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # never the auto_map code
     vocab_size = config["vocab_size"]
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
