@@ -59,11 +59,12 @@ def _recipe_model(recipe: Path, overrides: list[str]) -> str | None:
         key, _, value = override.partition("=")
         if key.strip() == "model":
             return value.strip()
-    try:
-        import yaml
+    from optkit.errors import OptkitError
+    from optkit.yaml_files import read_yaml_mapping
 
-        data = yaml.safe_load(recipe.read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+    try:
+        data = read_yaml_mapping(recipe, "recipe")  # the bounded reader: load_recipe repeats its refusal
+    except (OptkitError, OSError):
         return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
