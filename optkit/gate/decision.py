@@ -158,7 +158,7 @@ def _units_needed(checks: list[Check], bounds: Bounds, alpha: float) -> tuple[in
         (rejecting if outside else needed)[c.metric in TASK_METRICS].append(units)
 
     def pick(task: bool) -> int | None:
-        if rejecting[task]:  # one threshold crossed suffices: the cheapest to prove
+        if rejecting[False] or rejecting[True]:  # one threshold crossed suffices: the cheapest to prove
             known = [u for u in rejecting[task] if u is not None]
             return min(known) if known else None
         if needed[task]:  # every threshold must be proven: the dearest

@@ -101,3 +101,18 @@ def test_a_threshold_on_a_metric_not_measured_fails_under_both_rules():
     metrics, thresholds = window_metrics(windows), Thresholds(min_recovery=0.9)
     assert decide(metrics, thresholds).verdict == "fail"
     assert decide(metrics, thresholds, rule="confident", bounds=bootstrap_windows(windows)).verdict == "fail"
+
+
+def test_when_one_estimate_is_over_its_threshold_only_the_rejection_is_priced():
+    """KLD a little over max_kld, task recovery a little inside min_recovery: the cheapest way to a
+    verdict is to prove the KLD crossed; more task questions would not decide anything."""
+    windows = synthetic_windows(32, torch.Generator().manual_seed(7))
+    estimate = window_metrics(windows)["kld_mean"]
+    base = torch.arange(200) % 2 == 0
+    artifact = base.clone()
+    artifact[:6] = ~artifact[:6]  # three lost, three gained: recovery 1.0
+    bounds = bootstrap_windows(windows, resamples=1000) | bootstrap_items(base, artifact, resamples=1000)
+    metrics = window_metrics(windows) | {"task_recovery": 1.0}
+    decision = decide(metrics, Thresholds(max_kld=estimate * 0.97, min_recovery=0.97), rule="confident", bounds=bounds)
+    assert decision.verdict == "inconclusive" and [c.state for c in decision.checks] == ["unsure", "unsure"]
+    assert decision.windows_needed > 32 and decision.items_needed is None
