@@ -95,8 +95,8 @@ def eval_(
 
     Exit codes: 0 every threshold holds (or no threshold: report only), 1 rejected: a threshold is
     crossed, 2 bad input or an unusable file, 3 a bug in optkit, 4 inconclusive (--decision
-    confident: the eval set cannot tell; the report says how many more windows would most likely
-    decide it).
+    confident: the eval set cannot tell; the report says how many more windows would decide it if
+    its estimates hold).
 
     Example: optkit eval out/small-w4 --baseline small --max-ppl-increase 1 --max-kld 0.01 --min-top1 90
 
