@@ -66,8 +66,9 @@ def check_replaceable(path: Path, what: str = "--out") -> None:
     stray = _unlisted_entry(path)
     if stray is not None:
         raise OptkitError(
-            f"{what} {path} already exists and is not an optkit output ({stray} is not listed in its {MANIFEST}): "
-            f"optkit replaces only an empty directory or one it wrote; choose another {what} or empty it yourself"
+            f"{what} {path} already exists and is not an optkit output ({stray} is not listed in its "
+            f"{MANIFEST}): optkit replaces only an empty directory or one it wrote; choose another {what} "
+            "or empty it yourself"
         )
 
 
@@ -110,7 +111,7 @@ def _listed_files(directory: Path) -> set[str]:
     """The names optkit.json's "files" lists; none when it is missing or unreadable."""
     try:
         files = json.loads((directory / MANIFEST).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return set()
     return {name for name in files if isinstance(name, str)} if isinstance(files, dict) else set()
 

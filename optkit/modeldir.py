@@ -152,6 +152,7 @@ def verify_weights(path: Path) -> None:
                 f.keys()
         except (SafetensorError, OSError) as e:
             raise OptkitError(f"{file} is truncated or corrupt ({e}): re-create or re-download it") from e
+    _tensor_files(path)
     for name, digest in expected.items():
         file = confined_file(path, name, MANIFEST)
         if file is None:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from optkit.errors import OptkitError
+from optkit.modeldir import weight_files
 from optkit.quant.families import Family, family_for
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
@@ -24,9 +25,10 @@ _HEADER_BYTES = 200  # a safetensors header entry: name, dtype, shape, offsets (
 
 
 def read_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
-    """name -> (dtype, shape) of every tensor in the directory's safetensors (headers only)."""
+    """name -> (dtype, shape) of every tensor in the weight files the directory's loader reads
+    (modeldir.weight_files), headers only."""
     tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in weight_files(path):
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
@@ -84,7 +86,7 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
     config = read_config(base)
     if "quantization_config" in config:
         raise OptkitError(f"model {base} is already quantized: give its full-precision base model")
-    hf_config = AutoConfig.from_pretrained(base)
+    hf_config = AutoConfig.from_pretrained(base, trust_remote_code=False)
     family = family_for(config.get("model_type"))
     targets, ignored = select_targets(
         decoder_linears(hf_config, quantize_router=options.quantize_router), options.ignore

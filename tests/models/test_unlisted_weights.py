@@ -125,14 +125,15 @@ def test_a_sharded_checkpoint_loads_the_shards_its_index_names(plain_copy, draft
 
 
 def test_a_tensor_in_two_shards_is_refused(plain_copy, draft_dir):
-    from optkit.modeldir import TensorReader
+    from optkit.modeldir import TensorReader, verify_weights
 
     for file in set(shard(plain_copy).values()):  # the final norm in both shards: neither may win
         with safe_open(plain_copy / file, framework="pt") as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
         save_file({**tensors, NORM: torch.full_like(norm_of(draft_dir), 7.0)}, plain_copy / file)
-    with pytest.raises(OptkitError, match=f"tensor {NORM} is in both"):
-        TensorReader(plain_copy)
+    for load in (TensorReader, verify_weights):  # every loader and quantize check with the latter first
+        with pytest.raises(OptkitError, match=f"tensor {NORM} is in both"):
+            load(plain_copy)
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
