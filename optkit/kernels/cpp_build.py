@@ -66,7 +66,18 @@ def load(source: Path, prefix: str) -> str:
         except Exception as e:  # no compiler or ninja, a compile error, an unwritable cache: all mean "not here"
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             return f"C++ build failed: {first[:160]}"
+        _drop_group_write(build_directory / f"{name}.so")
     return ""
+
+
+def _drop_group_write(library: Path) -> None:
+    """The linker writes the library with the umask's mode (775 under a umask of 002), which the next
+    process's check would refuse: this process built it in a directory only this user can write, so
+    it is made this user's alone."""
+    try:
+        os.chmod(library, os.stat(library).st_mode & ~0o022)
+    except OSError:
+        pass  # not there (an older torch names it otherwise): the next start rebuilds or refuses it
 
 
 def private_build_directory(name: str) -> Path:

@@ -62,3 +62,26 @@ def test_a_kernel_cache_another_user_owns_is_never_loaded(tmp_path, calls, monke
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(tmp_path / "cache" / "kernels").st_uid + 1)
     reason = cpp_build.load(cpp, "optkit_test")
     assert calls == [] and "belongs to another user" in reason
+
+
+def test_a_library_built_under_a_group_writable_umask_loads_in_the_next_process(tmp_path, monkeypatch):
+    """The linker writes the .so with the umask's mode; the next start must not refuse optkit's own build."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_build.platform, "machine", lambda: "x86_64")
+
+    def link(name, *args, build_directory, **kwargs):  # what the build leaves: a library of the umask's mode
+        library = os.path.join(build_directory, f"{name}.so")
+        with open(os.open(library, os.O_CREAT | os.O_WRONLY, 0o777), "wb") as f:
+            f.write(b"\x7fELF")
+
+    monkeypatch.setattr(cpp_extension, "load", link)
+    previous = os.umask(0o002)
+    try:
+        assert cpp_build.load(source(tmp_path), "optkit_test") == ""
+        assert cpp_build.load(source(tmp_path), "optkit_test") == ""  # the next start's check passes
+    finally:
+        os.umask(previous)
+    [library] = (tmp_path / "cache" / "kernels").glob("*/*.so")
+    assert not stat.S_IMODE(library.stat().st_mode) & 0o022
