@@ -53,6 +53,21 @@ _NUMBERS = {
     "attn_logit_softcapping": True,
     "final_logit_softcapping": True,
 }
+# RoPE's numbers inside rope_parameters / rope_scaling; (key, must be > 0)
+_ROPE_NUMBERS = {
+    "rope_theta": True,
+    "factor": True,
+    "partial_rotary_factor": True,
+    "attention_factor": False,
+    "beta_fast": False,
+    "beta_slow": False,
+    "low_freq_factor": False,
+    "high_freq_factor": False,
+    "mscale": False,
+    "mscale_all_dim": False,
+}
+MAX_NUMBER = 1e18  # far past any multiplier or RoPE base a model uses; float32 and int64 hold it
+_NOT_NULL = ("rope_theta", "partial_rotary_factor")  # read without a default once the key is there
 _MAPPINGS = ("quantization_config", "rope_scaling", "rope_parameters", "text_config")
 
 
@@ -84,15 +99,17 @@ def _check_fields(config: dict, where: str) -> None:
         value = config.get(key)
         for token in value if isinstance(value, list) else [] if value is None else [value]:
             _check_whole(token, key, low, MAX_VOCAB - 1, where)
-    for key, positive in _NUMBERS.items():
-        value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise OptkitError(f"{where}: {key} is {_shown(value)}: give a finite number in config.json")
-        if value < 0 or (positive and value == 0):
-            sign = "positive" if positive else "non-negative"
-            raise OptkitError(f"{where}: {key} is {_shown(value)}: give a {sign} number in config.json")
+    _check_numbers(config, _NUMBERS, where)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(config.get(key), dict):
+            _check_rope(config[key], key, where)
+    layers = config.get("mlp_only_layers")
+    if layers is not None and not isinstance(layers, list):
+        raise OptkitError(
+            f"{where}: mlp_only_layers is a JSON {_json_type(layers)}, not a list of layers: fix config.json"
+        )
+    for layer in layers or []:
+        _check_whole(layer, "mlp_only_layers", 0, MAX_WIDTH, where)
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise OptkitError(
@@ -107,6 +124,50 @@ def _check_fields(config: dict, where: str) -> None:
     layer_types = config.get("layer_types")
     if layer_types is not None and not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
         raise OptkitError(f"{where}: layer_types is not a list of strings: fix config.json")
+
+
+def _check_numbers(config: dict, numbers: dict[str, bool], where: str, prefix: str = "") -> None:
+    """Each key of `numbers` that `config` sets is a finite number of at most MAX_NUMBER, positive
+    where `numbers` says so, else not negative."""
+    for key, positive in numbers.items():
+        value = config.get(key)
+        if value is None and key in _NOT_NULL and key in config:
+            raise OptkitError(f"{where}: {prefix}{key} is null: give a number or leave it out of config.json")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise OptkitError(f"{where}: {prefix}{key} is {_shown(value)}: give a finite number in config.json")
+        if value < 0 or (positive and value == 0) or value > MAX_NUMBER:
+            sign = "positive" if positive else "non-negative"
+            raise OptkitError(
+                f"{where}: {prefix}{key} is {_shown(value)}: give a {sign} number up to {MAX_NUMBER:g} in config.json"
+            )
+
+
+def _check_rope(rope: dict, key: str, where: str) -> None:
+    """RoPE's own numbers in rope_parameters or rope_scaling, and in Gemma 3's objects per layer type."""
+    for layer_type in ("full_attention", "sliding_attention"):
+        if layer_type in rope:
+            if not isinstance(rope[layer_type], dict):
+                shown = _json_type(rope[layer_type])
+                raise OptkitError(f"{where}: {key}.{layer_type} is a JSON {shown}, not an object: fix config.json")
+            _check_rope(rope[layer_type], f"{key}.{layer_type}", where)
+    _check_numbers(rope, _ROPE_NUMBERS, where, prefix=f"{key}.")
+    for name in ("rope_type", "type"):
+        if name in rope and not isinstance(rope[name], str):
+            raise OptkitError(f"{where}: {key}.{name} is {_shown(rope[name])}, not a name: fix config.json")
+    if rope.get("original_max_position_embeddings") is not None:
+        _check_whole(
+            rope["original_max_position_embeddings"], f"{key}.original_max_position_embeddings", 1, MAX_POSITIONS, where
+        )
+    for name in ("short_factor", "long_factor"):
+        factors = rope.get(name)
+        if factors is not None and not (
+            isinstance(factors, list)
+            and len(factors) <= MAX_WIDTH
+            and all(not isinstance(f, bool) and isinstance(f, int | float) and math.isfinite(f) for f in factors)
+        ):
+            raise OptkitError(f"{where}: {key}.{name} is not a list of finite numbers: fix config.json")
 
 
 def _check_whole(value: object, key: str, low: int, high: int, where: str) -> None:

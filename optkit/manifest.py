@@ -64,7 +64,7 @@ def read_manifest(directory: Path) -> dict | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8, or an int of 4,300+ digits
         raise OptkitError(f"{path} is not valid JSON ({_reason(e)}): re-create or re-download the artifact") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
@@ -74,8 +74,12 @@ def read_manifest(directory: Path) -> dict | None:
     return manifest
 
 
-def _reason(e: ValueError) -> str:
-    return f"{e.msg} at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+def _reason(e: Exception) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at line {e.lineno}"
+    if isinstance(e, UnicodeDecodeError):
+        return "not UTF-8"
+    return "nested too deeply" if isinstance(e, RecursionError) else "a number too long to read"
 
 
 def verify_files(directory: Path, manifest: dict) -> list[str]:

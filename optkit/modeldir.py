@@ -137,6 +137,8 @@ def read_config(path: Path) -> dict:
         raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it") from e
     except RecursionError as e:
         raise OptkitError(f"{file} is nested too deeply to be a model's config: repair or re-create it") from e
+    except ValueError as e:  # a number Python will not read: an int of more than 4,300 digits
+        raise OptkitError(f"{file} holds a number too long to read: repair or re-create it") from e
     return check_config(config, str(file))
 
 

@@ -1,5 +1,6 @@
 """`optkit inspect`: what an artifact is and how much each layer lost."""
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -7,6 +8,8 @@ import typer
 
 from optkit.cli.options import JsonFlag, console, print_json, print_table, require_supported
 from optkit.text_safety import rich_text
+
+MAX_SHOWN_CHARS = 20_000  # a method's options, or the versions, as JSON: a few hundred characters
 
 
 def inspect(
@@ -37,6 +40,7 @@ def inspect(
     if json_output:
         print_json(manifest)
         return
+    shown_fields(manifest, path)
     out = console()
     summary = Table(title=rich_text(f"artifact {path}"), show_header=False)
     summary.add_column()
@@ -66,6 +70,54 @@ def inspect(
             f"{layer['mse']:.3e}",
         )
     print_table(layers, out)
+
+
+def shown_fields(manifest: dict, path: Path) -> None:
+    """The fields the tables show are of the types optkit writes, and short enough to print; else
+    one OptkitError naming the first that is not (optkit.json comes with the artifact)."""
+    from optkit.errors import OptkitError
+    from optkit.manifest import MANIFEST
+
+    def refuse(field: str, what: str):
+        raise OptkitError(f"{path / MANIFEST}: {field} is not {what}: re-create or re-download the artifact")
+
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key, kind, what in (
+        ("method", str, "a string"),
+        ("format", str, "a string"),
+        ("options", dict, "a mapping"),
+        ("base_model", dict, "a mapping"),
+        ("calibration", dict, "a mapping"),
+        ("ignored_layers", list, "a list"),
+        ("versions", dict, "a mapping"),
+        ("created", str, "a string"),
+        ("layers", list, "a list"),
+    ):
+        if not isinstance(manifest.get(key), kind):
+            refuse(key, what)
+    if not number(manifest.get("wall_time_s")):
+        refuse("wall_time_s", "a number")
+    if not all(isinstance(manifest["base_model"].get(key), str) for key in ("path", "sha256")):
+        refuse("base_model", "a path and a sha256")
+    if not isinstance(manifest["calibration"].get("name"), (str, type(None))):
+        refuse("calibration.name", "a string or null")
+    if not all(isinstance(name, str) for name in manifest["ignored_layers"]):
+        refuse("ignored_layers", "a list of layer names")
+    for key in ("options", "versions"):
+        if len(json.dumps(manifest[key], default=str)) > MAX_SHOWN_CHARS:
+            refuse(key, f"what optkit writes there (at most {MAX_SHOWN_CHARS:,} characters)")
+    for i, layer in enumerate(manifest["layers"]):
+        if not (
+            isinstance(layer, dict)
+            and isinstance(layer.get("name"), str)
+            and isinstance(layer.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) for d in layer["shape"])
+            and number(layer.get("rel_error"))
+            and number(layer.get("mse"))
+        ):
+            refuse(f"layers[{i}]", "a layer's name, shape (whole numbers), rel_error and mse")
 
 
 def where_it_loads_table(path):

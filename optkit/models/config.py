@@ -123,7 +123,7 @@ class ModelConfig:
             config = {**text, "model_type": "gemma3", "eos_token_id": eos}
         if model_type in _GEMMA_DEFAULTS or model_type == "gemma3":
             config = {**_GEMMA_DEFAULTS["gemma2" if model_type == "gemma2" else "gemma3_text"], **config}
-        missing = [key for key in _REQUIRED if key not in config]
+        missing = [key for key in _REQUIRED if config.get(key) is None]  # JSON null says no more than absent
         if missing and model_type in MODEL_TYPES:
             raise OptkitError(f"config.json lacks {', '.join(missing)}: re-save the model with save_pretrained")
         if model_type in DENSE_TWINS and model_type in MODEL_TYPES:  # the dense twin's fields, and the experts
@@ -170,10 +170,10 @@ class ModelConfig:
             qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "gemma3": "head"}.get(model_type),
             post_norms=model_type == "olmo2",
             norm_weight_in_float32=model_type == "olmo2",
-            embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
-            residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
-            attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else None,
-            logits_scaling=float(config.get("logits_scaling", 1.0)) if granite else 1.0,
+            embedding_multiplier=_number(config, "embedding_multiplier") if granite else 1.0,
+            residual_multiplier=_number(config, "residual_multiplier") if granite else 1.0,
+            attention_multiplier=_number(config, "attention_multiplier") if granite else None,
+            logits_scaling=_number(config, "logits_scaling") if granite else 1.0,
             eos_token_ids=_eos_token_ids(config, generation_config or {}),
         )
         fields.update(sliding)
@@ -214,6 +214,12 @@ class ModelConfig:
     def all_layers_slide(self) -> bool:
         """Every layer has a window: KV blocks that leave it are never read again (docs/runtime.md)."""
         return all(self.window(i) is not None for i in range(self.num_hidden_layers))
+
+
+def _number(config: dict, key: str, default: float = 1.0) -> float:
+    """A multiplier of config.json (hf_config checked it is finite), its default when absent or null."""
+    value = config.get(key)
+    return default if value is None else float(value)
 
 
 _ATTENTION_BIAS = ("llama", "qwen3", "granite", "olmo2", "gemma2", "gemma3_text", "gemma3")
@@ -337,7 +343,8 @@ def check_dimensions(config: ModelConfig) -> None:
         raise OptkitError(f"EOS token ids {config.eos_token_ids!r} are not token ids: fix eos_token_id")
     moe = config.moe
     if moe is not None and not (
-        1 <= moe.top_k <= moe.num_experts
+        all(isinstance(n, int) and not isinstance(n, bool) for n in (moe.top_k, moe.num_experts, moe.intermediate_size))
+        and 1 <= moe.top_k <= moe.num_experts
         and moe.intermediate_size >= 1
         and all(0 <= i < config.num_hidden_layers for i in moe.sparse_layers)
     ):

@@ -67,10 +67,17 @@ class Recipe(BaseModel):
                 "quantize": {k: v for k, v in quantize.items() if k != "method"},
             }
         if data.get("stages") is not None:
+            stages = data["stages"]
+            if not isinstance(stages, list) or not all(isinstance(stage, str) for stage in stages):
+                raise ValueError(
+                    f"stages must be a list of stage names such as [smoothquant, gptq], not {shown(stages)}"
+                )
+            if not isinstance(data.get("quantize") or {}, dict):
+                return data  # the model names the section that is not a mapping
             quantize = dict(data.get("quantize") or {})
-            method = method_of_stages(list(data["stages"]))
+            method = method_of_stages(stages)
             if quantize.get("method") not in (None, method):
-                raise ValueError(f"quantize.method {quantize['method']!r} contradicts stages {data['stages']}")
+                raise ValueError(f"quantize.method {shown(quantize['method'])} contradicts stages {shown(stages)}")
             quantize["method"] = method
             fixed = methods.resolve(method).fixed_weights
             if fixed is not None:

@@ -20,7 +20,7 @@ def model_config_json(name_or_path: str | Path) -> tuple[Path, dict] | None:
     file = path / "config.json"
     try:
         config = json.loads(file.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return (file, config) if isinstance(config, dict) else None
 

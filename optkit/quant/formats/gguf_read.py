@@ -70,10 +70,13 @@ def _config(header: Header) -> dict:
         "eos_token_id": header.value("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
     }
-    if header.value(f"{arch}.rope.scaling.type") == "linear":
+    scaling = header.value(f"{arch}.rope.scaling.type")
+    if scaling is not None and not isinstance(scaling, str):
+        raise OptkitError(f"{path}: {arch}.rope.scaling.type is not a string: re-create the file")
+    if scaling == "linear":
         factor = header.value(f"{arch}.rope.scaling.factor")
-        if factor is None:
-            raise OptkitError(f"{path}: linear RoPE scaling without {arch}.rope.scaling.factor: re-create the file")
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise OptkitError(f"{path}: linear RoPE scaling without a {arch}.rope.scaling.factor: re-create the file")
         config["rope_parameters"].update(rope_type="linear", factor=factor)
     if "rope_freqs.weight" in names:
         raise OptkitError(f"{path}: Llama 3.1 RoPE scaling is read back by llama.cpp only, not by optkit's runtime")
@@ -91,6 +94,10 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         hf = meta.hf_name(info.name)
         data = torch.from_numpy(np.array(array))
         kind = type_name(info.type_id)
+        if kind in gguf_blocks.BLOCK_BYTES and data.dim() != 2:
+            raise OptkitError(
+                f"{path}: {printable(info.name)} is a {data.dim()}-D {kind} tensor; optkit reads 2-D ones"
+            )
         if kind in gguf_blocks.BLOCK_BYTES:
             cols = data.shape[1] // gguf_blocks.BLOCK_BYTES[kind] * gguf_blocks.BLOCK
             weight = gguf_blocks.dequantize(kind, data, cols)
