@@ -168,6 +168,11 @@ def _check_rope(rope: dict, key: str, where: str) -> None:
             and all(not isinstance(f, bool) and isinstance(f, int | float) and math.isfinite(f) for f in factors)
         ):
             raise OptkitError(f"{where}: {key}.{name} is not a list of finite numbers: fix config.json")
+    low, high = rope.get("low_freq_factor"), rope.get("high_freq_factor")
+    if low is not None and high is not None and not 0 < low < high:  # Llama 3's ramp divides by both and by high - low
+        raise OptkitError(
+            f"{where}: {key} needs 0 < low_freq_factor < high_freq_factor (got {low:g} and {high:g}): fix config.json"
+        )
 
 
 def _check_whole(value: object, key: str, low: int, high: int, where: str) -> None:

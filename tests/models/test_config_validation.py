@@ -34,6 +34,18 @@ CRAFTED = {
     "rope parameters as a list": ({"rope_parameters": [1]}, "rope_parameters"),
     "model_type as a list": ({"model_type": ["llama"]}, "model_type"),
     "a context of 2^40": ({"max_position_embeddings": 2**40}, "max_position_embeddings"),
+    "Llama 3 RoPE with an empty ramp": (
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+        "low_freq_factor",
+    ),
 }
 
 
