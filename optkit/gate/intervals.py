@@ -38,6 +38,7 @@ CONFIDENCE = 0.95
 _CELLS = 4_000_000  # resample × unit counts built at once (32 MB of float64)
 
 WINDOW_METRICS = ("ppl_increase_pct", "kld_mean", "top1_pct")
+ANY, POSITIVE, SHARE = (-math.inf, math.inf), (0.0, math.inf), (0.0, 1.0)  # the ranges θ takes
 TASK_METRICS = ("task_acc_artifact", "task_recovery")
 
 
@@ -50,7 +51,7 @@ def _percent(x):
 
 
 def _ppl_percent(x):
-    return 100.0 * math.expm1(x)
+    return 100.0 * math.expm1(x) if x < 700.0 else math.inf  # a bound from 2 windows may be far out
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,8 @@ class RatioBootstrap:
     units: int
     transform: object = _identity  # g: θ -> the metric as reported (monotone increasing)
     unseen: float = 0.0  # task metrics: the change in θ one unseen disagreement makes (below)
-    ceiling: float = math.inf  # the largest θ can be (1 for an accuracy)
+    floor: float = -math.inf  # the range θ can take (KLD ≥ 0, a share in [0, 1]): bounds stay in it
+    ceiling: float = math.inf
 
     def value(self) -> float:
         return self.transform(self.estimate)
@@ -74,7 +76,10 @@ class RatioBootstrap:
             return self._without_spread(level)
         b = self.t_star.numel()
         index = min(max(math.ceil((1.0 - level) * b) - 1, 0), b - 1)  # the (1 − level)-quantile of t*
-        return self.transform(self.estimate - self.t_star[index].item() * self.se)
+        return self._clamped(self.estimate - self.t_star[index].item() * self.se)
+
+    def _clamped(self, theta: float) -> float:
+        return self.transform(min(max(theta, self.floor), self.ceiling))
 
     def _without_spread(self, level: float) -> float:
         """Every unit agrees (an artifact answering each question as its base does, or all right):
@@ -86,7 +91,7 @@ class RatioBootstrap:
         alpha = min(level, 1.0 - level)
         shift = self.units * -math.expm1(math.log(alpha) / self.units) * self.unseen
         bound = self.estimate - shift if level < 0.5 else self.estimate + shift
-        return self.transform(min(max(bound, 0.0), self.ceiling))
+        return self._clamped(bound)
 
 
 @dataclass(frozen=True)
@@ -155,16 +160,16 @@ def ratio_se(y: torch.Tensor, t: torch.Tensor) -> tuple[float, float]:
 
 
 def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int, unseen: dict | None = None) -> Bootstrap:
-    """ratios: metric -> (y [n], t [n], g); every metric is resampled with the same counts.
-    unseen: metric -> (the change in θ one disagreement makes, θ's ceiling) (RatioBootstrap)."""
+    """ratios: metric -> (y [n], t [n], g, (θ's floor, θ's ceiling)); every metric is resampled
+    with the same counts. unseen: metric -> the change in θ one disagreement makes (RatioBootstrap)."""
     n = next(iter(ratios.values()))[0].numel()
     if n == 0:
         raise ValueError("nothing to resample")
-    fits = {k: ratio_se(y, t) for k, (y, t, _) in ratios.items()}
+    fits = {k: ratio_se(y, t) for k, (y, t, *_) in ratios.items()}
     generator = torch.Generator().manual_seed(seed)
     parts = {k: [] for k in ratios}
     for counts in resample_counts(n, resamples, generator):  # counts [rows, n] @ column [n] -> [rows]
-        for k, (y, t, _) in ratios.items():
+        for k, (y, t, *_) in ratios.items():
             theta, se = fits[k]
             sum_t = (counts @ t).clamp(min=1e-12)
             theta_star = (counts @ y) / sum_t
@@ -173,12 +178,11 @@ def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int, unseen: dict
             se_star = (spread.clamp(min=0) * n / max(n - 1, 1)).sqrt() / sum_t
             floor = 1e-9 * max(se, 1e-300)  # a resample of identical units: its t* is 0 or ±∞
             parts[k].append((theta_star - theta) / se_star.clamp(min=floor))
+    unseen = unseen or {}
     return Bootstrap(
         {
-            k: RatioBootstrap(
-                fits[k][0], fits[k][1], torch.cat(parts[k]).sort().values, n, g, *(unseen or {}).get(k, ())
-            )
-            for k, (_, _, g) in ratios.items()
+            k: RatioBootstrap(*fits[k], torch.cat(parts[k]).sort().values, n, g, unseen.get(k, 0.0), *limits)
+            for k, (_, _, g, limits) in ratios.items()
         },
         resamples,
         seed,
@@ -189,9 +193,9 @@ def bootstrap_windows(stats: WindowStats, *, resamples: int = RESAMPLES, seed: i
     """Paired bootstrap over whole windows of kld_mean, ppl_increase_pct and top1_pct."""
     tokens = stats.tokens.double()
     ratios = {
-        "ppl_increase_pct": ((stats.nll_artifact - stats.nll_base).double(), tokens, _ppl_percent),
-        "kld_mean": (stats.kld.double(), tokens, _identity),
-        "top1_pct": (stats.top1.double(), tokens, _percent),
+        "ppl_increase_pct": ((stats.nll_artifact - stats.nll_base).double(), tokens, _ppl_percent, ANY),
+        "kld_mean": (stats.kld.double(), tokens, _identity, POSITIVE),
+        "top1_pct": (stats.top1.double(), tokens, _percent, SHARE),
     }
     return _bootstrap(ratios, resamples, seed)
 
@@ -204,9 +208,9 @@ def bootstrap_items(
         raise ValueError(f"{tuple(base_correct.shape)} base answers against {tuple(artifact_correct.shape)}")
     base, artifact = base_correct.double(), artifact_correct.double()
     ratios = {
-        "task_acc_artifact": (artifact, torch.ones_like(base), _identity),
-        "task_recovery": (artifact, base, _identity),
+        "task_acc_artifact": (artifact, torch.ones_like(base), _identity, SHARE),
+        "task_recovery": (artifact, base, _identity, POSITIVE),
     }
     n = base.numel()  # one unseen flip moves accuracy by 1/n and recovery by 1/(questions the base gets)
-    unseen = {"task_acc_artifact": (1.0 / max(n, 1), 1.0), "task_recovery": (1.0 / max(base.sum().item(), 1.0),)}
+    unseen = {"task_acc_artifact": 1.0 / max(n, 1), "task_recovery": 1.0 / max(base.sum().item(), 1.0)}
     return _bootstrap(ratios, resamples, seed, unseen)

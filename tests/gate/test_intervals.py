@@ -94,3 +94,16 @@ def test_a_task_answered_exactly_as_the_base_answers_still_has_an_interval():
     everything = torch.ones(30, dtype=torch.bool)
     low, high = bootstrap_items(everything, everything.clone()).interval("task_acc_artifact", 0.90)
     assert high == 1.0 and math.isclose(low, 0.05 ** (1 / 30), rel_tol=1e-9)  # Clopper-Pearson at 30 of 30
+
+
+def test_two_windows_give_wide_bounds_inside_each_metrics_range():
+    """Half the resamples of 2 windows repeat one window: t* explodes, and the bounds with it; they
+    must stay where the metric can be (KLD ≥ 0, top-1 within 0-100%), not overflow."""
+    windows = synthetic_windows(2, torch.Generator().manual_seed(5))
+    bounds = bootstrap_windows(windows)
+    low, high = bounds.interval("kld_mean")
+    assert low == 0.0 and high > 10 * bounds.estimate("kld_mean")
+    low, high = bounds.interval("top1_pct")
+    assert 0.0 <= low and high <= 100.0
+    low, high = bounds.interval("ppl_increase_pct")
+    assert low >= -100.0 and high > bounds.estimate("ppl_increase_pct")
