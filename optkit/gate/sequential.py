@@ -90,6 +90,8 @@ def log_capital(y: torch.Tensor, w: float | torch.Tensor) -> tuple[torch.Tensor,
 def first_crossing(y: torch.Tensor, w: float | torch.Tensor, alpha: float, earliest: int = 1) -> torch.Tensor:
     """[...] int64: the first t ≥ earliest (1-based) at which the bettor's capital reached 1/α
     with the bound holding so far; 0 where it never did."""
+    if y.shape[-1] == 0:
+        return torch.zeros(y.shape[:-1], dtype=torch.int64)
     logk, held = log_capital(y, w)
     t = torch.arange(1, y.shape[-1] + 1)
     crossed = (logk >= math.log(1 / alpha)) & held & (t >= earliest)
