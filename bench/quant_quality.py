@@ -13,6 +13,9 @@ checks: GPTQ's Δppl ≤ 0.6× RTN's, and the default calibration's KLD ≤ the 
 With several --seeds, each calibrated method runs once per calibration seed and a "mean" row gives
 the mean (± standard deviation of Δppl): on a small model one seed's Δppl can move by more than
 the difference between methods.
+Every claim against RTN is a paired comparison on the same windows (gate/compare.py, as `optkit
+eval A --compare B`): the "KLD − RTN" column is the difference of mean KLD with its 95% interval
+and p-value, and a check is "met" only when the interval says so, "not shown" when it holds 0.
 Peak RSS is measured after one warm-up GPTQ quantization of the same model (so one-time costs
 such as imports and kernel caches sized by its shapes are not counted), and with glibc's mmap
 threshold lowered for the whole run, so that freed tensors go back to the OS at once and RSS
@@ -38,6 +41,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from optkit.gate.compare import compare_windows
 from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.memory import PeakMemory
@@ -224,7 +228,8 @@ def run_variant(
     with rss_follows_live_memory(), PeakMemory() as peak:
         manifest = quantize_model(model, out, options)
     seconds = time.perf_counter() - start
-    m = evaluate(out, model, GateOptions(eval_set=eval_set, max_windows=RUN.max_windows)).metrics
+    result = evaluate(out, model, GateOptions(eval_set=eval_set, max_windows=RUN.max_windows))
+    m = result.metrics
     return {
         "variant": label,
         "seed": seed,  # calibration seed; None for RTN
@@ -240,7 +245,33 @@ def run_variant(
         "peak_rss_bytes": peak.rss_bytes,
         "peak_cuda_bytes": peak.cuda_bytes,
         "experts": expert_tokens(manifest),
+        "_windows": result.windows,  # per-window sums: the paired comparisons (dropped before printing)
     }
+
+
+def paired(a: dict, b: dict) -> dict[str, dict]:
+    """A − B on the same windows: {metric: {difference, low, high, p_value, better}} (gate/compare.py)."""
+    found = compare_windows(a["_windows"], b["_windows"])
+    return {
+        d.metric: {"difference": d.difference, "low": d.low, "high": d.high, "p_value": d.p_value, "better": d.better}
+        for d in found
+    }
+
+
+def add_rtn_comparisons(rows: list[dict]) -> None:
+    """Each row's paired difference with the RTN row of the same bits, group and symmetry (vs_rtn)."""
+    rtn = {(r["bits"], r["group_size"], r["symmetric"]): r for r in rows if r["variant"].startswith("rtn")}
+    for r in rows:
+        base = rtn.get((r["bits"], r["group_size"], r["symmetric"]))
+        if base is not None and base is not r:
+            r["vs_rtn"] = paired(r, base)
+
+
+def claim(difference: dict, lower_is_better: bool = True) -> str:
+    """'met' when the interval shows A better, 'MISSED' when it shows A worse, else 'not shown'."""
+    if difference["low"] <= 0 <= difference["high"]:
+        return "not shown"
+    return "met" if (difference["high"] < 0) == lower_is_better else "MISSED"
 
 
 def expert_tokens(manifest: dict) -> dict[str, dict[str, int]]:
@@ -316,12 +347,21 @@ def main() -> None:
         bound = memory_bound(model, CalibrationOptions())
         gguf = gguf_quality.rows(args.model, Path(tmp), args.eval_set) if args.gguf else []
         shares = routing_shares(model, args.eval_set)
+    add_rtn_comparisons(rows)
+    routed_checks = routed_comparisons(rows, args)
+    for r in rows:
+        r.pop("_windows", None)
     if args.json:
-        print(json.dumps({"rows": rows, "w8a8": w8a8, "memory": bound, "gguf": gguf, "shares": shares}, indent=2))
+        print(
+            json.dumps(
+                {"rows": rows, "w8a8": w8a8, "memory": bound, "gguf": gguf, "shares": shares, "routed": routed_checks},
+                indent=2,
+            )
+        )
         return
     print_tables(args, rows, w8a8, bound)
     if shares is not None:
-        print_moe_tables(args, rows, shares)
+        print_moe_tables(args, rows, shares, routed_checks)
     if gguf:
         Console(width=140).print(gguf_quality.table(args.model, args.eval_set, gguf))
 
@@ -339,7 +379,8 @@ def with_means(rows: list[dict]) -> list[dict]:
         mean["ppl_increase_sd"] = statistics.stdev(r["ppl_increase_pct"] for r in runs) if len(runs) > 1 else 0.0
         mean["quantize_s"] = statistics.fmean(r["quantize_s"] for r in runs)
         no_peak = {"peak_rss_bytes": None, "peak_cuda_bytes": None}
-        out.append({**runs[0], **mean, **no_peak, "variant": f"{runs[0]['variant']} mean", "seed": None})
+        mean_row = {**runs[0], **mean, **no_peak, "vs_rtn": None, "variant": f"{runs[0]['variant']} mean", "seed": None}
+        out.append(mean_row)
     return out
 
 
@@ -348,7 +389,19 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
     base_ppl = f"{rows[0]['ppl_base']:.3f}" if rows else "-"
     title = f"quantization quality on {args.model} ({args.eval_set}, base perplexity {base_ppl})"
     table = Table(title=title)
-    columns = ("variant", "bits", "group", "perplexity", "Δppl %", "vs RTN", "mean KLD", "same top-1 %", "s", "peak MB")
+    columns = (
+        "variant",
+        "bits",
+        "group",
+        "perplexity",
+        "Δppl %",
+        "vs RTN",
+        "mean KLD",
+        "KLD − RTN [95%], p",
+        "same top-1 %",
+        "s",
+        "peak MB",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "variant" else "right")
     rtn = {(r["bits"], r["group_size"], r["symmetric"]): r for r in rows if r["variant"].startswith("rtn")}
@@ -369,6 +422,7 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
             f"{r['ppl_increase_pct']:+.3f}{spread}",
             ratio,
             f"{r['kld_mean']:.5f}",
+            _difference_cell((r.get("vs_rtn") or {}).get("kld_mean")),
             f"{r['top1_pct']:.2f}",
             f"{r['quantize_s']:.1f}",
             "" if peak is None else f"{peak * mb:.1f}",
@@ -402,7 +456,24 @@ def print_tables(args, rows: list[dict], w8a8: list[dict], bound: dict) -> None:
     )
 
 
-def print_moe_tables(args, rows: list[dict], shares: list[list[float]]) -> None:
+def _difference_cell(d: dict | None) -> str:
+    if d is None:
+        return ""
+    return f"{d['difference']:+.5f} [{d['low']:+.5f}, {d['high']:+.5f}], p {d['p_value']:.2g}"
+
+
+def routed_comparisons(rows: list[dict], args) -> list[dict]:
+    """Per (bits, group): GPTQ's default calibration against `gptq routed`, paired on the windows."""
+    by = {(r["variant"], r["bits"], r["group_size"]): r for r in rows if r["seed"] in (None, args.seeds[0])}
+    found = []
+    for bits, group in itertools.product(args.bits, args.group_sizes):
+        gptq, routed = by.get(("gptq", bits, group)), by.get(("gptq routed", bits, group))
+        if gptq and routed and "_windows" in gptq:
+            found.append({"bits": bits, "group_size": group, **paired(gptq, routed)})
+    return found
+
+
+def print_moe_tables(args, rows: list[dict], shares: list[list[float]], routed_checks: list[dict]) -> None:
     """The eval set's routing shares, each expert's calibration tokens, and the issue-19 checks."""
     console = Console(width=None if sys.stdout.isatty() else 200)
     calibrated = {r["variant"]: r for r in rows if r["experts"]}  # one (bits, group) of each suffices
@@ -429,12 +500,16 @@ def print_moe_tables(args, rows: list[dict], shares: list[list[float]]) -> None:
         if rtn and gptq:
             ratio = gptq["ppl_increase_pct"] / rtn["ppl_increase_pct"]
             verdict = "met" if ratio <= 0.6 else "MISSED"
-            console.print(f"w{bits} g{group}: GPTQ Δppl / RTN Δppl = {ratio:.2f} (target ≤ 0.6: {verdict})")
-        if gptq and routed:
-            verdict = "met" if gptq["kld_mean"] <= routed["kld_mean"] else "MISSED"
+            better = gptq.get("vs_rtn", {}).get("ppl_increase_pct")
+            shown = f"; paired, GPTQ better: {claim(better)} (p {better['p_value']:.2g})" if better else ""
+            console.print(f"w{bits} g{group}: GPTQ Δppl / RTN Δppl = {ratio:.2f} (target ≤ 0.6: {verdict}{shown})")
+        check = next((c for c in routed_checks if (c["bits"], c["group_size"]) == (bits, group)), None)
+        if gptq and routed and check:
+            d = check["kld_mean"]
             console.print(
                 f"w{bits} g{group}: KLD default calibration {gptq['kld_mean']:.5f} vs routed "
-                f"{routed['kld_mean']:.5f} (target default ≤ routed: {verdict})"
+                f"{routed['kld_mean']:.5f}: default − routed {d['difference']:+.5f} [{d['low']:+.5f}, "
+                f"{d['high']:+.5f}], p {d['p_value']:.2g} (target default < routed: {claim(d)})"
             )
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from optkit.gate.intervals import RESAMPLES, _bootstrap, _identity, _percent, _ppl_percent
+from optkit.gate.intervals import ANY, RESAMPLES, _bootstrap, _identity, _percent, _ppl_percent
 from optkit.gate.metrics import WindowStats
 
 LABELS = {
@@ -84,9 +84,9 @@ def compare_windows(
         raise ValueError("the two artifacts were not scored on the same windows of the same base")
     tokens = a.tokens.double()
     ratios = {
-        "kld_mean": ((a.kld - b.kld).double(), tokens, _identity),
-        "ppl_increase_pct": ((a.nll_artifact - b.nll_artifact).double(), tokens, _ppl_percent),
-        "top1_pct": ((a.top1 - b.top1).double(), tokens, _percent),
+        "kld_mean": ((a.kld - b.kld).double(), tokens, _identity, ANY),
+        "ppl_increase_pct": ((a.nll_artifact - b.nll_artifact).double(), tokens, _ppl_percent, ANY),
+        "top1_pct": ((a.top1 - b.top1).double(), tokens, _percent, ANY),
     }
     single = {
         "kld_mean": lambda s: (s.kld.sum() / s.tokens.sum()).item(),
@@ -109,7 +109,9 @@ def compare_items(
     if a_correct.shape != b_correct.shape:
         raise ValueError(f"{tuple(a_correct.shape)} answers of A against {tuple(b_correct.shape)} of B")
     a, b = a_correct.double(), b_correct.double()
-    boot = _bootstrap({"task_acc_artifact": (a - b, torch.ones_like(a), _percent)}, resamples, seed)
+    # where A and B answer alike everywhere, a disagreement may be unseen: one moves the difference by 1/n
+    ratios = {"task_acc_artifact": (a - b, torch.ones_like(a), _percent, (-1.0, 1.0))}
+    boot = _bootstrap(ratios, resamples, seed, {"task_acc_artifact": 1.0 / max(a.numel(), 1)})
     found = _difference("task_acc_artifact", 100 * a.mean().item(), 100 * b.mean().item(), boot, confidence)
     return Difference(**(asdict(found) | {"p_value": mcnemar_exact(a_correct, b_correct), "test": "McNemar exact"}))
 
