@@ -35,24 +35,25 @@ def check_writable_dir(path: Path, what: str, named: Path | None = None) -> None
     _check_creatable(Path(named or path), Path(path), what)
 
 
-def check_output_dir(out: Path, overwrite: bool, what: str = "--out") -> None:
+def check_output_dir(out: Path, overwrite: bool, what: str = "--out", own_files: frozenset[str] = frozenset()) -> None:
     """Refuse an output directory that exists (without `overwrite`), that optkit may not replace
     (`check_replaceable`: not even with `overwrite`), or whose parent cannot be written; `what`
     names the setting to change."""
     out = Path(out)
     if os.path.lexists(out):
-        check_replaceable(out, what)
+        check_replaceable(out, what, own_files)
         if not overwrite:
             raise OptkitError(f"output {out} already exists: pass --overwrite or choose another {what}")
     _check_creatable(out, out.parent, what)
 
 
-def check_replaceable(path: Path, what: str = "--out") -> None:
+def check_replaceable(path: Path, what: str = "--out", own_files: frozenset[str] = frozenset()) -> None:
     """The rule for every directory optkit deletes or replaces (outputs, the work and scratch
     directories beside them): only an empty directory, or an optkit output nobody added to (each
     of its files listed in its optkit.json), goes. A symlink is never followed, a file or anything
     else is never replaced here, and no option changes that. `what` names the setting that chose
-    `path`; OptkitError when it may not go."""
+    `path`; OptkitError when it may not go. `own_files`: names that count as listed, for the one
+    writer of optkit's own locations that keeps no manifest (the zoo's bundled models)."""
     path = Path(path)
     if path.is_symlink():
         raise OptkitError(
@@ -63,7 +64,7 @@ def check_replaceable(path: Path, what: str = "--out") -> None:
         return
     if not path.is_dir():
         raise OptkitError(f"{what} {path} exists and is not a directory: choose another {what}")
-    stray = _unlisted_entry(path)
+    stray = _unlisted_entry(path, own_files)
     if stray is not None:
         raise OptkitError(
             f"{what} {path} already exists and is not an optkit output ({stray} is not listed in its "
@@ -90,10 +91,10 @@ def remove_dir(path: Path, what: str) -> None:
         shutil.rmtree(path)
 
 
-def _unlisted_entry(directory: Path) -> str | None:
+def _unlisted_entry(directory: Path, own_files: frozenset[str] = frozenset()) -> str | None:
     """The first entry under `directory` (a file, link or anything but a real directory) that its
     optkit.json does not list, by relative name; None when there is none. Links are not followed."""
-    listed = _listed_files(directory)
+    listed = _listed_files(directory) | own_files
 
     def unreadable(error: OSError) -> None:
         raise error
@@ -224,7 +225,9 @@ def scratch_dir(near: Path, what: str = "--out") -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, *, overwrite: bool, what: str = "--out") -> Iterator[Path]:
+def atomic_output_dir(
+    out: Path, *, overwrite: bool, what: str = "--out", own_files: frozenset[str] = frozenset()
+) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` only if the block completes.
 
     On any exception (Ctrl-C included) the temporary directory is removed and `out` is
@@ -233,7 +236,7 @@ def atomic_output_dir(out: Path, *, overwrite: bool, what: str = "--out") -> Ite
     An `out` already there is replaced only as `check_replaceable` allows, checked again at the end.
     """
     out = Path(out)
-    check_output_dir(out, overwrite, what)
+    check_output_dir(out, overwrite, what, own_files)
     tmp = _owned_temporary(out, what)
     try:
         umask = os.umask(0)
@@ -244,17 +247,17 @@ def atomic_output_dir(out: Path, *, overwrite: bool, what: str = "--out") -> Ite
         for path in tmp.rglob("*"):  # some writers create private files; an artifact is for sharing
             if path.is_file():
                 os.chmod(path, 0o666 & ~umask)
-        replace_dir(tmp, out, what)
+        replace_dir(tmp, out, what, own_files)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def replace_dir(source: Path, out: Path, what: str = "--out") -> None:
+def replace_dir(source: Path, out: Path, what: str = "--out", own_files: frozenset[str] = frozenset()) -> None:
     """Move the finished directory `source` to `out` in one rename, replacing what is there only
     as `check_replaceable` allows."""
     out = Path(out)
-    check_replaceable(out, what)
+    check_replaceable(out, what, own_files)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

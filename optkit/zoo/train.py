@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
 
-from optkit.artifacts import atomic_output_dir
+from optkit.artifacts import atomic_output_dir, check_output_dir
 from optkit.cache import cache_dir
 from optkit.data.corpus import read_texts
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.modeldir import BUNDLED_DIR
 from optkit.progress import progress_bar
 from optkit.zoo.specs import VOCAB_SIZE, ZooSpec
 from optkit.zoo.tokenizer import train_tokenizer
@@ -31,12 +32,27 @@ class BuildResult:
     expert_shares: list[list[float]] | None = None
 
 
+# What save_pretrained writes for a reference model and its tokenizer: a bundled model's folder
+# (optkit's own, kept without an optkit.json) is replaced only when it holds nothing else.
+SAVED_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    }
+)
+
+
 def reference_tokenizer(train_texts: list[str]) -> PreTrainedTokenizerFast:
     """The tokenizer every reference model shares, trained once per corpus and cached."""
     digest = hashlib.sha256("".join(train_texts).encode()).hexdigest()[:16]
     path = cache_dir("tokenizers") / f"stdlib-bpe{VOCAB_SIZE}-{digest}"
     if not (path / "tokenizer.json").exists():
-        with atomic_output_dir(path, overwrite=True) as tmp:
+        with atomic_output_dir(path, overwrite=True, own_files=SAVED_FILES) as tmp:  # optkit's cache
             train_tokenizer(train_texts, VOCAB_SIZE).save_pretrained(tmp)
     return PreTrainedTokenizerFast.from_pretrained(path)
 
@@ -91,6 +107,9 @@ def build_reference_model(
 ) -> BuildResult:
     """Train `spec` for `steps` (default: the spec's) and save it, bf16 safetensors, to `out_dir`."""
     start, cpu_start = time.perf_counter(), time.process_time()
+    bundled = Path(out_dir).resolve().parent == BUNDLED_DIR.resolve()
+    own_files = SAVED_FILES if bundled else frozenset()
+    check_output_dir(out_dir, overwrite, own_files=own_files)  # before the training, not after
     torch.manual_seed(spec.seed)
     train_texts = read_texts("train")
     tokenizer = reference_tokenizer(train_texts)
@@ -135,7 +154,7 @@ def build_reference_model(
     model.to(torch.bfloat16)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
-    with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite=overwrite, own_files=own_files) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

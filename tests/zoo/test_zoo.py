@@ -123,3 +123,29 @@ def test_short_moe_build_saves_a_mixtral_checkpoint_and_reports_the_routing(run_
     assert config.model_type == "mixtral" and not config.output_router_logits
     with safe_open(out / "model.safetensors", "pt") as f:
         assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in set(f.keys())
+
+
+def test_a_bundled_model_is_rebuilt_in_place_but_never_over_a_file_someone_added(tmp_path, monkeypatch):
+    """`make models` replaces the bundled folders (optkit's own, no optkit.json); a folder holding a
+    file save_pretrained does not write is refused before any training, as every other output
+    optkit did not write."""
+    from optkit.errors import OptkitError
+    from optkit.zoo import train
+
+    bundled = tmp_path / "models"
+    monkeypatch.setattr(train, "BUNDLED_DIR", bundled)
+    out = bundled / "draft"
+    train.build_reference_model(SPECS["draft"], out, steps=1, overwrite=True)
+    before = (out / "model.safetensors").stat().st_ino
+    train.build_reference_model(SPECS["draft"], out, steps=1, overwrite=True)  # rebuilt in place
+    assert (out / "model.safetensors").stat().st_ino != before and not (out / "optkit.json").exists()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OptkitError, match="notes.txt is not listed"):
+        train.build_reference_model(SPECS["draft"], out, steps=1, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    # outside the bundled location, save_pretrained's names alone never make a folder optkit's
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}")
+    with pytest.raises(OptkitError, match="not an optkit output"):
+        train.build_reference_model(SPECS["draft"], elsewhere, steps=1, overwrite=True)
