@@ -5,8 +5,9 @@ request.
 Patterns are compiled by the third-party `regex` engine, which reads the syntax of Python's `re`
 (gptqmodel's and vLLM's `dynamic` overrides and compressed-tensors' `re:` targets are written for
 `re`), fails fast where `re` backtracks exponentially on most such patterns, and, unlike `re`, can
-stop a match part-way (`timeout=`). One `RegexBudget` is the time all the matches of one job may
-take together: every layer of one checkpoint, or every rule on one prompt.
+stop a match part-way (`timeout=`, which counts the CPU time of the match: on a busy machine the
+wall-clock time is longer). One `RegexBudget` is the time all the matches of one job may take
+together: every layer of one checkpoint, or every rule on one prompt.
 """
 
 import time

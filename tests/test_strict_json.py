@@ -7,8 +7,6 @@ import math
 
 import pytest
 
-from optkit.json_strict import dumps, finite
-
 CALIBRATION = ("--num-samples", "8", "--seq-len", "64", "--device", "cpu")
 METHODS = ("fp8", "smoothquant")  # FP8 W8A8, int8 W8A8
 
@@ -21,6 +19,8 @@ def strict_loads(text: str):
 
 
 def test_non_finite_numbers_become_null_and_nothing_else_changes():
+    from optkit.json_strict import dumps, finite
+
     data = {"a": float("nan"), "b": [1.5, float("inf"), (-float("inf"), 2)], "c": {"d": "NaN", "e": 0, "f": None}}
     assert finite(data) == {"a": None, "b": [1.5, None, [None, 2]], "c": {"d": "NaN", "e": 0, "f": None}}
     assert strict_loads(dumps(data)) == finite(data)

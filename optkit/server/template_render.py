@@ -49,9 +49,11 @@ class _Worker:
     def read_line(self, deadline: float) -> bytes | None:
         """One line from the worker; None past `deadline`. EOFError when the worker is gone."""
         fd, data = self.process.stdout.fileno(), bytearray()
+        poller = select.poll()  # not select(): a busy server's descriptors may pass FD_SETSIZE
+        poller.register(fd, select.POLLIN)
         while not data.endswith(b"\n"):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not poller.poll(remaining * 1000):
                 return None
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -120,11 +122,16 @@ class TemplateRenderer:
     def _worker(self) -> _Worker:
         worker = getattr(self._local, "worker", None)
         if worker is None or worker.process.poll() is not None:
+            if worker is not None:  # it died between two renders
+                self._drop(worker)
+            worker = _Worker()  # not under the lock: a start takes a while, and other threads render meanwhile
             with self._lock:
-                if self._closed:
-                    raise TemplateBudgetExceeded("the server is shutting down")
-                worker = _Worker()
-                self._workers.add(worker)
+                closed = self._closed
+                if not closed:
+                    self._workers.add(worker)
+            if closed:
+                worker.kill()
+                raise TemplateBudgetExceeded("the server is shutting down")
             self._local.worker = worker
         return worker
 

@@ -2,17 +2,20 @@
 ever is refused when the config is loaded, and one that gets past that check still cannot hold a
 request past the routing budget (routing/tiers.py, optkit/untrusted_regex.py)."""
 
-import logging
-import threading
+import json
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 
 from optkit.errors import OptkitError
-from optkit.routing.config import TierRule, TiersOptions, serve_options
-from optkit.routing.tiers import MATCH_BUDGET_S, TierPolicy
+from optkit.routing.config import serve_options
+from optkit.routing.tiers import TierPolicy
 
 BACKTRACKS = r"((.|..)+)+[!?]"  # exponential on any text without "!" or "?"
+MATCH_BUDGET_S = 0.1  # routing/tiers.py's: every rule on one prompt
 
 
 def tiered(*rules: dict) -> dict:
@@ -23,20 +26,28 @@ def tiered(*rules: dict) -> dict:
     }
 
 
-def escalate_within(policy: TierPolicy, text: str, seconds: float) -> tuple[tuple[str, str | None], float]:
-    """policy.escalate on a daemon thread: a match that never ends fails the test instead of hanging it."""
-    result = {}
-
-    def run():
-        started = time.monotonic()
-        result["tier"] = policy.escalate("s", 10, text)
-        result["took"] = time.monotonic() - started
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"routing a {len(text)}-character prompt took over {seconds} s"
-    return result["tier"], result["took"]
+def escalate_in_a_child(rules: list[dict], text: str, timeout_s: float = 60) -> tuple[dict, str]:
+    """TierPolicy.escalate("s", ...) on `text` in a subprocess (`re` holds the GIL while it backtracks,
+    so only a process can be given up on), its rules built without validation as if they had passed
+    the load-time probes. Returns {"tier", "label", "took"} and the child's log."""
+    code = textwrap.dedent("""
+        import json, logging, sys, time
+        from optkit.routing.config import TierRule, TiersOptions
+        from optkit.routing.tiers import TierPolicy
+        logging.basicConfig(level=logging.WARNING)
+        rules, text = json.loads(sys.argv[1]), sys.argv[2]
+        rules = [TierRule.model_construct(**{"name": None, "min_prompt_tokens": None, "to": None, **r}) for r in rules]
+        options = TiersOptions.model_construct(order=None, default=None, rules=rules, header="x")
+        policy = TierPolicy(options, ["s", "l"])
+        started = time.process_time()  # the regex engine's timeout counts CPU time
+        tier, label = policy.escalate("s", 10, text)
+        print(json.dumps({"tier": tier, "label": label, "took": time.process_time() - started}))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(rules), text], capture_output=True, text=True, timeout=timeout_s
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout), done.stderr
 
 
 def test_a_backtracking_rule_is_refused_when_the_config_loads():
@@ -55,22 +66,18 @@ def test_a_broken_or_huge_rule_is_refused_in_one_line(regex, fragment):
     assert len(str(e.value)) < 500
 
 
-def test_a_pattern_past_the_budget_on_a_prompt_does_not_match_and_is_logged(caplog):
-    # as if it had passed the load-time probes: built without validation
-    evil = TierRule.model_construct(name="evil", min_prompt_tokens=None, regex=BACKTRACKS, to="l")
-    fine = TierRule(name="fine", regex=r"(?i)\bprove\b", to="l")
-    policy = TierPolicy(
-        TiersOptions.model_construct(order=None, default=None, rules=[evil, fine], header="x"), ["s", "l"]
-    )
-    with caplog.at_level(logging.WARNING):
-        tier, took = escalate_within(policy, "please prove " + "ab" * 40, seconds=10)
-    assert tier == ("s", None)  # neither matched: the evil rule spent the prompt's budget
-    assert took < MATCH_BUDGET_S + 0.5
-    assert any("'evil'" in r.getMessage() and "no match" in r.getMessage() for r in caplog.records)
+def test_a_pattern_past_the_budget_on_a_prompt_does_not_match_and_is_logged():
+    rules = [{"name": "evil", "regex": BACKTRACKS, "to": "l"}, {"name": "fine", "regex": r"(?i)\bprove\b", "to": "l"}]
+    result, log = escalate_in_a_child(rules, "please prove " + "ab" * 40)
+    assert (result["tier"], result["label"]) == ("s", None)  # neither matched: the evil rule spent the budget
+    assert result["took"] < MATCH_BUDGET_S + 0.5
+    assert "'evil'" in log and "no match" in log
 
 
 def test_good_rules_still_route():
     options = serve_options(tiered({"name": "proof", "regex": r"(?i)\bprove\b", "to": "l"}))
     policy = TierPolicy(options.tiers, ["s", "l"])
-    assert escalate_within(policy, "Prove that 2 + 2 = 4", seconds=5)[0] == ("l", "proof")
-    assert escalate_within(policy, "hello " * 100_000, seconds=5)[0] == ("s", None)  # a long prompt, in budget
+    assert policy.escalate("s", 10, "Prove that 2 + 2 = 4") == ("l", "proof")
+    started = time.process_time()
+    assert policy.escalate("s", 10, "hello " * 100_000) == ("s", None)  # a long prompt, within the budget
+    assert time.process_time() - started < 1
