@@ -64,6 +64,23 @@ def test_gguf_holds_exactly_the_rtn_weights_in_the_schemes_block_type(tiny, tmp_
     assert not list(tmp_path.glob(".*")), "the staging directory and temporary file are gone"
 
 
+def test_the_gguf_is_written_through_a_new_temporary_never_a_link_planted_beside_it(tiny, tmp_path):
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not optkit's")
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    (out.parent / f".{out.name}.tmp-{os.getpid()}").symlink_to(victim)  # the name the writer used to take
+    previous = os.umask(0o022)
+    try:
+        _quantize(tiny["llama"], out)
+    finally:
+        os.umask(previous)
+    assert victim.read_text() == "not optkit's"
+    assert out.stat().st_mode & 0o777 == 0o644  # shared like every artifact, not mkstemp's 600
+
+
 def test_a_qwen3_with_attention_biases_llama_cpp_cannot_load_is_refused(tiny, tmp_path):
     with pytest.raises(OptkitError, match="Qwen3 has no attention biases"):
         _quantize(tiny["qwen3-biases"], tmp_path / "qwen3.gguf")

@@ -15,6 +15,7 @@ as a Hugging Face config and a dequantized state dict for optkit's own runtime a
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> tuple[np.ndarray, "object"]:
 
 
 def write_file(staged: Path, out: Path, manifest: dict) -> None:
-    """The .gguf for a staged artifact directory: written as `.NAME.tmp-PID`, renamed to `out`."""
+    """The .gguf for a staged artifact directory: written as a new `.NAME.tmp-*`, renamed to `out`."""
     import gguf
 
     from optkit.modeldir import TensorReader, read_config
@@ -172,7 +173,9 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
     quant_config = config["quantization_config"]
     qtype = quant_config["type"]
     reader = TensorReader(staged)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)  # new, never a planted link
+    os.close(handle)
+    tmp = Path(name)
     writer = gguf.GGUFWriter(tmp, arch)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
@@ -220,6 +223,9 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         for _, key, hf, raw in plan:
             writer.write_tensor_data(np.ascontiguousarray(array(key, hf, raw)[0]))
         writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; a release is for sharing
         os.replace(tmp, out)
     except BaseException:
         writer.close()
