@@ -65,7 +65,7 @@ def load_transformers(path: Path, **kwargs) -> tuple[torch.nn.Module | None, lis
     hf_logging.disable_progress_bar()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, output_loading_info=True, **kwargs
+            path, dtype=torch.float32, output_loading_info=True, trust_remote_code=False, **kwargs
         )
     except Exception as e:  # any failure of the loader is the finding, not a crash of the check
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

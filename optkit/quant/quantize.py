@@ -213,7 +213,7 @@ def quantize_model(
         raise OptkitError(f"model {base} is already quantized: give its full-precision base model")
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(base)
+    hf_config = AutoConfig.from_pretrained(base, trust_remote_code=False)
     targets, ignored = select_targets(
         decoder_linears(hf_config, quantize_router=options.quantize_router), options.ignore
     )
