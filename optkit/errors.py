@@ -1,5 +1,7 @@
 """User-facing errors: each message says what is wrong and what to change."""
 
+from optkit.text_safety import printable
+
 
 class OptkitError(Exception):
     """A mistake in the user's input; the CLI prints it on one line and exits with code 2."""
@@ -14,7 +16,7 @@ MAX_LINE_CHARS = 1000  # a whole error line
 def shorten(text: str, limit: int = MAX_VALUE_CHARS) -> str:
     """`text` for an error line: control characters (newlines, ESC) escaped, and at most `limit`
     characters, the middle elided, so that nothing from a file floods or drives the terminal."""
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    text = printable(text)
     if len(text) <= limit:
         return text
     keep = max(limit - len(f" …({len(text)} characters)… "), 2)
