@@ -64,6 +64,7 @@ def test_the_manifest_and_quantize_json_of_w8a8_artifacts_are_strict_json(artifa
         ("eval", "{art}", "--baseline", "draft", "--max-windows", "8", "--json"),
         ("generate", "{art}", "Once upon", "--max-tokens", "2", "--device", "cpu", "--json"),
         ("zoo", "list", "--json"),
+        ("quantize", "draft", "--method", "fp8", "--dry-run", "--json"),
     ],
     ids=lambda c: c[0],
 )
