@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from optkit.gate.intervals import ANY, RESAMPLES, _bootstrap, _identity, _percent, _ppl_percent
+from optkit.gate.intervals import ANY, RESAMPLES, bootstrap_ratios, identity, percent, ppl_percent
 from optkit.gate.metrics import WindowStats
 
 LABELS = {
@@ -84,16 +84,16 @@ def compare_windows(
         raise ValueError("the two artifacts were not scored on the same windows of the same base")
     tokens = a.tokens.double()
     ratios = {
-        "kld_mean": ((a.kld - b.kld).double(), tokens, _identity, ANY),
-        "ppl_increase_pct": ((a.nll_artifact - b.nll_artifact).double(), tokens, _ppl_percent, ANY),
-        "top1_pct": ((a.top1 - b.top1).double(), tokens, _percent, ANY),
+        "kld_mean": ((a.kld - b.kld).double(), tokens, identity, ANY),
+        "ppl_increase_pct": ((a.nll_artifact - b.nll_artifact).double(), tokens, ppl_percent, ANY),
+        "top1_pct": ((a.top1 - b.top1).double(), tokens, percent, ANY),
     }
     single = {
         "kld_mean": lambda s: (s.kld.sum() / s.tokens.sum()).item(),
         "ppl_increase_pct": lambda s: 100 * math.expm1(((s.nll_artifact - s.nll_base).sum() / s.tokens.sum()).item()),
         "top1_pct": lambda s: (100 * s.top1.sum() / s.tokens.sum()).item(),
     }
-    boot = _bootstrap(ratios, resamples, seed)
+    boot = bootstrap_ratios(ratios, resamples, seed)
     return [_difference(metric, single[metric](a), single[metric](b), boot, confidence) for metric in ratios]
 
 
@@ -110,8 +110,8 @@ def compare_items(
         raise ValueError(f"{tuple(a_correct.shape)} answers of A against {tuple(b_correct.shape)} of B")
     a, b = a_correct.double(), b_correct.double()
     # where A and B answer alike everywhere, a disagreement may be unseen: one moves the difference by 1/n
-    ratios = {"task_acc_artifact": (a - b, torch.ones_like(a), _percent, (-1.0, 1.0))}
-    boot = _bootstrap(ratios, resamples, seed, {"task_acc_artifact": 1.0 / max(a.numel(), 1)})
+    ratios = {"task_acc_artifact": (a - b, torch.ones_like(a), percent, (-1.0, 1.0))}
+    boot = bootstrap_ratios(ratios, resamples, seed, {"task_acc_artifact": 1.0 / max(a.numel(), 1)})
     found = _difference("task_acc_artifact", 100 * a.mean().item(), 100 * b.mean().item(), boot, confidence)
     return Difference(**(asdict(found) | {"p_value": mcnemar_exact(a_correct, b_correct), "test": "McNemar exact"}))
 

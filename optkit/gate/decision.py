@@ -10,8 +10,8 @@
 - reject (exit 1) when some threshold's optimistic bound is outside it at level α/m (Bonferroni
   across the m thresholds: the chance of rejecting an artifact that meets them all is ≤ α);
 - otherwise inconclusive (exit 4), with the number of windows that would decide it if the estimate holds.
-Below MIN_WINDOWS windows (MIN_ITEMS task questions) `confident` never passes: a bootstrap over so
-few units understates its own spread.
+Below MIN_WINDOWS windows (MIN_ITEMS task questions) `confident` neither passes nor rejects: a
+bootstrap over so few units understates its own spread, on either side (docs/results.md).
 
 No threshold at all: the verdict is `report_only` (exit 0) under either rule; the gate was asked
 nothing, so it says nothing passed.
@@ -112,7 +112,7 @@ def decide(
     few = [c.name for c in unsure if bounds.units(c.metric) < minimum_units(c.metric)]
     reason = "the bounds decide neither way on " + ", ".join(c.name for c in unsure)
     if few:
-        reason += f" (too few units to pass: at least {MIN_WINDOWS} windows, {MIN_ITEMS} task questions)"
+        reason += f" (too few units to decide: at least {MIN_WINDOWS} windows, {MIN_ITEMS} task questions)"
     return Decision("inconclusive", rule, alpha, checks, windows, items, reason)
 
 
@@ -125,9 +125,10 @@ def _confident_check(c: Check, bounds: Bounds, alpha: float, m: int) -> Check:
     else:
         pessimistic, optimistic = bounds.lower(c.metric, alpha), bounds.upper(c.metric, alpha / m)
         inside, outside = pessimistic >= c.limit, optimistic < c.limit
-    if outside:
+    enough = bounds.units(c.metric) >= minimum_units(c.metric)
+    if outside and enough:
         return replace(c, passed=False, state="crossed", bound=optimistic)
-    if inside and bounds.units(c.metric) >= minimum_units(c.metric):
+    if inside and enough:
         return replace(c, passed=True, state="ok", bound=pessimistic)
     return replace(c, passed=False, state="unsure", bound=pessimistic)
 

@@ -20,10 +20,9 @@ error of a ratio, se(θ) = sqrt(n/(n−1) · Σ (y − θ t)²) / Σt, each resa
 t* = (θ* − θ̂) / se*, and the upper bound at level α is θ̂ − t*_(α) · ŝe (t*_(α): the α-quantile of
 t*), the lower θ̂ − t*_(1−α) · ŝe, then mapped by g. A mean KLD over a few windows is right-skewed
 (one hard window carries much of the sum): a resample that misses it has a small θ* *and* a small
-se*, so t* grows a long left tail and the upper bound moves out, as it must. Measured on lognormal
-windows (σ = 1, skewness 6) at n = 16, the one-sided 95% upper bound covers the mean ~90% of the
-time against ~83% for BCa and the percentile bound; the upper bound is the side
-`--decision confident` passes on.
+se*, so t* grows a long left tail and the upper bound moves out, as it must; on skewed windows it
+covers the mean more often than BCa and the percentile bound do (docs/results.md), and the upper
+bound is the side `--decision confident` passes on.
 """
 
 import math
@@ -42,15 +41,15 @@ ANY, POSITIVE, SHARE = (-math.inf, math.inf), (0.0, math.inf), (0.0, 1.0)  # the
 TASK_METRICS = ("task_acc_artifact", "task_recovery")
 
 
-def _identity(x):
+def identity(x):
     return x
 
 
-def _percent(x):
+def percent(x):
     return 100.0 * x
 
 
-def _ppl_percent(x):
+def ppl_percent(x):
     return 100.0 * math.expm1(x) if x < 700.0 else math.inf  # a bound from 2 windows may be far out
 
 
@@ -62,7 +61,7 @@ class RatioBootstrap:
     se: float  # delta-method standard error of θ̂
     t_star: torch.Tensor  # [B] float64, sorted: (θ* − θ̂) / se* per resample
     units: int
-    transform: object = _identity  # g: θ -> the metric as reported (monotone increasing)
+    transform: object = identity  # g: θ -> the metric as reported (monotone increasing)
     unseen: float = 0.0  # task metrics: the change in θ one unseen disagreement makes (below)
     floor: float = -math.inf  # the range θ can take (KLD ≥ 0, a share in [0, 1]): bounds stay in it
     ceiling: float = math.inf
@@ -159,7 +158,7 @@ def ratio_se(y: torch.Tensor, t: torch.Tensor) -> tuple[float, float]:
     return theta, (spread.sqrt() / t.sum().clamp(min=1e-12)).item()
 
 
-def _bootstrap(ratios: dict[str, tuple], resamples: int, seed: int, unseen: dict | None = None) -> Bootstrap:
+def bootstrap_ratios(ratios: dict[str, tuple], resamples: int, seed: int, unseen: dict | None = None) -> Bootstrap:
     """ratios: metric -> (y [n], t [n], g, (θ's floor, θ's ceiling)); every metric is resampled
     with the same counts. unseen: metric -> the change in θ one disagreement makes (RatioBootstrap)."""
     n = next(iter(ratios.values()))[0].numel()
@@ -193,11 +192,11 @@ def bootstrap_windows(stats: WindowStats, *, resamples: int = RESAMPLES, seed: i
     """Paired bootstrap over whole windows of kld_mean, ppl_increase_pct and top1_pct."""
     tokens = stats.tokens.double()
     ratios = {
-        "ppl_increase_pct": ((stats.nll_artifact - stats.nll_base).double(), tokens, _ppl_percent, ANY),
-        "kld_mean": (stats.kld.double(), tokens, _identity, POSITIVE),
-        "top1_pct": (stats.top1.double(), tokens, _percent, SHARE),
+        "ppl_increase_pct": ((stats.nll_artifact - stats.nll_base).double(), tokens, ppl_percent, ANY),
+        "kld_mean": (stats.kld.double(), tokens, identity, POSITIVE),
+        "top1_pct": (stats.top1.double(), tokens, percent, SHARE),
     }
-    return _bootstrap(ratios, resamples, seed)
+    return bootstrap_ratios(ratios, resamples, seed)
 
 
 def bootstrap_items(
@@ -208,9 +207,9 @@ def bootstrap_items(
         raise ValueError(f"{tuple(base_correct.shape)} base answers against {tuple(artifact_correct.shape)}")
     base, artifact = base_correct.double(), artifact_correct.double()
     ratios = {
-        "task_acc_artifact": (artifact, torch.ones_like(base), _identity, SHARE),
-        "task_recovery": (artifact, base, _identity, POSITIVE),
+        "task_acc_artifact": (artifact, torch.ones_like(base), identity, SHARE),
+        "task_recovery": (artifact, base, identity, POSITIVE),
     }
     n = base.numel()  # one unseen flip moves accuracy by 1/n and recovery by 1/(questions the base gets)
     unseen = {"task_acc_artifact": 1.0 / max(n, 1), "task_recovery": 1.0 / max(base.sum().item(), 1.0)}
-    return _bootstrap(ratios, resamples, seed, unseen)
+    return bootstrap_ratios(ratios, resamples, seed, unseen)
