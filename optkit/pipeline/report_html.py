@@ -110,8 +110,9 @@ def render_report(title: str, manifest: dict, gate: dict, verdict: str) -> str:
         if metric not in gate["metrics"]:
             continue
         check = checks.get(metric)
-        status = "" if check is None else ("ok" if check["passed"] else "CROSSED")
-        css = ' class="crossed"' if check is not None and not check["passed"] else ""
+        state = None if check is None else check.get("state") or ("ok" if check["passed"] else "crossed")
+        status = {None: "", "ok": "ok", "crossed": "CROSSED", "unsure": "unsure"}[state]
+        css = f' class="{state}"' if state in ("crossed", "unsure") else ""
         rule = check["rule"] if check else ""
         found = intervals.get(metric) or {}
         interval = ""
@@ -121,11 +122,11 @@ def render_report(title: str, manifest: dict, gate: dict, verdict: str) -> str:
             f"<tr{css}><td>{label}</td><td>{fmt.format(gate['metrics'][metric])}</td><td>{interval}</td>"
             f"<td>{html.escape(rule)}</td><td>{status}</td></tr>"
         )
-    color = "#1a7f37" if verdict == "released" else "#cf222e"
+    color = {"released": "#1a7f37", "inconclusive": "#9a6700"}.get(verdict, "#cf222e")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}: optkit report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} td,th{{padding:.2em .8em;text-align:left}}
-tr.crossed td{{color:#cf222e;font-weight:bold}} .verdict{{color:{color};font-size:1.4em;font-weight:bold}}</style>
+tr.crossed td{{color:#cf222e;font-weight:bold}} tr.unsure td{{color:#9a6700}} .verdict{{color:{color};font-size:1.4em;font-weight:bold}}</style>
 </head><body>
 <h1>{html.escape(title)}</h1>
 <p class="verdict">{verdict.upper()}</p>

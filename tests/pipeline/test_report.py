@@ -121,3 +121,13 @@ def test_an_older_gate_report_without_intervals_or_windows_still_renders():
     del gate["intervals"], gate["window_kld"]
     pictures = _pictures(gate)
     assert list(pictures) == ["per-token KL divergence: tokens per bin (log scale) and cumulative share"]
+
+
+def test_an_undecided_check_reads_unsure_not_crossed_and_an_inconclusive_release_says_so():
+    gate = _gate(0.009, 0.008, 0.011, 0.01)
+    gate["checks"][0] |= {"passed": False, "state": "unsure", "bound": 0.011}
+    manifest = {"method": "rtn", "format": "compressed-tensors", "base_model": {"path": "small"}, "layers": []}
+    page = render_report("small-w4", manifest, gate, "inconclusive")
+    kld_row = next(row for row in re.findall(r"<tr.*?</tr>", page, re.S) if "KL divergence, mean" in row)
+    assert kld_row.startswith('<tr class="unsure">') and "<td>unsure</td>" in kld_row and "CROSSED" not in page
+    assert '<p class="verdict">INCONCLUSIVE</p>' in page and "color:#9a6700" in page
