@@ -126,7 +126,8 @@ def render_report(title: str, manifest: dict, gate: dict, verdict: str) -> str:
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}: optkit report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1100px}} td,th{{padding:.2em .8em;text-align:left}}
-tr.crossed td{{color:#cf222e;font-weight:bold}} tr.unsure td{{color:#9a6700}} .verdict{{color:{color};font-size:1.4em;font-weight:bold}}</style>
+tr.crossed td{{color:#cf222e;font-weight:bold}} tr.unsure td{{color:#9a6700}}
+.verdict{{color:{color};font-size:1.4em;font-weight:bold}}</style>
 </head><body>
 <h1>{html.escape(title)}</h1>
 <p class="verdict">{verdict.upper()}</p>
