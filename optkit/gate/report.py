@@ -60,7 +60,8 @@ def verdict_line(result: GateResult) -> str:
 def gate_table(result: GateResult) -> Table:
     report = result.to_json()
     checks = {c.metric: c for c in result.checks}
-    confident = result.decision is not None and result.decision.rule == "confident"
+    # the bound column: the confident rule's one-sided bounds (--sequential's bets have none)
+    confident = result.decision is not None and result.decision.rule == "confident" and not result.sequential
     confidence = (report.get("intervals") or {}).get("confidence", 0.95)
     table = Table(
         title=f"optkit gate: {verdict_line(result)}  "
