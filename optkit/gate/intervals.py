@@ -75,7 +75,11 @@ class RatioBootstrap:
             return self._without_spread(level)
         b = self.t_star.numel()
         index = min(max(math.ceil((1.0 - level) * b) - 1, 0), b - 1)  # the (1 − level)-quantile of t*
-        return self._clamped(self.estimate - self.t_star[index].item() * self.se)
+        theta = self.estimate - self.t_star[index].item() * self.se
+        if self.unseen > 0.0:  # 0/1 answers: never tighter than with no disagreement seen at all,
+            shift = self._unseen_shift(level)  # as a bootstrap of 1-3 rare flips would be
+            theta = min(theta, self.estimate - shift) if level < 0.5 else max(theta, self.estimate + shift)
+        return self._clamped(theta)
 
     def _clamped(self, theta: float) -> float:
         return self.transform(min(max(theta, self.floor), self.ceiling))
@@ -87,10 +91,12 @@ class RatioBootstrap:
         bound at zero events, ≈ 3/n at α = 0.05), and θ moves by at most n·p·`unseen`."""
         if self.unseen <= 0.0:
             return self.value()  # windows: an identical artifact has zero KLD on every token
+        shift = self._unseen_shift(level)
+        return self._clamped(self.estimate - shift if level < 0.5 else self.estimate + shift)
+
+    def _unseen_shift(self, level: float) -> float:
         alpha = min(level, 1.0 - level)
-        shift = self.units * -math.expm1(math.log(alpha) / self.units) * self.unseen
-        bound = self.estimate - shift if level < 0.5 else self.estimate + shift
-        return self._clamped(bound)
+        return self.units * -math.expm1(math.log(alpha) / self.units) * self.unseen
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ def bootstrap_ratios(ratios: dict[str, tuple], resamples: int, seed: int, unseen
         raise ValueError("nothing to resample")
     fits = {k: ratio_se(y, t) for k, (y, t, *_) in ratios.items()}
     generator = torch.Generator().manual_seed(seed)
+    unseen = unseen or {}
     parts = {k: [] for k in ratios}
     for counts in resample_counts(n, resamples, generator):  # counts [rows, n] @ column [n] -> [rows]
         for k, (y, t, *_) in ratios.items():
@@ -176,8 +183,11 @@ def bootstrap_ratios(ratios: dict[str, tuple], resamples: int, seed: int, unseen
             spread = counts @ (y * y) - 2 * theta_star * (counts @ (y * t)) + theta_star.square() * (counts @ (t * t))
             se_star = (spread.clamp(min=0) * n / max(n - 1, 1)).sqrt() / sum_t
             floor = 1e-9 * max(se, 1e-300)  # a resample of identical units: its t* is 0 or ±∞
+            if k in unseen:  # 0/1 answers: a resample that missed the 1-3 questions that differ has
+                # se* = 0; studentized by the sample's ŝe, its t* stays finite instead of filling the
+                # tail and collapsing the bound to the metric's floor
+                se_star = torch.where(se_star > floor, se_star, torch.full_like(se_star, max(se, floor)))
             parts[k].append((theta_star - theta) / se_star.clamp(min=floor))
-    unseen = unseen or {}
     return Bootstrap(
         {
             k: RatioBootstrap(*fits[k], torch.cat(parts[k]).sort().values, n, g, unseen.get(k, 0.0), *limits)

@@ -107,3 +107,19 @@ def test_two_windows_give_wide_bounds_inside_each_metrics_range():
     assert 0.0 <= low and high <= 100.0
     low, high = bounds.interval("ppl_increase_pct")
     assert low >= -100.0 and high > bounds.estimate("ppl_increase_pct")
+
+
+def test_a_task_bound_falls_steadily_as_disagreements_grow_and_never_collapses():
+    """1-3 differing answers among many: a resample that misses them all has no spread; it must not
+    drag the bound to 0 (it once did), nor leave it tighter than with no difference seen."""
+    from optkit.gate.intervals import bootstrap_items
+
+    lowers = []
+    for flips in range(0, 11):
+        base, artifact = torch.ones(1000), torch.ones(1000)
+        artifact[:flips] = 0
+        bounds = bootstrap_items(base, artifact)
+        lowers.append(bounds.lower("task_recovery", 0.05))
+        assert bounds.lower("task_recovery", 0.05) <= 1 - flips / 1000 <= bounds.upper("task_recovery", 0.05)
+    assert all(a >= b - 5e-4 for a, b in zip(lowers[:-1], lowers[1:], strict=True)), lowers  # resampling noise
+    assert lowers[1] > 0.99 and lowers[3] > 0.98
