@@ -53,6 +53,7 @@ def load(source: Path, prefix: str) -> str:
             reason = f"C++ library not loaded: {e}"
             log.warning("%s", reason)
             return reason
+        umask = os.umask(0o022)  # ninja's objects and build files, and the library: this user's alone
         try:
             cpp_extension.load(
                 name,
@@ -66,18 +67,9 @@ def load(source: Path, prefix: str) -> str:
         except Exception as e:  # no compiler or ninja, a compile error, an unwritable cache: all mean "not here"
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             return f"C++ build failed: {first[:160]}"
-        _drop_group_write(build_directory / f"{name}.so")
+        finally:
+            os.umask(umask)  # process-wide, so only while the lock is held
     return ""
-
-
-def _drop_group_write(library: Path) -> None:
-    """The linker writes the library with the umask's mode (775 under a umask of 002), which the next
-    process's check would refuse: this process built it in a directory only this user can write, so
-    it is made this user's alone."""
-    try:
-        os.chmod(library, os.stat(library).st_mode & ~0o022)
-    except OSError:
-        pass  # not there (an older torch names it otherwise): the next start rebuilds or refuses it
 
 
 def private_build_directory(name: str) -> Path:
@@ -88,6 +80,7 @@ def private_build_directory(name: str) -> Path:
     top = cache_root() / "kernels"
     directory = top / name
     make_private_dirs(directory, top)
-    for path in (top, directory, directory / f"{name}.so"):
+    # ninja relinks from the objects and build files there when they look newer: every one is checked
+    for path in (top, directory, *sorted(directory.iterdir())):
         check_private(path, "C++ kernel cache")
     return directory

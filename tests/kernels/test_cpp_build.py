@@ -64,24 +64,39 @@ def test_a_kernel_cache_another_user_owns_is_never_loaded(tmp_path, calls, monke
     assert calls == [] and "belongs to another user" in reason
 
 
-def test_a_library_built_under_a_group_writable_umask_loads_in_the_next_process(tmp_path, monkeypatch):
-    """The linker writes the .so with the umask's mode; the next start must not refuse optkit's own build."""
+def test_a_build_under_a_group_writable_umask_is_this_users_alone_and_loads_next_time(tmp_path, monkeypatch):
+    """ninja's objects, its build files and the library follow the umask; under 002 a group member could
+    edit an object that ninja relinks into the next library. The build runs under 022, and the umask
+    is restored after it."""
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("OPTKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(cpp_build.platform, "machine", lambda: "x86_64")
 
-    def link(name, *args, build_directory, **kwargs):  # what the build leaves: a library of the umask's mode
-        library = os.path.join(build_directory, f"{name}.so")
-        with open(os.open(library, os.O_CREAT | os.O_WRONLY, 0o777), "wb") as f:
-            f.write(b"\x7fELF")
+    def build(name, *args, build_directory, **kwargs):  # what a build leaves, each made with mode 777 & ~umask
+        for file in (f"{name}.so", "ops.o", "build.ninja", ".ninja_log"):
+            with open(os.open(os.path.join(build_directory, file), os.O_CREAT | os.O_WRONLY, 0o777), "wb") as f:
+                f.write(b"\x7fELF")
 
-    monkeypatch.setattr(cpp_extension, "load", link)
+    monkeypatch.setattr(cpp_extension, "load", build)
     previous = os.umask(0o002)
     try:
         assert cpp_build.load(source(tmp_path), "optkit_test") == ""
+        assert os.umask(0o002) == 0o002  # put back after the build
         assert cpp_build.load(source(tmp_path), "optkit_test") == ""  # the next start's check passes
     finally:
         os.umask(previous)
-    [library] = (tmp_path / "cache" / "kernels").glob("*/*.so")
-    assert not stat.S_IMODE(library.stat().st_mode) & 0o022
+    [directory] = (tmp_path / "cache" / "kernels").iterdir()
+    built = list(directory.iterdir())
+    assert len(built) == 4 and not [f for f in built if stat.S_IMODE(f.stat().st_mode) & 0o022]
+
+
+def test_an_object_file_others_may_write_is_never_relinked_or_loaded(tmp_path, calls):
+    cpp = source(tmp_path)
+    assert cpp_build.load(cpp, "optkit_test") == ""
+    built = tmp_path / "cache" / "kernels" / os.path.basename(calls.pop())
+    planted = built / "ops.o"
+    planted.write_bytes(b"\x7fELF")
+    planted.chmod(0o664)
+    assert f"C++ kernel cache {planted} is writable by group" in cpp_build.load(cpp, "optkit_test")
+    assert calls == []
