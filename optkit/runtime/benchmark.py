@@ -87,17 +87,9 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dic
 
 def load_hf(path, dtype: torch.dtype, device: str):
     """transformers' model: `from_pretrained` for a plain checkpoint, dequantized weights for an artifact."""
-    from optkit.modeldir import read_config
+    from optkit.quant.formats.load import load_model
 
-    if read_config(path).get("quantization_config"):
-        from optkit.quant.formats.load import load_model
-
-        model = load_model(path, dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
-    model = model.to(device).eval()
+    model = load_model(path, dtype=dtype).to(device).eval()  # its weight files checked, safetensors only
     model.generation_config.eos_token_id = None  # every request produces exactly gen_len tokens
     return model
 

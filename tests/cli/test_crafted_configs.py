@@ -82,3 +82,15 @@ def test_head_dim_of_2_to_the_32_is_refused_before_any_allocation(command, tmp_p
         preexec_fn=_address_space_of_4_gib,
     )
     assert_user_error((done.returncode, done.stdout, done.stderr), "head_dim")
+
+
+def test_a_plain_model_whose_weights_contradict_its_config_is_one_line(run_cli, tmp_path, draft_dir):
+    """Every size valid, but not the weights' (a doubled intermediate_size): the base of `eval`, a
+    plain artifact of `eval`, and `bench`'s transformers baseline each say so in one line."""
+    base = crafted_copy(draft_dir, tmp_path / "base", lambda c: {**c, "intermediate_size": 2 * c["intermediate_size"]})
+    for command in (
+        ("eval", draft_dir, "--baseline", base, "--max-windows", "1"),
+        ("eval", base, "--baseline", draft_dir, "--max-windows", "1"),
+        ("bench", base, "--batch-sizes", "1", "--baseline", "hf", "--prompt-len", "4", "--gen-len", "2"),
+    ):
+        assert_user_error(run_cli(*command), "down_proj.weight is [128, 384] in the checkpoint but [128, 768]")

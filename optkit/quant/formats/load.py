@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from optkit.errors import OptkitError
-from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
+from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights, weight_files
 from optkit.quant.families import family_for
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.common import check_tensor_shapes
@@ -27,8 +27,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
     hf_logging.disable_progress_bar()  # optkit shows its own progress
     quant_config = read_config(path).get("quantization_config")
     if quant_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
-        return model.eval()
+        return plain_model(path, dtype)
     fmt = reader_for(quant_config, str(path))
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never runs auto_map code, never asks
     del config.quantization_config
@@ -65,3 +64,37 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
         )
     model.tie_weights()
     return model.eval()
+
+
+def plain_model(path: Path, dtype: torch.dtype = torch.float32):
+    """A model directory without quantization_config through transformers (safetensors only, no
+    auto_map code); weights whose shapes config.json contradicts are one OptkitError."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    except RuntimeError as e:
+        if "size mismatch" not in str(e) and "ignore_mismatched_sizes" not in str(e):
+            raise
+        check_tensor_shapes(_stored_shapes(path), _meta_state(path), str(path))  # names the tensor
+        raise OptkitError(f"{path}: its weights do not have the shapes its config.json gives: fix config.json") from e
+    return model.eval()
+
+
+def _stored_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """Each stored tensor as an empty meta tensor of its shape (headers only)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in weight_files(path):
+        with safe_open(file, "pt") as f:
+            shapes |= {k: torch.empty(f.get_slice(k).get_shape(), device="meta") for k in f.keys()}
+    return shapes
+
+
+def _meta_state(path: Path) -> dict[str, torch.Tensor]:
+    """What config.json builds, on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=False)).state_dict()
