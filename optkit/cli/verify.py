@@ -70,8 +70,6 @@ def verify(
 def _check_against_release(file: Path, json_output: bool) -> None:
     """A file that an optkit release's optkit.json (beside it) lists must have the sha256 listed
     there: exit 1 naming it when it does not. A file no manifest lists is left to the file's checks."""
-    from rich.markup import escape
-
     from optkit.artifacts import file_sha256
     from optkit.manifest import MANIFEST, confined_file, read_manifest
 
@@ -84,5 +82,5 @@ def _check_against_release(file: Path, json_output: bool) -> None:
     if json_output:
         print_json({"artifact": str(file), "problems": [problem], "ok": False})
     else:
-        console().print(f"[bold red]mismatch[/] {escape(problem)}")
+        console().print("[bold red]mismatch[/]", rich_text(problem))
     raise typer.Exit(1)

@@ -4,16 +4,17 @@ turns checks into a verdict). Field names are the recipe keys."""
 import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Thresholds(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_ppl_increase: float | None = None  # percent
-    max_kld: float | None = None  # mean KL divergence, nats
-    min_top1: float | None = None  # percent of tokens with the base's top token
-    min_recovery: float | None = None  # task accuracy of the artifact / of the base (needs a task)
+    # finite and in the metric's range: a recipe is someone else's file
+    max_ppl_increase: float | None = Field(default=None, gt=-100, allow_inf_nan=False)  # percent
+    max_kld: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # mean KL divergence, nats
+    min_top1: float | None = Field(default=None, ge=0, le=100, allow_inf_nan=False)  # percent keeping the top token
+    min_recovery: float | None = Field(default=None, ge=0, allow_inf_nan=False)  # task accuracy / the base's
 
     def any_set(self) -> bool:
         return any(getattr(self, name) is not None for name in RULES)

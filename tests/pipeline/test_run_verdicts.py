@@ -55,3 +55,16 @@ def test_an_inconclusive_gate_marks_the_release_inconclusive_and_exits_4(run_cli
     # the same recipe under the point rule: today's verdict
     code, out, _ = run_cli("run", recipe, "--set", "gate.decision=point", "--json")
     assert code == 0 and json.loads(out)["verdict"] == "released"
+
+
+def test_a_threshold_outside_its_metrics_range_is_one_line_before_any_work(run_cli, tmp_path, draft_dir):
+    """A recipe is someone else's file: -100% perplexity once reached log1p(-1) in --sequential (exit 3)."""
+    for gate, key in (
+        ({"max_ppl_increase": -100, "sequential": True}, "max_ppl_increase"),
+        ({"max_kld": -0.01}, "max_kld"),
+        ({"min_top1": 101}, "min_top1"),
+        ({"max_kld": float("nan")}, "max_kld"),
+    ):
+        code, out, err = run_cli("run", write(tmp_path, draft_dir, gate))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, (gate, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
