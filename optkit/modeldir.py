@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from optkit.artifacts import file_sha256
 from optkit.errors import OptkitError
 from optkit.hf_config import check_config
+from optkit.json_strict import read_json, read_object
 from optkit.manifest import MANIFEST, confined_file, read_manifest
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "zoo" / "models"
@@ -101,10 +102,7 @@ def weight_files(path: Path) -> list[Path]:
 def _indexed_shards(path: Path) -> list[str]:
     """The file names `model.safetensors.index.json`'s weight_map names, each once."""
     index = confined_file(path, INDEX)
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map") if index is not None else None
-    except (ValueError, AttributeError) as e:
-        raise OptkitError(f"{path / INDEX} is not valid JSON: repair or re-create it") from e
+    weight_map = read_object(index, "a shard index").get("weight_map") if index is not None else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise OptkitError(f'{path / INDEX}: "weight_map" must map tensor names to file names: repair or re-create it')
     return sorted(set(weight_map.values()))
@@ -129,16 +127,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 def read_config(path: Path) -> dict:
     """config.json as a dict whose sizes are all usable (hf_config.check_config), else one OptkitError."""
     file = path / "config.json"
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise OptkitError(f"{file} is not UTF-8 text (byte {e.start}): repair or re-create it") from e
-    except json.JSONDecodeError as e:
-        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it") from e
-    except RecursionError as e:
-        raise OptkitError(f"{file} is nested too deeply to be a model's config: repair or re-create it") from e
-    except ValueError as e:  # a number Python will not read: an int of more than 4,300 digits
-        raise OptkitError(f"{file} holds a number too long to read: repair or re-create it") from e
+    config = read_json(file, "a model's config")
     return check_config(config, str(file))
 
 
@@ -226,14 +215,7 @@ def _check_tokenizer_config(path: Path) -> None:
     file = path / TOKENIZER_CONFIG
     if not file.is_file():
         return
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, RecursionError) as e:
-        raise OptkitError(f"{file} is not a JSON object of tokenizer settings: repair or re-create it") from e
-    except json.JSONDecodeError as e:
-        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or re-create it") from e
-    if not isinstance(config, dict):
-        raise OptkitError(f"{file} holds no JSON object: repair or re-create it")
+    config = read_object(file, "tokenizer settings")
     for key, kind, name in (("tokenizer_class", str, "a class name"), ("auto_map", dict, "an object")):
         if config.get(key) is not None and not isinstance(config[key], kind):
             raise OptkitError(f"{file}: {key} is not {name}: repair or re-create it")
@@ -246,7 +228,7 @@ def _auto_map(path: Path) -> str:
     """The custom tokenizer classes tokenizer_config.json names, for an error line."""
     try:
         names = json.loads((path / TOKENIZER_CONFIG).read_text(encoding="utf-8")).get("auto_map")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         names = None
     text = repr(names)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -50,6 +50,8 @@ def test_auto_map_beside_a_shipped_tokenizer_class_loads_that_class(tmp_path, dr
     "content, fragment",
     [
         ("[1]", "holds no JSON object"),
+        ('{"model_max_length": 1' + "0" * 5000 + "}", "number too long"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         ("{bad", "not valid JSON"),
         ('{"tokenizer_class": 5}', "tokenizer_class"),
         ('{"tokenizer_class": "Evil", "auto_map": "evil_tokenizer.Evil"}', "auto_map"),
@@ -60,3 +62,25 @@ def test_a_malformed_tokenizer_config_is_one_line(tmp_path, draft_dir, run_cli, 
     shutil.copytree(draft_dir, model)
     (model / "tokenizer_config.json").write_text(content)
     assert_user_error(run_cli("generate", model, "hi", "--max-tokens", "2"), "tokenizer_config.json", fragment)
+
+
+@pytest.mark.parametrize(
+    "file, content, fragment",
+    [
+        ("generation_config.json", '{"eos_token_id": 1' + "0" * 5000 + "}", "number too long"),
+        ("model.safetensors.index.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ("tokenizer.json", '{"model": []}', "byte-level BPE"),
+    ],
+)
+def test_every_json_file_of_a_model_directory_is_one_line_however_it_is_broken(
+    tmp_path, draft_dir, run_cli, file, content, fragment
+):
+    model = tmp_path / "model"
+    shutil.copytree(draft_dir, model)
+    (model / file).write_text(content)
+    if file == "model.safetensors.index.json":
+        (model / "model.safetensors").unlink()  # a sharded checkpoint: the index says where the weights are
+    command = ("quantize", model, "--format", "gguf", "--group-size", "32", "--out", tmp_path / "m.gguf")
+    if file != "tokenizer.json":
+        command = ("generate", model, "hi", "--max-tokens", "2")
+    assert_user_error(run_cli(*command), file, fragment)

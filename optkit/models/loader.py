@@ -6,7 +6,6 @@ dequantized per matmul), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors o
 """
 
 import importlib
-import json
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from optkit.errors import OptkitError
+from optkit.json_strict import read_object
 from optkit.kernels import cpu_bf16
 from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.w4a16 import W4A16Linear
@@ -127,15 +127,7 @@ def _generation_config(path: Path) -> dict | None:
     file = path / "generation_config.json"
     if not file.exists():
         return None
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, RecursionError) as e:
-        raise OptkitError(f"{file} is not a JSON object of generation settings: repair or delete it") from e
-    except json.JSONDecodeError as e:
-        raise OptkitError(f"{file} is not valid JSON ({e.msg} at line {e.lineno}): repair or delete it") from e
-    if not isinstance(config, dict):
-        raise OptkitError(f"{file} holds no JSON object: repair or delete it")
-    return config
+    return read_object(file, "generation settings", "repair or delete it")
 
 
 def _install_quantized(

@@ -41,6 +41,7 @@ import torch
 from optkit import cache
 from optkit.cache import check_private, make_private_dirs
 from optkit.errors import OptkitError
+from optkit.json_strict import read_object
 
 log = logging.getLogger(__name__)
 
@@ -120,12 +121,7 @@ def load_cache(directory: Path, device: str = "cpu") -> dict | None:
     path = directory / MANIFEST
     if not path.is_file():
         return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OptkitError(f"{path} is not valid JSON ({e}): delete it and re-run optkit compile") from e
-    if not isinstance(manifest, dict):
-        raise OptkitError(f"{path} is not a warm-up record: delete it and re-run optkit compile")
+    manifest = read_object(path, "a warm-up record", "delete it and re-run optkit compile")
     manifest["loaded_artifacts"] = False
     blob = directory / TORCH_CACHE
     if manifest.get("torch_compile") and device.startswith("cuda") and blob.is_file():

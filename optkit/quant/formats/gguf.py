@@ -13,7 +13,6 @@ temporary name and renamed into place. llama.cpp runs the file (`runtime`); `rea
 as a Hugging Face config and a dequantized state dict for optkit's own runtime and the tests.
 """
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
-from optkit.json_strict import dumps
+from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
 from optkit.quant.formats.common import dequantize_layers
 from optkit.weights import gguf_blocks
@@ -89,7 +88,7 @@ def check_model(config: dict, model_dir: Path) -> None:
         )
     tokenizer_json = model_dir / "tokenizer.json"
     if tokenizer_json.is_file():
-        meta.pre_tokenizer(json.loads(tokenizer_json.read_text(encoding="utf-8")), tokenizer_json)
+        meta.pre_tokenizer(read_object(tokenizer_json, "a tokenizer"), tokenizer_json)
 
 
 def constrain(scheme: WeightScheme) -> StoredScheme:

@@ -3,13 +3,13 @@ writes besides the tensors, for the families both support: the architecture's hy
 tensor names, Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat
 template. Read from config.json and the tokenizer files (JSON only; nothing is executed)."""
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
 from optkit.errors import OptkitError
+from optkit.json_strict import read_object
 
 # model_type -> GGUF architecture (Mistral converts as Llama)
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -177,8 +177,9 @@ def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     file = model_dir / "tokenizer.json"
     if not file.is_file():
         raise OptkitError(f"{model_dir} has no tokenizer.json: --format gguf needs a byte-level BPE tokenizer")
-    tokenizer_json = json.loads(file.read_text(encoding="utf-8"))
-    if tokenizer_json.get("model", {}).get("type") != "BPE" or tokenizer_json["model"].get("byte_fallback"):
+    tokenizer_json = read_object(file, "a tokenizer")
+    model = tokenizer_json.get("model")
+    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
         raise OptkitError(
             f"{file}: --format gguf writes byte-level BPE tokenizers (GPT-2, Llama 3, Qwen); a SentencePiece-style "
             "vocabulary is not written yet: use --format compressed-tensors"
