@@ -14,7 +14,7 @@ import time
 
 import regex
 
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown
 
 MAX_PATTERN_CHARS = 4096
 SHOWN_CHARS = 60  # of a pattern, in a message
@@ -27,12 +27,6 @@ class RegexTimeout(OptkitError):
     """A match ran past its budget: the pattern is shown, truncated."""
 
 
-def shown(value: object) -> str:
-    """repr(value) for a message, at most SHOWN_CHARS long (repr escapes control characters)."""
-    text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 1] + "…"
-
-
 def compile_untrusted(pattern: object, source: str) -> regex.Pattern:
     """`pattern` compiled; OptkitError naming `source` (the file and key it came from) when it is
     not a string, is longer than MAX_PATTERN_CHARS or does not compile."""
@@ -40,13 +34,14 @@ def compile_untrusted(pattern: object, source: str) -> regex.Pattern:
         raise OptkitError(f"{source}: a regular expression must be a string, not {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise OptkitError(
-            f"{source}: the regular expression {shown(pattern)} is {len(pattern)} characters long, "
+            f"{source}: the regular expression {shown(pattern, SHOWN_CHARS)} is {len(pattern)} characters long, "
             f"over {MAX_PATTERN_CHARS}: shorten it"
         )
     try:
         return regex.compile(pattern, flags=regex.VERSION0)  # VERSION0: `re`'s semantics
     except (regex.error, ValueError, OverflowError, RecursionError) as e:
-        raise OptkitError(f"{source}: the regular expression {shown(pattern)} does not compile ({e}): fix it") from None
+        shown_pattern = shown(pattern, SHOWN_CHARS)
+        raise OptkitError(f"{source}: the regular expression {shown_pattern} does not compile ({e}): fix it") from None
 
 
 class RegexBudget:
@@ -72,8 +67,8 @@ class RegexBudget:
             return method(text, timeout=remaining) is not None
         except TimeoutError:
             raise RegexTimeout(
-                f"{self.source}: the regular expression {shown(pattern.pattern)} took over {self.seconds:g} s "
-                "to match (it backtracks without end): rewrite it without nested repetition"
+                f"{self.source}: the regular expression {shown(pattern.pattern, SHOWN_CHARS)} took over "
+                f"{self.seconds:g} s to match (it backtracks without end): rewrite it without nested repetition"
             ) from None
 
 

@@ -79,7 +79,7 @@ def describe_failure(e: Exception) -> tuple[str, int]:
         return f"a JSON file is not valid JSON ({e.msg} at {where}): OPTKIT_DEBUG=1 shows which; re-create it", 2
     if isinstance(e, SafetensorError):
         return f"a safetensors file is truncated or corrupt ({e}): OPTKIT_DEBUG=1 shows which; re-create it", 2
-    return f"internal error ({type(e).__name__}: {e}); please report it with the traceback above", 3
+    return f"internal error ({type(e).__name__}: {shorten(str(e), 500)}); please report it with the traceback above", 3
 
 
 def main() -> None:

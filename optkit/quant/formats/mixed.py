@@ -18,10 +18,10 @@ import regex
 import torch
 from pydantic import ValidationError
 
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown
 from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.ladder import FULL_PRECISION, Rung, nominal_bits
-from optkit.untrusted_regex import RegexBudget, compile_untrusted, shown
+from optkit.untrusted_regex import RegexBudget, compile_untrusted
 from optkit.weights.schemes import WeightScheme
 
 # shards that vLLM loads as one fused module -> the fused module's name
