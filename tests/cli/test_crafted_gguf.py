@@ -271,3 +271,15 @@ def test_llama_cpp_aborting_on_a_file_ends_only_its_child(tmp_path):
     done = _bounded_run(["verify", str(path)], limit_bytes=4 << 30)
     _one_line_refusal(done.returncode, done.stdout, done.stderr, path)
     assert "llama.block_count is 0" in done.stderr
+
+
+def test_the_headers_arrays_together_are_bounded_not_only_each_one(tmp_path):
+    """Each array under its own bound, and each item in the file: many of them still add up."""
+    import struct
+
+    u8_array = struct.pack("<IIQ", g.ARRAY, 0, 1_500_000) + bytes(1_500_000)
+    path = tmp_path / "arrays.gguf"
+    _changed(**{f"optkit__filler{i}": u8_array for i in range(3)}).write(path)
+    done = _bounded_run(["inspect", str(path)])
+    assert done.returncode == 2 and "array items in all (at most 4,194,304)" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -38,6 +38,9 @@ INTEGERS = frozenset((0, 1, 2, 3, 4, 5, 10, 11))
 MAX_KEYS = 1 << 16
 MAX_TENSORS = 1 << 20
 MAX_ITEMS = 1 << 24
+# array items over the whole header: a 262k vocabulary's tokens, scores, types and merges are ~1.3M;
+# each string costs ~60 bytes of memory for ~10 of file, so a count bounded by the file alone is not enough
+MAX_HEADER_ITEMS = 1 << 22
 MAX_STRING = 1 << 24
 SMALLEST_KV = 8 + 4 + 1  # key length, value type, a u8
 SMALLEST_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
@@ -93,6 +96,7 @@ class _Cursor:
     def __init__(self, data, path: Path):
         self.data, self.pos, self.path = data, 0, path
         self.where = "the header"
+        self.items = 0  # array items read so far, against MAX_HEADER_ITEMS
 
     def fail(self, what: str) -> OptkitError:
         return OptkitError(f"{self.path}: {what} in {self.where}: the header is corrupted")
@@ -118,6 +122,10 @@ class _Cursor:
         n = self.unpack("Q")
         if n > limit:
             raise self.fail(f"{what} {n:,} (at most {limit:,})")
+        if limit == MAX_ITEMS:  # an array: the header's items together are bounded too
+            self.items += n
+            if self.items > MAX_HEADER_ITEMS:
+                raise self.fail(f"{self.items:,} array items in all (at most {MAX_HEADER_ITEMS:,})")
         if self.pos + n * smallest > len(self.data):
             raise self.truncated(self.pos + n * smallest)
         return n
