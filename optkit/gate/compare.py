@@ -11,7 +11,8 @@ artifacts' values staying together in every resample:
                                                                   difference of their increases)
 The p-value tests "no difference" (0 on each scale) two-sided by the same bootstrap-t, so that it
 is below 1 − confidence exactly when the interval leaves 0 out:
-  p = 2 min(P*(t* ≥ t₀), P*(t* ≤ t₀)),  t₀ = θ̂ / ŝe,  with one added to each count (never 0).
+  p = P*(|t*| ≥ |t₀|),  t₀ = θ̂ / ŝe,  with one added to the count (never 0): the symmetric
+  bootstrap-t test, as the interval is symmetric.
 Task questions: the accuracy difference a − b per question with its bootstrap-t interval, and
 McNemar's exact test (McNemar 1947): under "equally good" the questions only one of the two gets
 right split 50:50, so with n₁₀ (A right, B wrong) and n₀₁ (the reverse)
@@ -59,10 +60,8 @@ def bootstrap_p_value(estimate: float, se: float, t_star: torch.Tensor) -> float
     """Two-sided bootstrap-t p-value of "θ = 0" (module doc); t_star [B]."""
     if se <= 0:
         return 1.0 if estimate == 0 else 0.0
-    t0 = estimate / se
-    b = t_star.numel()
-    above, below = (t_star >= t0).sum().item() + 1, (t_star <= t0).sum().item() + 1
-    return min(1.0, 2 * min(above, below) / (b + 1))
+    t0 = abs(estimate / se)  # symmetric, as the interval: p < 1 − confidence ⟺ 0 lies outside it
+    return min(1.0, ((t_star.abs() >= t0).sum().item() + 1) / (t_star.numel() + 1))
 
 
 def mcnemar_exact(a_correct: torch.Tensor, b_correct: torch.Tensor) -> float:

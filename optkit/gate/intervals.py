@@ -81,6 +81,21 @@ class RatioBootstrap:
             theta = min(theta, self.estimate - shift) if level < 0.5 else max(theta, self.estimate + shift)
         return self._clamped(theta)
 
+    def symmetric(self, confidence: float) -> tuple[float, float]:
+        """Two-sided interval θ̂ ± q·ŝe, q the `confidence`-quantile of |t*|: the symmetric
+        bootstrap-t, whose coverage error is O(n⁻²) against the equal-tailed interval's O(n⁻¹)
+        (Hall 1988); on a few skewed windows the equal-tailed one misses on its short side."""
+        if self.se <= 0.0 or self.units < 2:
+            return self._without_spread((1.0 - confidence) / 2.0), self._without_spread((1.0 + confidence) / 2.0)
+        magnitudes = self.t_star.abs().sort().values
+        index = min(max(math.ceil(confidence * magnitudes.numel()) - 1, 0), magnitudes.numel() - 1)
+        shift = magnitudes[index].item() * self.se
+        low, high = self.estimate - shift, self.estimate + shift
+        if self.unseen > 0.0:  # as for the one-sided bounds: never tighter than with nothing seen
+            unseen = self._unseen_shift((1.0 - confidence) / 2.0)
+            low, high = min(low, self.estimate - unseen), max(high, self.estimate + unseen)
+        return self._clamped(low), self._clamped(high)
+
     def _clamped(self, theta: float) -> float:
         return self.transform(min(max(theta, self.floor), self.ceiling))
 
@@ -124,9 +139,8 @@ class Bootstrap:
         return self.metrics[metric].quantile(alpha)
 
     def interval(self, metric: str, confidence: float = CONFIDENCE) -> tuple[float, float]:
-        """Two-sided interval: (1 − confidence) / 2 of the probability beyond each end."""
-        tail = (1.0 - confidence) / 2.0
-        return self.lower(metric, tail), self.upper(metric, tail)
+        """The two-sided interval shown (symmetric bootstrap-t); decisions use the one-sided bounds."""
+        return self.metrics[metric].symmetric(confidence)
 
     def to_json(self, confidence: float = CONFIDENCE) -> dict:
         intervals = {}
@@ -135,7 +149,7 @@ class Bootstrap:
             intervals[metric] = {"low": low, "high": high, "units": self.units(metric)}
         return {
             "confidence": confidence,
-            "method": f"paired bootstrap-t, {self.resamples} resamples, seed {self.seed}",
+            "method": f"paired symmetric bootstrap-t, {self.resamples} resamples, seed {self.seed}",
             "metrics": intervals,
         }
 
