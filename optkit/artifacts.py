@@ -239,8 +239,7 @@ def atomic_output_dir(
     check_output_dir(out, overwrite, what, own_files)
     tmp = _owned_temporary(out, what)
     try:
-        umask = os.umask(0)
-        os.umask(umask)
+        umask = current_umask()
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result should not be
         yield tmp
         (tmp / OWNER).unlink()
@@ -251,6 +250,13 @@ def atomic_output_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: put straight back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def replace_dir(source: Path, out: Path, what: str = "--out", own_files: frozenset[str] = frozenset()) -> None:

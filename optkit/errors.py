@@ -27,3 +27,8 @@ def shorten(text: str, limit: int = MAX_VALUE_CHARS) -> str:
 def shown(value: object, limit: int = MAX_VALUE_CHARS) -> str:
     """repr(value), shortened for an error line."""
     return shorten(repr(value), limit)
+
+
+def shown_shape(tensor) -> str:
+    """A tensor's (or array's) shape for an error line: [128, 384]."""
+    return "[" + ", ".join(map(str, tensor.shape)) + "]"

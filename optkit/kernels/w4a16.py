@@ -28,7 +28,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown_shape
 from optkit.kernels import cpu_int4, cpu_w4a8
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 from optkit.weights.packing import field_bits, pack_int32, unpack_int32
@@ -87,26 +87,22 @@ def check_layer_tensors(
     """An OptkitError naming the tensor unless they agree: every kernel (Triton's takes N from
     scale.shape[0]) reads qweight, zero_point and bias by the scales' shape without checking it."""
     if not 1 <= bits <= 8 or in_features < 1 or scale.dim() != 2 or min(scale.shape) < 1:
-        raise OptkitError(f"w{bits} scales {_shape(scale)} for {in_features} inputs: not a quantized linear")
+        raise OptkitError(f"w{bits} scales {shown_shape(scale)} for {in_features} inputs: not a quantized linear")
     out_features, groups = scale.shape
     width = field_bits(bits)
     packed = (out_features, in_features if width == 8 else -(-in_features // (32 // width)))
     if tuple(qweight.shape) != packed:
-        raise OptkitError(f"qweight is {_shape(qweight)}, but the scales and inputs make it {list(packed)}")
+        raise OptkitError(f"qweight is {shown_shape(qweight)}, but the scales and inputs make it {list(packed)}")
     if zero_point.shape != scale.shape:
-        raise OptkitError(f"zero_point is {_shape(zero_point)}, the scales {_shape(scale)}")
+        raise OptkitError(f"zero_point is {shown_shape(zero_point)}, the scales {shown_shape(scale)}")
     if g_idx is None and in_features % groups:
         raise OptkitError(f"{in_features} inputs are not {groups} whole groups (the scales' columns)")
     if g_idx is not None and g_idx.shape != (in_features,):
-        raise OptkitError(f"g_idx is {_shape(g_idx)}, not one group per each of {in_features} inputs")
+        raise OptkitError(f"g_idx is {shown_shape(g_idx)}, not one group per each of {in_features} inputs")
     if g_idx is not None and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
         raise OptkitError(f"g_idx names groups outside the scales' {groups}")
     if bias is not None and bias.shape != (out_features,):
-        raise OptkitError(f"bias is {_shape(bias)}, the layer has {out_features} outputs")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(map(str, t.shape)) + "]"
+        raise OptkitError(f"bias is {shown_shape(bias)}, the layer has {out_features} outputs")
 
 
 class W4A16Linear(torch.nn.Module):

@@ -12,7 +12,7 @@ with the scales and bias in its epilogue) when triton imports and no `int_mm` is
 
 import torch
 
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown_shape
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 INT8_MAX = 127
@@ -80,21 +80,17 @@ def check_scaled_linear(
     """The weight scales as float32 [out] (one per-tensor scale repeated), after checking that the
     tensors of an int8 or FP8 linear agree; an OptkitError naming the tensor otherwise."""
     if weight.dtype != dtype or weight.dim() != 2 or min(weight.shape) < 1:
-        raise OptkitError(f"weight is {weight.dtype} {_shape(weight)}: a {dtype} [out, in] matrix was expected")
+        raise OptkitError(f"weight is {weight.dtype} {shown_shape(weight)}: a {dtype} [out, in] matrix was expected")
     out_features = weight.shape[0]
     if weight_scale.numel() not in (1, out_features):
         raise OptkitError(
-            f"weight_scale is {_shape(weight_scale)}: give one scale, or one for each of {out_features} outputs"
+            f"weight_scale is {shown_shape(weight_scale)}: give one scale, or one for each of {out_features} outputs"
         )
     if bias is not None and bias.numel() != out_features:
-        raise OptkitError(f"bias is {_shape(bias)}, the layer has {out_features} outputs")
+        raise OptkitError(f"bias is {shown_shape(bias)}, the layer has {out_features} outputs")
     if input_scale is not None and input_scale.numel() != 1:
-        raise OptkitError(f"input_scale is {_shape(input_scale)}: a static input scale is one value")
+        raise OptkitError(f"input_scale is {shown_shape(input_scale)}: a static input scale is one value")
     return weight_scale.reshape(-1).float().expand(out_features).contiguous()
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(map(str, t.shape)) + "]"
 
 
 class W8A8Linear(torch.nn.Module):

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from optkit.errors import OptkitError
+from optkit.errors import OptkitError, shown_shape
 from optkit.weights.quantized import QuantizedWeight
 
 
@@ -46,18 +46,18 @@ def layer_problem(qw: QuantizedWeight) -> str:
     """What in a quantized weight's tensors disagrees ("" when nothing): q [out, in], scale and
     zero_point [out, G], G dividing in (or g_idx [in] naming groups below G)."""
     if qw.q.dim() != 2 or min(qw.q.shape) < 1:
-        return f"the weight is {_shape(qw.q)}, not [out, in]"
+        return f"the weight is {shown_shape(qw.q)}, not [out, in]"
     out, inp = qw.q.shape
     if qw.scale.dim() != 2 or qw.scale.shape[0] != out or qw.scale.shape[1] < 1:
-        return f"the scales are {_shape(qw.scale)} for a weight of {out} outputs (one row of scales each)"
+        return f"the scales are {shown_shape(qw.scale)} for a weight of {out} outputs (one row of scales each)"
     groups = qw.scale.shape[1]
     if qw.zero_point.shape != qw.scale.shape:
-        return f"the zero points are {_shape(qw.zero_point)}, the scales {_shape(qw.scale)}"
+        return f"the zero points are {shown_shape(qw.zero_point)}, the scales {shown_shape(qw.scale)}"
     if qw.g_idx is None:
         if inp % groups:
             return f"{inp} input columns are not {groups} whole groups (the scales' columns)"
     elif qw.g_idx.dim() != 1 or qw.g_idx.numel() != inp:
-        return f"g_idx is {_shape(qw.g_idx)}, not one group per each of {inp} input columns"
+        return f"g_idx is {shown_shape(qw.g_idx)}, not one group per each of {inp} input columns"
     elif int(qw.g_idx.min()) < 0 or int(qw.g_idx.max()) >= groups:
         return f"g_idx names groups outside the scales' {groups}"
     return ""
@@ -70,10 +70,6 @@ def check_tensor_shapes(state: dict[str, torch.Tensor], expected: dict[str, torc
         target = expected.get(key)
         if target is not None and tensor.shape != target.shape:
             raise OptkitError(
-                f"{where}: {key} is {_shape(tensor)} in the checkpoint but {_shape(target)} by config.json: "
+                f"{where}: {key} is {shown_shape(tensor)} in the checkpoint but {shown_shape(target)} by config.json: "
                 "check config.json against the checkpoint"
             )
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(map(str, t.shape)) + "]"

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
@@ -222,9 +223,7 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         for _, key, hf, raw in plan:
             writer.write_tensor_data(np.ascontiguousarray(array(key, hf, raw)[0]))
         writer.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's file is private; a release is for sharing
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private; a release is for sharing
         os.replace(tmp, out)
     except BaseException:
         writer.close()
