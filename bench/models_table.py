@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compat_matrix import ROOT, run_tests  # noqa: E402  (the one mechanism: same tests, same results)
 
 from optkit.compat import matrix  # noqa: E402
-from optkit.quant.families import family_for  # noqa: E402
+from optkit.families import family_for  # noqa: E402
 
 TEMPLATE = ROOT / "docs" / "models.template.md"
 FAMILY_ROW = " (tiny, random)"

@@ -44,7 +44,7 @@ from optkit.errors import OptkitError
 from optkit.manifest import read_manifest
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
 from optkit.quant.ladder import Rung, layer_bytes

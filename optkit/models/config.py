@@ -15,9 +15,9 @@ from optkit.errors import OptkitError
 from optkit.hf_config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, check_config
 from optkit.models.moe import DENSE_TWINS, MoEConfig, dense_twin, moe_fields
 from optkit.models.rope import DEFAULT_THETA, rope_frequencies, standardize_rope
-from optkit.quant.families import model_types
+from optkit.families import model_types
 
-MODEL_TYPES = model_types(runtime=True)  # the families of quant/families/ that this runtime runs
+MODEL_TYPES = model_types(runtime=True)  # the families of families/ that this runtime runs
 # transformers' defaults, for keys a config.json may leave out
 _DEFAULT_MAX_POSITIONS = {
     "llama": 2048,

@@ -21,7 +21,7 @@ from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify
 from optkit.models.config import ModelConfig
 from optkit.models.fusion import fuse_projections
 from optkit.models.llama import CausalLM
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.formats.common import check_tensor_shapes, read_checked
 
 # tensors a checkpoint may carry that the runtime recomputes
@@ -118,7 +118,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
 
 
 def _runtime_class(model_type: str) -> type[CausalLM]:
-    """The runtime model its family names (quant/families/), e.g. optkit.models.llama:CausalLM."""
+    """The runtime model its family names (families/), e.g. optkit.models.llama:CausalLM."""
     module, _, name = family_for(model_type).runtime.partition(":")
     return getattr(importlib.import_module(module), name)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.moe import SwiGLUExpert, moe_dims, route
 
 
@@ -35,7 +35,7 @@ class MoEConfig:
 
 
 def moe_config(config: dict) -> MoEConfig | None:
-    """The MoE fields of config.json, as the model type's family (quant/families/) reads them."""
+    """The MoE fields of config.json, as the model type's family (families/) reads them."""
     layout = family_for(config.get("model_type")).moe
     if layout is None:
         return None

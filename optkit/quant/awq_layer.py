@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict
 
 from optkit.quant import awq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
-from optkit.quant.families import expand_smoothing_groups, log_unsmoothable
-from optkit.quant.families.llama import LLAMA
+from optkit.families import expand_smoothing_groups, log_unsmoothable
+from optkit.families.llama import LLAMA
 from optkit.quant.procedures import (
     SCALE_DTYPE,
     block_error,
@@ -43,7 +43,7 @@ class AWQOptions(BaseModel):
 
 
 # (operation whose output channels absorb 1/s, linears scaled by s, block whose output is compared):
-# the family's smoothing groups (quant/families/); these are Llama's
+# the family's smoothing groups (families/); these are Llama's
 AWQ_GROUPS = LLAMA.smoothing_groups
 BLOCKS = ("self_attn.", "mlp.")  # scale, then quantize, one block after the other
 QK = ("self_attn.q_proj", "self_attn.k_proj")  # AutoAWQ does not clip them: their errors meet in q·kᵀ

@@ -19,7 +19,7 @@ import torch
 from optkit.errors import OptkitError
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
-from optkit.quant.families import Family, expand_group, family_for
+from optkit.families import Family, expand_group, family_for
 from optkit.quant.gptq import accumulate_hessian, empty_hessian
 from optkit.quant.moe import (
     calibration_modules,
@@ -133,7 +133,7 @@ class LayerWork:
     report: Callable[[str, dict], None]  # called once per quantized linear with its stats
     # modules whose full-precision parameters the method changed (AWQ folds scales into norms)
     updated: dict[str, torch.nn.Module] = field(default_factory=dict)
-    # the model's family (quant/families/): true-sequential order, smoothing groups
+    # the model's family (families/): true-sequential order, smoothing groups
     family: Family = field(default_factory=lambda: family_for("llama"))
     # experts' linears: the fewest calibration tokens their statistics may come from (else RTN)
     min_tokens: dict[str, int] = field(default_factory=dict)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optkit.quant.families import Family, MoELayout, expand_group, family_for
+from optkit.families import Family, MoELayout, expand_group, family_for
 
 MOE_CALIBRATION = ("all", "routed")
 # what the manifest's calibration record says of each mode's token weights (expert_token_weights)

@@ -1,6 +1,6 @@
 """`optkit quantize MODEL --dry-run`: what the pipeline would do, from config.json and the safetensors
 headers alone (no tensor is read, no model runs): the family, every linear to quantize grouped as
-the layer-by-layer pipeline takes them (the family's true-sequential groups, quant/families/), what
+the layer-by-layer pipeline takes them (the family's true-sequential groups, families/), what
 stays in full precision and why, the artifact's expected size and the pipeline's expected peak memory.
 
 The linears, the gates and what lies outside the decoder come from the functions quantize_model uses
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from optkit.errors import OptkitError
 from optkit.modeldir import weight_files
-from optkit.quant.families import Family, family_for
+from optkit.families import Family, family_for
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 _HEADER_BYTES = 200  # a safetensors header entry: name, dtype, shape, offsets (JSON)

@@ -13,8 +13,8 @@ from optkit.kernels.w8a8 import INT8_MAX
 from optkit.quant import fp8
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
-from optkit.quant.families import log_unsmoothable
-from optkit.quant.families.llama import LLAMA
+from optkit.families import log_unsmoothable
+from optkit.families.llama import LLAMA
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
 from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, sample_errors, set_quantized
 from optkit.quant.rtn import rtn_quantize, weight_error
@@ -50,7 +50,7 @@ class SmoothQuantOptions(BaseModel):
 
 
 # (norm whose output channels absorb 1/s, linears it feeds, block whose output "auto" compares):
-# the family's norm-fed smoothing groups (quant/families/); these are Llama's
+# the family's norm-fed smoothing groups (families/); these are Llama's
 SMOOTHING_GROUPS = LLAMA.norm_groups
 
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from optkit.errors import OptkitError
-from optkit.quant.families import family_for, model_types
+from optkit.families import family_for, model_types
 
 # where modeldir.resolve_model_dir finds the reference models by name (modeldir imports torch)
 _BUNDLED_DIR = Path(__file__).resolve().parents[1] / "zoo" / "models"

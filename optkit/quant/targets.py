@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from optkit.errors import OptkitError
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.moe import unfuse_experts
 
 

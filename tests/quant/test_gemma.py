@@ -1,4 +1,4 @@
-"""Gemma 2, Gemma 3 and the multimodal Gemma 3 (quant/families/gemma.py) through every method, verify
+"""Gemma 2, Gemma 3 and the multimodal Gemma 3 (families/gemma.py) through every method, verify
 and the runtime, on tiny random models whose windows, soft-caps and (1 + w) norms bind
 (tests/tiny_families.py). Quality is measured on held-out text (calibration is on `calib`)."""
 
@@ -11,7 +11,7 @@ import torch
 from optkit.gate.metrics import full_kld
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme

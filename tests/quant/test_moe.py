@@ -1,4 +1,4 @@
-"""Mixture-of-experts quantization (quant/moe.py, quant/families/mixtral.py and qwen_moe.py) on tiny
+"""Mixture-of-experts quantization (quant/moe.py, families/mixtral.py and qwen_moe.py) on tiny
 random Mixtral, Qwen2-MoE (shared expert, one dense layer) and Qwen3-MoE models."""
 
 import json
@@ -141,7 +141,7 @@ class _MoELayer(torch.nn.Module):
     """A decoder layer that is only a Mixtral MoE block (what LayerWork runs)."""
 
     def __init__(self, mode: str, top_k: int):
-        from optkit.quant.families.mixtral import MIXTRAL
+        from optkit.families.mixtral import MIXTRAL
         from optkit.quant.moe import CalibrationMoE
 
         super().__init__()

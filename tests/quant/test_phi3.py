@@ -1,4 +1,4 @@
-"""Phi-3 (quant/families/phi3.py) through every method: each artifact quantizes, passes `optkit
+"""Phi-3 (families/phi3.py) through every method: each artifact quantizes, passes `optkit
 verify --load transformers` (transformers' logits equal the runtime's on it, with prompts past
 LongRoPE's original context), and keeps the quality each method promises against its own base."""
 
@@ -11,7 +11,7 @@ from optkit.compat.transformers_load import check_transformers_load, sample_sequ
 from optkit.gate.metrics import full_kld
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
@@ -186,7 +186,7 @@ def test_smoothquant_is_no_worse_than_plain_w8a8_without_outliers(base, artifact
 
 
 def test_awq_and_smoothquant_say_which_groups_they_cannot_smooth(base, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="optkit.quant.families"):
+    with caplog.at_level(logging.WARNING, logger="optkit.families"):
         quantize_model(base, tmp_path / "sq", QuantizeOptions(**ARTIFACTS["smoothquant-w8a8"]))
     lines = [r.getMessage() for r in caplog.records if "unsmoothed" in r.getMessage()]
     assert lines == [

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from optkit.quant.plugins import import_once
+from optkit.plugins import import_once
 from optkit.weights.schemes import WeightScheme
 
 # options (the whole QuantizeOptions), the stage that follows a smoothing stage (or None) -> procedure

@@ -1,4 +1,4 @@
-"""Granite 3 and OLMo 2 (quant/families/) through quantize, verify and the runtime, on tiny random
+"""Granite 3 and OLMo 2 (families/) through quantize, verify and the runtime, on tiny random
 models whose multipliers and norms bind (tests/tiny_families.py)."""
 
 import logging
@@ -8,7 +8,7 @@ import torch
 
 from optkit.gate.metrics import full_kld
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.families import family_for
+from optkit.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills
@@ -94,7 +94,7 @@ def test_olmo2_awq_says_which_groups_it_cannot_smooth(tmp_path, family_model, ca
         calibration=CALIB,
         awq=AWQOptions(grid=4, clip_steps=4),
     )
-    with caplog.at_level(logging.WARNING, logger="optkit.quant.families"):
+    with caplog.at_level(logging.WARNING, logger="optkit.families"):
         quantize_model(family_model("olmo2"), tmp_path / "awq", options)
     lines = [r.getMessage() for r in caplog.records if "unsmoothed" in r.getMessage()]
     assert lines == [

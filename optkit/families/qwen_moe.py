@@ -8,9 +8,9 @@ dense MLP (`mlp.gate_proj/up_proj/down_proj`), quantized and smoothed as Llama's
 
 from dataclasses import replace
 
-from optkit.quant.families import Family, MoELayout, register_family
-from optkit.quant.families.llama import LLAMA_LAYOUT
-from optkit.quant.families.mixtral import ROUTED_NORM
+from optkit.families import Family, MoELayout, register_family
+from optkit.families.llama import LLAMA_LAYOUT
+from optkit.families.mixtral import ROUTED_NORM
 
 
 def _is_sparse(config: dict, index: int) -> bool:

@@ -1,6 +1,6 @@
 """Llama and the families that share its decoder layer names: Mistral, Qwen2, Qwen3."""
 
-from optkit.quant.families import Family, register_family
+from optkit.families import Family, register_family
 
 # Defined before it is registered: registering imports the other built-in families, and granite.py
 # takes this layout from here while this module is still being imported.

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optkit.quant.plugins import import_once
+from optkit.plugins import import_once
 
 # (module whose output channels absorb 1/s, linears scaled by s, block whose output is compared)
 SmoothingGroup = tuple[str, tuple[str, ...], str]

@@ -18,8 +18,8 @@ quantizes and serves the language model only; the vision tower and projector are
 artifact in full precision and the runtime leaves them out (text in, text out).
 """
 
-from optkit.quant.families import Family, register_family
-from optkit.quant.families.llama import LLAMA_LAYOUT
+from optkit.families import Family, register_family
+from optkit.families.llama import LLAMA_LAYOUT
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")

@@ -6,8 +6,8 @@ linears (post_attention_layernorm normalizes the attention's output, not the MLP
 up → down remain (v → o only where v's width equals o's input, without grouped-query attention).
 """
 
-from optkit.quant.families import Family, register_family
-from optkit.quant.families.llama import LLAMA_LAYOUT
+from optkit.families import Family, register_family
+from optkit.families.llama import LLAMA_LAYOUT
 
 _NO_NORM = "OLMo 2 has no norm on the sublayer's input to fold a scale into"
 

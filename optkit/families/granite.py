@@ -3,8 +3,8 @@ multipliers (config fields; the runtime reads them in models/config.py)."""
 
 from dataclasses import replace
 
-from optkit.quant.families import register_family
-from optkit.quant.families.llama import LLAMA_LAYOUT
+from optkit.families import register_family
+from optkit.families.llama import LLAMA_LAYOUT
 
 GRANITE = register_family(
     replace(

@@ -10,7 +10,7 @@ whole output (fold_scale); without grouped-query attention the v rows and o's in
 with it (Phi-3 medium, Phi-4 mini) they do not.
 """
 
-from optkit.quant.families import Family, register_family
+from optkit.families import Family, register_family
 
 _FUSED = "its input comes from the {} rows of the fused {}, which take no scale of their own"
 
