@@ -41,10 +41,10 @@ from optkit.data.eval_sets import load_text_set
 from optkit.data.holdout import sampled_starts, uncovered_windows
 from optkit.data.packing import tokenize_stream
 from optkit.errors import OptkitError
+from optkit.families import family_for
 from optkit.manifest import read_manifest
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
-from optkit.families import family_for
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
 from optkit.quant.ladder import Rung, layer_bytes

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families import model_types
 from optkit.hf_config import MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, check_config
 from optkit.models.moe import DENSE_TWINS, MoEConfig, dense_twin, moe_fields
 from optkit.models.rope import DEFAULT_THETA, rope_frequencies, standardize_rope
-from optkit.families import model_types
 
 MODEL_TYPES = model_types(runtime=True)  # the families of families/ that this runtime runs
 # transformers' defaults, for keys a config.json may leave out

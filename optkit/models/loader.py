@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from optkit.errors import OptkitError
+from optkit.families import family_for
 from optkit.json_strict import read_object
 from optkit.kernels import cpu_bf16
 from optkit.kernels.nf4 import NF4Linear
@@ -21,7 +22,6 @@ from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify
 from optkit.models.config import ModelConfig
 from optkit.models.fusion import fuse_projections
 from optkit.models.llama import CausalLM
-from optkit.families import family_for
 from optkit.quant.formats.common import check_tensor_shapes, read_checked
 
 # tensors a checkpoint may carry that the runtime recomputes

@@ -6,10 +6,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from optkit.quant import awq
-from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
 from optkit.families import expand_smoothing_groups, log_unsmoothable
 from optkit.families.llama import LLAMA
+from optkit.quant import awq
+from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_inputs, sequential_groups
 from optkit.quant.procedures import (
     SCALE_DTYPE,
     block_error,

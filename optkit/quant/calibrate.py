@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families import Family, expand_group, family_for
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
-from optkit.families import Family, expand_group, family_for
 from optkit.quant.gptq import accumulate_hessian, empty_hessian
 from optkit.quant.moe import (
     calibration_modules,

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from optkit.errors import OptkitError
-from optkit.modeldir import weight_files
 from optkit.families import Family, family_for
+from optkit.modeldir import weight_files
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 _HEADER_BYTES = 200  # a safetensors header entry: name, dtype, shape, offsets (JSON)

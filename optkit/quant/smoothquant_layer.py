@@ -8,13 +8,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from optkit.families import log_unsmoothable
+from optkit.families.llama import LLAMA
 from optkit.kernels import fp8 as fp8_kernels
 from optkit.kernels.w8a8 import INT8_MAX
 from optkit.quant import fp8
 from optkit.quant import smoothquant as sq
 from optkit.quant.calibrate import LayerProcedure, LayerWork, capture_hessians, capture_inputs, sequential_groups
-from optkit.families import log_unsmoothable
-from optkit.families.llama import LLAMA
 from optkit.quant.gptq import GPTQOptions, gptq_quantize
 from optkit.quant.procedures import SCALE_DTYPE, block_output, fold_scale, sample_errors, set_quantized
 from optkit.quant.rtn import rtn_quantize, weight_error

@@ -6,9 +6,9 @@ import logging
 import pytest
 import torch
 
+from optkit.families import family_for
 from optkit.gate.metrics import full_kld
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills

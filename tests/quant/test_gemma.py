@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
+from optkit.families import family_for
 from optkit.gate.metrics import full_kld
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.families import family_for
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme

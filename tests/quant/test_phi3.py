@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from optkit.compat.transformers_load import check_transformers_load, sample_sequences
+from optkit.families import family_for
 from optkit.gate.metrics import full_kld
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.families import family_for
 from optkit.quant.gptq import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme

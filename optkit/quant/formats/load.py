@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from optkit.errors import OptkitError
-from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights, weight_files
 from optkit.families import family_for
+from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights, weight_files
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.common import check_tensor_shapes
 from optkit.quant.formats.mixed import dequantized_state_dict
