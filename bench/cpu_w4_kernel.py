@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kernels.test_w4a16.random_quantized
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.kernels.test_packed_int.random_quantized
 
 SHAPES = {"2048x2048": (2048, 2048), "qkv": (2304, 768), "o": (768, 768), "gate_up": (4096, 768), "down": (768, 2048)}
 

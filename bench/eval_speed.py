@@ -5,7 +5,7 @@ log-probs, built once before timing), so each timed run loads and runs only the 
   transformers  the default path: the artifact loaded by quant/formats/load.py (weights dequantized
                 once at load), then transformers' forward
   runtime       `--kv-cache-dtype auto`: the runtime's model through paged attention (models/paged_lm.py);
-                a W4A16 window (seq_len rows) takes W4A16Linear's scratch dequantization + fp32 GEMM
+                a W4A16 window (seq_len rows) takes PackedIntLinear's scratch dequantization + fp32 GEMM
 The runs rotate within each repeat; the ratio is the median of base / W4A16 within each repeat
 (>= 1.0: the W4A16 eval is no slower). The artifact is RTN W4A16 (group 64), cached under
 $OPTKIT_CACHE/bench/eval_speed.

@@ -30,10 +30,10 @@ from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from optkit.kernels.packed_int import PackedIntLinear  # noqa: E402
 from optkit.kernels.paged_attention import AttentionMetadata  # noqa: E402
 from optkit.kernels.triton import paged_attention as pa  # noqa: E402
 from optkit.kernels.triton import w4a16, w8a8  # noqa: E402
-from optkit.kernels.w4a16 import W4A16Linear  # noqa: E402
 from optkit.weights.quantized import QuantizedWeight  # noqa: E402
 from optkit.weights.schemes import WeightScheme  # noqa: E402
 
@@ -130,7 +130,7 @@ def scenarios():
         g_idx = (torch.randperm(k) // size).to(torch.int32) if act_order else None
         scale = torch.ones(n, k // size, dtype=torch.bfloat16)
         zero = torch.zeros_like(scale, dtype=torch.int8)
-        layer = W4A16Linear.from_quantized(QuantizedWeight(q, scale, zero, scheme, g_idx))
+        layer = PackedIntLinear.from_quantized(QuantizedWeight(q, scale, zero, scheme, g_idx))
         packed = w4a16.packed_for(layer)
 
         def run():

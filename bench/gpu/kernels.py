@@ -144,7 +144,7 @@ def guarded(rows: list, group: str, name: str, shape: str):
 
 # --------------------------------------------------------------------------------------- linear
 def w4a16_layers(n: int, k: int, count: int, group_size: int = 128):
-    from optkit.kernels.w4a16 import W4A16Linear
+    from optkit.kernels.packed_int import PackedIntLinear
     from optkit.weights.quantized import QuantizedWeight
     from optkit.weights.schemes import WeightScheme
 
@@ -154,7 +154,7 @@ def w4a16_layers(n: int, k: int, count: int, group_size: int = 128):
         q = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=DEVICE)
         scale = (torch.rand(n, k // group_size, device=DEVICE) * 0.01 + 1e-3).to(torch.bfloat16)
         zero = torch.randint(-8, 8, (n, k // group_size), dtype=torch.int8, device=DEVICE)
-        layers.append(W4A16Linear.from_quantized(QuantizedWeight(q, scale, zero, scheme)))
+        layers.append(PackedIntLinear.from_quantized(QuantizedWeight(q, scale, zero, scheme)))
     return layers
 
 

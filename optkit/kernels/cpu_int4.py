@@ -23,7 +23,7 @@ import torch
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU kernel takes, largest first
 # Above this many rows (prompt tokens) dequantizing once into a scratch buffer and running the fp32
-# GEMM (W4A16Linear._dequantize_fast) is faster: the kernel's time grows by a GEMV's per row. Measured
+# GEMM (PackedIntLinear._dequantize_fast) is faster: the kernel's time grows by a GEMV's per row. Measured
 # as a whole prefill of bench/cpu_decode.py's shape (a), one thread, 2 shared cores: 64 rows kernel
 # 574 ms, scratch 745 ms (fp32 411); 160 rows kernel 1,400 ms, scratch 1,141 ms (fp32 838): equal at ~100.
 MAX_KERNEL_ROWS = 96
@@ -56,13 +56,13 @@ def aten_kernel_exists() -> bool:
 
 
 def available() -> bool:
-    """W4A16 layers may take a CPU kernel (this one or cpu_w4a8's, W4A16Linear picks)."""
+    """Packed-integer layers may take a CPU kernel (this one or cpu_w4a8's, PackedIntLinear picks)."""
     return _reference_only == 0 and _fast_paths_on()
 
 
 @contextlib.contextmanager
 def reference_only():
-    """W4A16 layers run the dequantize-then-matmul reference inside this block: for checks of an
+    """Packed-integer layers run the dequantize-then-matmul reference inside this block: for checks of an
     artifact's semantics (the compatibility matrix) rather than of this kernel's rounding."""
     global _reference_only
     _reference_only += 1

@@ -1,4 +1,5 @@
-"""W4A16 layers on x86-64 CPUs through optkit's own W4A8 kernel (cpu_w4a8.cpp): llama.cpp's Q4_0 x Q8_0 scheme.
+"""Packed-integer layers (`PackedIntLinear`) on x86-64 CPUs through optkit's own W4A8 kernel (cpu_w4a8.cpp):
+llama.cpp's Q4_0 x Q8_0 scheme.
 
 y = x · Ŵᵀ with the activations quantized per row and per block of 32 columns to int8, as ggml's q8_0:
   d[m, b] = max_k |x[m, k]| / 127 over the block,  a[m, k] = round(x[m, k] / d[m, b])  (|x - d·a| <= d / 2)
@@ -16,7 +17,7 @@ and a model's KL divergence to its base by what docs/results.md measures (issue 
 
 The C++ is compiled at first use (kernels/cpp_build.py: g++, ninja, OpenMP) into
 $OPTKIT_CACHE/kernels, once per machine; a failure (no
-compiler, not x86-64, no AVX2) leaves a one-line reason and W4A16Linear takes PyTorch's int4 kernel.
+compiler, not x86-64, no AVX2) leaves a one-line reason and PackedIntLinear takes PyTorch's int4 kernel.
 The instruction set follows cpuid, capped to AVX2 by OPTKIT_CPU_ISA=avx2 or ATEN_CPU_CAPABILITY=avx2
 (what `bench/cpu_decode.py --isa avx2` sets). Threads: at::parallel_for, torch.set_num_threads's.
 """

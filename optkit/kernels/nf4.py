@@ -2,7 +2,7 @@
 on the fly for each matmul.
 
 Storage: the 4-bit codes c (0..15) in int32 words along the input dimension, column 8w + j at bits 4j
-of word w (the W4A16 layout, optkit/kernels/w4a16.py); absmax per (row, block) float32.
+of word w (the 4-bit layout of optkit/kernels/packed_int.py); absmax per (row, block) float32.
 Dequantization: Ŵ[o, i] = NF4[c[o, i]] · absmax[o, i // block], in float32 exactly as
 `QuantizedWeight.dequantize` computes it. On CUDA the W4A16 Triton kernel runs it (its code-book
 mode: a 16-entry table lookup instead of q - z); everywhere else, dequantize then matmul.
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
-from optkit.kernels.w4a16 import check_layer_tensors
+from optkit.kernels.packed_int import check_layer_tensors
 from optkit.weights.codebooks import nf4_code
 from optkit.weights.packing import pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight, dequantize_codebook

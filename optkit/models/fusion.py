@@ -6,7 +6,7 @@ batch 1 each call's own cost (casts, reshapes, dispatch) is a large share of the
 Each output feature is the same dot product as before; a kernel's blocking may round differently
 (fp32 GEMM), the integer kernels give the same values. Linears concatenate when they are of one kind
 with one layout: `nn.Linear` (one dtype, bias on all or none) or a quantized layer whose class
-defines `concatenate` (W4A16Linear, W8A8Linear: same bits, groups, act-order, input scales). Others
+defines `concatenate` (PackedIntLinear, W8A8Linear: same bits, groups, act-order, input scales). Others
 (a mixed-precision artifact's 8-bit q with 4-bit k, NF4) stay apart, and the layer runs them as before.
 """
 

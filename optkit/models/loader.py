@@ -1,8 +1,8 @@
 """Load a model directory (plain checkpoint or optkit artifact) into the runtime's `CausalLM`.
 
 The model is built on the meta device, then given the checkpoint's tensors (no random init, no
-copy). Quantized layers stay quantized: weight-only ones as `W4A16Linear` (packed integers,
-dequantized per matmul), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors only.
+copy). Quantized layers stay quantized: integer weight-only ones as `PackedIntLinear` (packed integers,
+run by the device's fastest kernel), W8A8 ones as `W8A8Linear` (int8 matmuls). Safetensors only.
 """
 
 import importlib
@@ -17,7 +17,7 @@ from optkit.families import family_for
 from optkit.json_strict import read_object
 from optkit.kernels import cpu_bf16
 from optkit.kernels.nf4 import NF4Linear
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
 from optkit.models.fusion import fuse_projections
@@ -156,7 +156,7 @@ def _install_quantized(
                 qw = read_checked(prefix, lambda p: fmt.decompress(p, tensors, schemes[p]))  # errors name the layer
             except OptkitError as e:
                 raise OptkitError(f"{path}: {e}") from e
-            layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else W4A16Linear
+            layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else PackedIntLinear
             try:
                 modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
             except OptkitError as e:  # the bias does not fit

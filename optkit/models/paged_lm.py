@@ -28,7 +28,7 @@ class PagedLM:
         self.chunk_size = chunk_size
         self.dtype = model.get_input_embeddings().weight.dtype
         self.device = model.get_input_embeddings().weight.device
-        for module in model.modules():  # W4A16: dequantized once for the run, not per window and layer
+        for module in model.modules():  # packed-integer layers: dequantized once for the run, not per window and layer
             if hasattr(module, "keep_dequantized"):
                 module.keep_dequantized(self.dtype)
 

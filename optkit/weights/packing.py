@@ -1,5 +1,5 @@
 """Bit packing of unsigned integer fields into int32 words, as the checkpoint formats and the
-W4A16 kernels store them (the storage layout is described in optkit/kernels/w4a16.py)."""
+packed-integer kernels store them (the storage layout is described in optkit/kernels/packed_int.py)."""
 
 import torch
 import torch.nn.functional as F

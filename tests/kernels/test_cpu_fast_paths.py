@@ -1,23 +1,23 @@
-"""The CPU fast paths (PyTorch's int4 kernel for W4A16, column-major `torch._int_mm` for W8A8, the
+"""The CPU fast paths (PyTorch's int4 kernel for packed-integer layers, column-major `torch._int_mm` for W8A8, the
 scratch dequantization) equal their references within their number formats' tolerance, and the layers
-say which path they take. W4A16 runs the int4 kernel here as OPTKIT_CPU_INT4=aten selects it; the
+say which path they take. PackedIntLinear runs the int4 kernel here as OPTKIT_CPU_INT4=aten selects it; the
 default W4A8 kernel is tests/kernels/test_cpu_w4a8.py's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels import cpu_int4, w4a16
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels import cpu_int4, packed_int
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear, int8_linear_reference
-from tests.kernels.test_w4a16 import random_quantized
+from tests.kernels.test_packed_int import random_quantized
 
 pytestmark = pytest.mark.skipif(not cpu_int4.aten_kernel_exists(), reason="this torch has no CPU int4 kernel")
 
 
 @pytest.fixture(autouse=True)
 def aten_int4_kernel(monkeypatch):
-    monkeypatch.setattr(w4a16, "_aten_chosen", lambda: True)
+    monkeypatch.setattr(packed_int, "_aten_chosen", lambda: True)
 
 
 # bf16 activations (8-bit mantissa) and bf16 scales: ~3e-3 relative error on a random layer's output
@@ -31,7 +31,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def layer_and_reference(bits, group_size, symmetric, act_order, in_features=512, out_features=48, seed=0):
     qw = random_quantized(bits, group_size, symmetric, act_order, out_features, in_features, seed)
     bias = torch.randn(out_features)
-    layer = W4A16Linear.from_quantized(qw, bias)
+    layer = PackedIntLinear.from_quantized(qw, bias)
     return layer, qw.dequantize(torch.float32), bias
 
 
@@ -66,7 +66,7 @@ def test_act_order_permutation_is_not_a_no_op():
 def test_static_groups_stored_with_g_idx_need_no_permutation():
     qw = random_quantized(4, 64, True, out_features=32, in_features=256)
     qw.g_idx = (torch.arange(256) // 64).to(torch.int32)
-    packed = W4A16Linear.from_quantized(qw).cpu_packed()
+    packed = PackedIntLinear.from_quantized(qw).cpu_packed()
     assert not isinstance(packed, str) and packed.perm is None
 
 
@@ -84,7 +84,7 @@ def test_what_the_kernel_cannot_take_runs_the_exact_reference(bits, group_size, 
 def test_unequal_act_order_groups_run_the_reference():
     qw = random_quantized(4, 32, True, out_features=16, in_features=128)
     qw.g_idx = torch.tensor([0] * 40 + [1] * 24 + [2] * 32 + [3] * 32, dtype=torch.int32)[torch.randperm(128)]
-    layer = W4A16Linear.from_quantized(qw)
+    layer = PackedIntLinear.from_quantized(qw)
     assert "unequal" in layer.kernel_for("cpu")
     x = torch.randn(2, 128)
     assert torch.equal(layer(x), F.linear(x, qw.dequantize(), None))
@@ -161,9 +161,9 @@ def test_scratch_dequantization_leaves_other_layouts_to_the_reference():
     assert layer._dequantize_fast() is None  # autograd on: the buffer would be overwritten under it
 
 
-def test_concatenated_w4a16_layers_compute_their_parts_side_by_side():
+def test_concatenated_packed_int_layers_compute_their_parts_side_by_side():
     parts = [layer_and_reference(4, 64, False, False, out_features=n, seed=i)[0] for i, n in enumerate((48, 16, 16))]
-    fused = W4A16Linear.concatenate(parts)
+    fused = PackedIntLinear.concatenate(parts)
     assert fused.out_features == 80 and fused.kernel_for("cpu").startswith(cpu_int4.NAME)
     with torch.inference_mode():
         for rows in (1, 16, cpu_int4.MAX_KERNEL_ROWS + 3):  # the kernel, then the scratch reference
@@ -171,9 +171,9 @@ def test_concatenated_w4a16_layers_compute_their_parts_side_by_side():
             want = torch.cat([p(x) for p in parts], dim=-1)
             assert torch.equal(fused(x), want)
     other = layer_and_reference(3, 64, False, False, out_features=16)[0]
-    assert W4A16Linear.concatenate([parts[0], other]) is None  # 4-bit with 3-bit: kept apart
+    assert PackedIntLinear.concatenate([parts[0], other]) is None  # 4-bit with 3-bit: kept apart
     grouped = layer_and_reference(4, 128, False, False, out_features=16)[0]
-    assert W4A16Linear.concatenate([parts[0], grouped]) is None
+    assert PackedIntLinear.concatenate([parts[0], grouped]) is None
 
 
 def test_concatenated_w8a8_layers_quantize_the_input_once_and_equal_their_parts():

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels import cpu_int4, cpu_w4a8, w4a16
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels import cpu_int4, cpu_w4a8, packed_int
+from optkit.kernels.packed_int import PackedIntLinear
 from tests.kernels.broken_build import failed_build_reason
-from tests.kernels.test_w4a16 import random_quantized
+from tests.kernels.test_packed_int import random_quantized
 
 pytestmark = pytest.mark.skipif(bool(cpu_w4a8.unavailable_reason()), reason="the W4A8 kernel does not build here")
 EPS32 = torch.finfo(torch.float32).eps
@@ -45,7 +45,7 @@ def error_bound(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor | None
 def layer_and_reference(bits, group_size, symmetric, act_order, in_features=512, out_features=48, seed=0):
     qw = random_quantized(bits, group_size, symmetric, act_order, out_features, in_features, seed)
     bias = torch.randn(out_features)
-    return W4A16Linear.from_quantized(qw, bias), qw.dequantize(torch.float32), bias
+    return PackedIntLinear.from_quantized(qw, bias), qw.dequantize(torch.float32), bias
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -166,7 +166,7 @@ def test_a_failed_build_says_why_and_falls_back_to_the_aten_int4_kernel(monkeypa
 
 def test_aten_and_the_reference_stay_selectable(monkeypatch):
     layer, weight, bias = layer_and_reference(4, 64, True, False)
-    monkeypatch.setattr(w4a16, "_aten_chosen", lambda: True)
+    monkeypatch.setattr(packed_int, "_aten_chosen", lambda: True)
     if cpu_int4.aten_kernel_exists():
         assert layer.kernel_for("cpu") == f"{cpu_int4.NAME} (w4a8: OPTKIT_CPU_INT4=aten)"
     with cpu_int4.reference_only():

@@ -1,4 +1,4 @@
-"""The Triton W4A16 matmul against `W4A16Linear`'s reference path: on CPU under the Triton
+"""The Triton W4A16 matmul against `PackedIntLinear`'s reference path: on CPU under the Triton
 interpreter (TRITON_INTERPRET=1, set by triton_devices when there is no GPU), and on CUDA."""
 
 import pytest
@@ -11,8 +11,8 @@ from tests.kernels.triton_devices import DEVICES
 # isort: split
 
 import optkit.kernels.triton as triton_kernels
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.triton import w4a16 as kernels
-from optkit.kernels.w4a16 import W4A16Linear
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
@@ -30,7 +30,7 @@ def make_layer(bits, group_size, symmetric=False, act_order=False, out_features=
         zero = torch.randint(scheme.qmin, scheme.qmax + 1, (out_features, groups), generator=gen).to(torch.int8)
     g_idx = (torch.randperm(in_features, generator=gen) // size).to(torch.int32) if act_order else None
     b = torch.randn(out_features, generator=gen) if bias else None
-    return W4A16Linear.from_quantized(QuantizedWeight(q, scale, zero, scheme, g_idx), b).to(device)
+    return PackedIntLinear.from_quantized(QuantizedWeight(q, scale, zero, scheme, g_idx), b).to(device)
 
 
 def check(layer, rows, dtype=torch.float32, tol=1e-4, **overrides):
@@ -93,7 +93,7 @@ def test_layouts_the_kernel_cannot_take_use_the_reference():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_layer_dispatches_to_triton(monkeypatch, device):
-    """On CUDA (on CPU: with `use_triton` patched true), W4A16Linear.forward runs the kernel; a
+    """On CUDA (on CPU: with `use_triton` patched true), PackedIntLinear.forward runs the kernel; a
     changed buffer is noticed, and a g_idx the kernel cannot take falls back to the reference."""
     layer = make_layer(4, 32, act_order=True, bias=True, device=device)
     x = torch.randn(2, 3, 256, device=device)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.fusion import fuse_projections
 from optkit.models.loader import load_runtime_model
@@ -15,7 +15,7 @@ from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_pr
 
 LENGTHS = [5, 37, 120]  # prefills under and over cpu_int4.MAX_KERNEL_ROWS, chunks of up to 40, decodes
 ARTIFACTS = {
-    "w4a16": (QuantizeOptions(weights=WeightScheme(bits=4, group_size=64, symmetric=False)), W4A16Linear),
+    "w4a16": (QuantizeOptions(weights=WeightScheme(bits=4, group_size=64, symmetric=False)), PackedIntLinear),
     "w8a8": (
         QuantizeOptions(
             method="w8a8", weights=W8_PER_CHANNEL, calibration=CalibrationOptions(num_samples=8, seq_len=64)
@@ -71,14 +71,14 @@ def test_layers_of_different_layouts_stay_separate(tmp_path, draft_dir):
     quantize_model(str(draft_dir), path, QuantizeOptions(weights=WeightScheme(bits=4, group_size=64)))
     model = load_runtime_model(path, fuse=False)
     attention = model.model.layers[0].self_attn
-    eight_bit = W4A16Linear.from_quantized(_requantized(attention.k_proj, bits=8))
+    eight_bit = PackedIntLinear.from_quantized(_requantized(attention.k_proj, bits=8))
     attention.k_proj = eight_bit
     fused = fuse_projections(model)
     assert fused == 2 * model.config.num_hidden_layers - 1
     assert attention.qkv_proj is None and attention.k_proj is eight_bit
 
 
-def _requantized(layer: W4A16Linear, bits: int):
+def _requantized(layer: PackedIntLinear, bits: int):
     """The layer's dequantized weight, quantized again per channel at `bits`."""
     from optkit.quant.rtn import rtn_quantize
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from optkit.errors import OptkitError
 from optkit.kernels import cpu_int4
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
@@ -24,14 +24,14 @@ W4 = WeightScheme(bits=4, group_size=128)
 W4_ASYM = WeightScheme(bits=4, group_size=64, symmetric=False)
 ARTIFACTS = {
     # name: (base model, options, quantized layer class)
-    "ct-w4-sym": ("small", QuantizeOptions(weights=W4), W4A16Linear),
-    "ct-w4-asym": ("small", QuantizeOptions(weights=W4_ASYM), W4A16Linear),
-    "ct-w8-channel": ("draft", QuantizeOptions(weights=WeightScheme(bits=8, group_size=-1)), W4A16Linear),
-    "gptq-w4": ("small", QuantizeOptions(weights=W4, format="gptq"), W4A16Linear),
+    "ct-w4-sym": ("small", QuantizeOptions(weights=W4), PackedIntLinear),
+    "ct-w4-asym": ("small", QuantizeOptions(weights=W4_ASYM), PackedIntLinear),
+    "ct-w8-channel": ("draft", QuantizeOptions(weights=WeightScheme(bits=8, group_size=-1)), PackedIntLinear),
+    "gptq-w4": ("small", QuantizeOptions(weights=W4, format="gptq"), PackedIntLinear),
     "awq-w4-asym": (
         "small",
         QuantizeOptions(weights=W4_ASYM.model_copy(update={"group_size": 128}), format="awq"),
-        W4A16Linear,
+        PackedIntLinear,
     ),
     "gptq-act-order-g_idx": (
         "draft",
@@ -42,7 +42,7 @@ ARTIFACTS = {
             gptq=GPTQOptions(act_order=True),
             calibration=FAST_CALIB,
         ),
-        W4A16Linear,
+        PackedIntLinear,
     ),
     "w8a8-dynamic": (
         "draft",
@@ -84,14 +84,14 @@ W4A8_KERNEL_LOGIT_TOLERANCE = 0.2
 
 
 def reference_kernels_only(monkeypatch) -> None:
-    """W4A16 layers take the dequantize-then-matmul reference, bit-identical to the evaluation loader."""
+    """PackedIntLinear layers take the dequantize-then-matmul reference, bit-identical to the evaluation loader."""
     monkeypatch.setattr(cpu_int4, "available", lambda: False)
 
 
 def assert_int4_kernel_within_bf16(path, token_prompts, reference_logits, steps) -> None:
     """With the CPU int4 kernel (prefill chunks and decodes alike), logits stay within bf16's tolerance."""
     model = load_runtime_model(path)
-    layers = [m for m in model.modules() if isinstance(m, W4A16Linear)]
+    layers = [m for m in model.modules() if isinstance(m, PackedIntLinear)]
     kernels = {m.kernel_for("cpu").split(" ")[0] for m in layers}
     if not kernels & {"cpu-int4", "cpu-w4a8"}:
         return  # e.g. 8-bit weights: the reference runs, checked exactly by the caller
@@ -127,7 +127,7 @@ def test_two_bit_per_channel(draft_w2, token_prompts, monkeypatch):
 
     reference_kernels_only(monkeypatch)
     model = load_runtime_model(draft_w2)
-    assert all(m.bits == 2 for m in model.modules() if isinstance(m, W4A16Linear))
+    assert all(m.bits == 2 for m in model.modules() if isinstance(m, PackedIntLinear))
     reference = load_model(draft_w2).eval()
     with torch.no_grad():
         expected = [reference(torch.tensor([p])).logits[0] for p in token_prompts]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.quant import methods
 from optkit.quant.formats import format_names, reader_for, registered_format
 from optkit.quant.formats.common import dequantize_layers
@@ -89,9 +89,9 @@ def test_a_registered_method_and_format_run_end_to_end(toy_plugins, run_cli, tmp
     scales = [t for k, t in read_tensors(artifact).items() if k.endswith(".toy_scale")]
     assert scales and all(torch.equal(torch.exp2(torch.round(torch.log2(s))), s) for s in scales)
 
-    runtime = load_runtime_model(artifact)  # optkit's runtime model (paged KV cache, W4A16 layers)
+    runtime = load_runtime_model(artifact)  # optkit's runtime model (paged KV cache, packed-integer layers)
     # q/k/v and gate/up are fused at load (models/fusion.py): qkv, o, gate_up, down per layer
-    assert sum(isinstance(m, W4A16Linear) for m in runtime.modules()) == 4 * runtime.config.num_hidden_layers
+    assert sum(isinstance(m, PackedIntLinear) for m in runtime.modules()) == 4 * runtime.config.num_hidden_layers
     reference = load_model(artifact)  # transformers, with the format's dequantized weights
     sequence = list(range(1, 40))
     with torch.no_grad():

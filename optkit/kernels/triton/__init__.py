@@ -1,6 +1,6 @@
 """Triton versions of the kernels in `optkit.kernels`, for CUDA tensors.
 
-Each module here mirrors one reference module (paged_attention, w4a16, w8a8) and is only imported
+Each module here mirrors one reference module (paged_attention, w4a16 for packed_int, w8a8) and is only imported
 by that module's wrapper once it holds a CUDA tensor, so CPU runs never import triton. The modules
 also run on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, set before triton is
 imported), which is how the tests check them against the references on machines without a GPU.

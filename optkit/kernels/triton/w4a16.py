@@ -1,6 +1,6 @@
-"""Triton matmul of activations with the packed weights of `W4A16Linear`: y = x Ŵᵀ + b.
+"""Triton matmul of activations with the packed weights of `PackedIntLinear`: y = x Ŵᵀ + b.
 
-Reads the layer's own layout (optkit/kernels/w4a16.py): q - qmin in 2- or 4-bit fields of int32
+Reads the layer's own layout (optkit/kernels/packed_int.py): q - qmin in 2- or 4-bit fields of int32
 words along the input dimension (column 8w + j of a 4-bit row at bits 4j of word w), or int8 for
 5..8 bits (read as int32 words of four bytes); scale and zero point per (row, group).
 
@@ -175,7 +175,7 @@ class PackedWeight:
 def pack_layer(
     qweight, scale, zero_point, bits: int, in_features: int, g_idx=None, codebook=None
 ) -> PackedWeight | str:
-    """The kernels' view of a W4A16Linear's (or an NF4Linear's) buffers, or why the kernels cannot take it."""
+    """The kernels' view of a PackedIntLinear's (or an NF4Linear's) buffers, or why the kernels cannot take it."""
     width, groups = field_bits(bits), scale.shape[1]
     if codebook is not None and (g_idx is not None or width != 4):
         return "a code book over 4-bit fields in contiguous groups only"
@@ -216,7 +216,7 @@ def _signed_int_weight(qweight: torch.Tensor, bits: int, in_features: int) -> to
 
 
 def packed_for(layer) -> PackedWeight | None:
-    """`pack_layer` of a W4A16Linear, cached on the layer until its buffers change (None: use the reference)."""
+    """`pack_layer` of a PackedIntLinear, cached on the layer until its buffers change (None: use the reference)."""
     codebook = getattr(layer, "codebook", None)  # NF4Linear's code book
     buffers = (layer.qweight, layer.scale, layer.zero_point, layer.g_idx, codebook)
     # inference tensors have no version counter (they cannot change outside inference mode)

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from optkit.kernels import cpu_int4
-from optkit.kernels.w4a16 import W4A16Linear
+from optkit.kernels.packed_int import PackedIntLinear
 from optkit.weights.packing import pack_int32, unpack_int32
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
@@ -32,7 +32,7 @@ def random_quantized(bits, group_size, symmetric, act_order=False, out_features=
 @pytest.mark.parametrize("act_order", [False, True])
 def test_dequantized_weight_is_bit_identical(bits, group_size, symmetric, act_order):
     qw = random_quantized(bits, group_size, symmetric, act_order)
-    layer = W4A16Linear.from_quantized(qw)
+    layer = PackedIntLinear.from_quantized(qw)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(layer.dequantized_weight(dtype), qw.dequantize(dtype))
 
@@ -41,7 +41,7 @@ def test_dequantized_weight_is_bit_identical(bits, group_size, symmetric, act_or
 def test_forward_is_the_linear_of_the_dequantized_weight(bits):
     qw = random_quantized(bits, 32, False, act_order=bits == 4)
     bias = torch.randn(24)
-    layer = W4A16Linear.from_quantized(qw, bias)
+    layer = PackedIntLinear.from_quantized(qw, bias)
     with cpu_int4.reference_only():  # the CPU kernels are bounded against this in test_cpu_*.py
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(5, 3, 96).to(dtype)
@@ -49,11 +49,11 @@ def test_forward_is_the_linear_of_the_dequantized_weight(bits):
 
 
 def test_weights_stay_packed():
-    layer = W4A16Linear.from_quantized(random_quantized(4, 32, True))
+    layer = PackedIntLinear.from_quantized(random_quantized(4, 32, True))
     assert layer.qweight.dtype == torch.int32 and layer.qweight.shape == (24, 96 // 8)
-    layer = W4A16Linear.from_quantized(random_quantized(2, 32, True))
+    layer = PackedIntLinear.from_quantized(random_quantized(2, 32, True))
     assert layer.qweight.shape == (24, 96 // 16)
-    layer = W4A16Linear.from_quantized(random_quantized(8, 32, True))
+    layer = PackedIntLinear.from_quantized(random_quantized(8, 32, True))
     assert layer.qweight.dtype == torch.int8 and layer.qweight.shape == (24, 96)
 
 

@@ -1,5 +1,6 @@
-"""Weight-only quantized linear layers: integer weights stay packed in memory and are dequantized
-on the fly, in the activation dtype, for each matmul (the reference kernel).
+"""Linear layers over packed integer weights (1-8 bits, per-group scales and zero points): the
+weights stay packed in memory; each matmul takes the fastest path the device has, and the reference
+dequantizes them on the fly, in the activation dtype.
 
 Storage of q (signed, in [qmin, qmax]) as u = q - qmin, unsigned:
   bits 1..2  int32 [out, ceil(in / 16)]  sixteen 2-bit fields per word, column 16w + j at bits 2j
@@ -7,7 +8,7 @@ Storage of q (signed, in [qmin, qmax]) as u = q - qmin, unsigned:
   bits 5..8  int8  [out, in]             q itself
 Dequantization: Ŵ[o, i] = (q[o, i] - z[o, g(i)]) · s[o, g(i)], computed in float32 exactly as
 `QuantizedWeight.dequantize` does, so the weights (and outputs) match the evaluation loader bit for bit.
-On CUDA, `W4A16Linear.forward` runs the fused Triton kernel (optkit/kernels/triton/w4a16.py) when
+On CUDA, `PackedIntLinear.forward` runs the fused Triton W4A16 kernel (optkit/kernels/triton/w4a16.py) when
 triton imports and the layer's groups are contiguous (or act-order groups of equal size). On the CPU
 it runs optkit's W4A8 kernel (optkit/kernels/cpu_w4a8.py: int8 activations per 32 columns, VNNI or
 AVX2 int32 dot products; bits <= 4, groups of 32 columns or a multiple, act-order permuted once) for
@@ -105,7 +106,7 @@ def check_layer_tensors(
         raise OptkitError(f"bias is {shown_shape(bias)}, the layer has {out_features} outputs")
 
 
-class W4A16Linear(torch.nn.Module):
+class PackedIntLinear(torch.nn.Module):
     """y = x Ŵᵀ + b with Ŵ dequantized from packed integers at each call (any of 1..8 bits)."""
 
     def __init__(
@@ -128,7 +129,7 @@ class W4A16Linear(torch.nn.Module):
         self.register_buffer("bias", bias)  # [out], in the activation dtype
 
     @classmethod
-    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "W4A16Linear":
+    def from_quantized(cls, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> "PackedIntLinear":
         bits = qw.scheme.bits
         width = field_bits(bits)
         if width == 8:
@@ -142,7 +143,7 @@ class W4A16Linear(torch.nn.Module):
         return self.bits, self.in_features, self.scale.shape[1], self.scale.dtype, self.bias is None, g_idx
 
     @classmethod
-    def concatenate(cls, layers: list["W4A16Linear"]) -> "W4A16Linear | None":
+    def concatenate(cls, layers: list["PackedIntLinear"]) -> "PackedIntLinear | None":
         """One layer computing `layers`' outputs side by side (their rows stacked), for linears that read
         the same input (models/fusion.py); None unless their bits, groups, act-order and bias agree.
         The storage is per output row, so the rows concatenate as they are."""
