@@ -5,7 +5,7 @@ the tree that PYTHONPATH points at, and write each cell's digest (see seams_iden
     PYTHONPATH=TREE python bench/seams_build.py TREE --families OUT NAME...  # tiny family models
     PYTHONPATH=TREE python bench/seams_build.py TREE --cells F --inputs F --out DIR [--keep-artifacts]
 
-Cells come from the tree's tests/compat/test_matrix.py (`_cells`, `_family_cells`) and are built by
+Cells are listed from a tree's tests/compat/test_matrix.py (`_cells`, `_family_cells`) and are built by
 its `_quantize`, the function the matrix itself builds them with; the recipe cell runs
 `python -m optkit.cli.main run TREE/recipes/small-gptq-w4.yaml --out ...` in that tree.
 """

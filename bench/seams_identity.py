@@ -14,6 +14,8 @@ change are dropped: created, time, seconds, duration, path, version(s), commit, 
 _s, _seconds, _time or _version (the manifest's other fields, timestamps, versions, paths and wall
 times, are not compared at all). A cell that raised in either tree counts as differing.
 
+The cells are the base revision's (tests/compat/test_matrix.py's `_cells` and `_family_cells`, and
+the recipe), and each tree builds them with its own test_matrix `_quantize`, as the matrix does.
 Each tree runs in its own interpreter (the shared .venv) with PYTHONPATH at that tree (bench/seams_build.py
 checks optkit.__file__), CPU only, with --threads threads (OMP/MKL and torch.set_num_threads). The
 tiny random family models are built once, by the working tree's tests/tiny_families.py, and both
