@@ -194,9 +194,6 @@ class Router:
                 )
                 self.shadow.submit(job)
 
-    def model_cards(self) -> list[tuple[str, int]]:
-        return [(name, engine.max_model_len) for name, engine in self.engines.items()]
-
     @property
     def is_running(self) -> bool:
         return all(engine.is_running for engine in self.engines.values())

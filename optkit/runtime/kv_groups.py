@@ -12,7 +12,6 @@ slot [block_size, Hkv, D] in each of the S tensors: S layers' worth of memory, w
 that holds it. Ids are unique across groups, so groups never overwrite each other's KV.
 """
 
-import math
 from dataclasses import dataclass
 
 
@@ -57,7 +56,3 @@ class KVCacheGroups:
     def num_block_ids(self, num_full_blocks: int) -> int:
         """The pool's block ids in the memory of `num_full_blocks` blocks of every layer."""
         return max(1, num_full_blocks * self.num_layers // self.num_slots)
-
-    def bytes_per_block_id(self, bytes_per_full_block: int) -> int:
-        """The memory of one block id, from that of one block of every layer."""
-        return math.ceil(bytes_per_full_block * self.num_slots / self.num_layers)

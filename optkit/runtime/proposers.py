@@ -44,22 +44,6 @@ class Proposer(Protocol):
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator must not replay the target's random stream
 
 
-def ngram_lookup(token_ids: list[int], k: int, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX) -> list[int]:
-    """The k tokens that followed the latest earlier occurrence of the last n tokens, for the
-    longest n in [min_n, max_n] that occurs; [] when none does. The search runs over the ids as
-    int32 bytes (bytes.rfind is C); a hit counts only on a token boundary (a multiple of 4 bytes).
-
-    The guess is that the text goes on as it did after the occurrence: x[L + i] = x[first + i]
-    (L = len, first = the occurrence's end). Past L that copies the proposals themselves, so a
-    loop with a period shorter than k is proposed k tokens ahead."""
-    data = array("i", token_ids).tobytes()
-    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
-        first = _match_end(data, n)
-        if first is not None:
-            return _continue(token_ids, first, k)
-    return []
-
-
 def _match_end(data: bytes, n: int) -> int | None:
     """Where the latest earlier occurrence of the last n tokens ends (data: the ids as int32)."""
     size = len(data) // 4
@@ -91,7 +75,14 @@ class NgramProposer:
         return [(self.lookup(seq.token_ids, k), None) for seq, k in items]
 
     def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """k tokens after a match of max_n tokens, n after a shorter match of n (see the module doc)."""
+        """The tokens that followed the latest earlier occurrence of the last n tokens, for the
+        longest n in [min_n, max_n] that occurs: k of them after a match of max_n tokens, n after a
+        shorter match of n (see the module doc); [] when none occurs. The search runs over the ids
+        as int32 bytes (bytes.rfind is C); a hit counts only on a token boundary (4 bytes).
+
+        The guess is that the text goes on as it did after the occurrence: x[L + i] = x[first + i]
+        (L = len, first = the occurrence's end). Past L that copies the proposals themselves, so a
+        loop with a period shorter than the proposals is proposed past its end."""
         data = array("i", token_ids).tobytes()
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             first = _match_end(data, n)

@@ -69,10 +69,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens + s.num_lookahead_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):

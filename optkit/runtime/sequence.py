@@ -64,10 +64,6 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 _ids = itertools.count()
 
@@ -111,10 +107,6 @@ class Sequence:
     def block_table(self) -> list[int]:
         """The first KV cache group's block table (the only one, but for Gemma's mixed layers)."""
         return self.block_tables[0] if self.block_tables else []
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
 
     @property
     def is_finished(self) -> bool:

@@ -52,8 +52,6 @@ from optkit.runtime.sampler import (
 from optkit.runtime.scheduler import ScheduledSequence
 from optkit.runtime.sequence import Sequence
 
-PROPOSERS = ("ngram", "draft:PATH")
-
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """max(0, p - q), unnormalised: what p puts on tokens beyond what q already proposed. [N, V]."""

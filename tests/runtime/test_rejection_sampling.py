@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optkit.runtime import speculative
-from optkit.runtime.proposers import NgramProposer, ngram_lookup
+from optkit.runtime.proposers import NgramProposer
 from optkit.runtime.speculative import rejection_sample
 
 V, K, N = 8, 3, 20_000
@@ -100,12 +100,13 @@ def test_twenty_thousand_samples_take_well_under_a_second():
 
 def test_ngram_lookup_takes_the_longest_then_latest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
-    assert ngram_lookup(tokens, 3) == [4, 5, 7]  # "2 3" last followed by 4 5 7 ("1 2 3" does not end it)
-    assert ngram_lookup([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # "2 3 1 2" occurred at 1
-    assert ngram_lookup([5, 6, 7], 4) == []
-    assert ngram_lookup([8, 8], 4) == [8, 8, 8, 8]  # a loop goes on past the end
-    assert ngram_lookup([5, 6, 7, 5, 6], 5) == [7, 5, 6, 7, 5]
-    assert ngram_lookup([1, 2, 3, 1, 2], 2, min_n=3) == []
+    assert NgramProposer(max_n=2).lookup(tokens, 3) == [4, 5, 7]  # "2 3" last followed by 4 5 7, not 9
+    assert NgramProposer(max_n=3).lookup(tokens, 3) == [4, 5]  # "7 2 3" never occurred: the 2-token match
+    assert NgramProposer().lookup([1, 2, 3, 1, 2, 3, 1, 2], 2) == [3, 1]  # "2 3 1 2" occurred at 1
+    assert NgramProposer().lookup([5, 6, 7], 4) == []
+    assert NgramProposer(max_n=1).lookup([8, 8], 4) == [8, 8, 8, 8]  # a loop goes on past the end
+    assert NgramProposer(max_n=2).lookup([5, 6, 7, 5, 6], 5) == [7, 5, 6, 7, 5]
+    assert NgramProposer(min_n=3).lookup([1, 2, 3, 1, 2], 2) == []
 
 
 def test_ngram_proposer_proposes_as_many_tokens_as_the_match_is_long():
@@ -118,5 +119,5 @@ def test_ngram_proposer_proposes_as_many_tokens_as_the_match_is_long():
 def test_ngram_lookup_matches_on_token_boundaries_only():
     # 256 and 1 share bytes across a token boundary in the int32 encoding: no false match.
     tokens = [0, 1, 0, 0, 256, 0, 1, 2, 256]  # "256" occurs at index 4 only, followed by 0
-    assert ngram_lookup(tokens, 2, max_n=1) == [0, 1]
-    assert ngram_lookup([1 << 8, 1, 7, 1], 1, max_n=1) == [7]
+    assert NgramProposer(max_n=1).lookup(tokens, 2) == [0, 1]
+    assert NgramProposer(max_n=1).lookup([1 << 8, 1, 7, 1], 1) == [7]
