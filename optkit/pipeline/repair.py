@@ -112,6 +112,161 @@ def weight_itemsizes(base: Path) -> dict[str, int]:
     return itemsize
 
 
+THRESHOLDS = ("max_kld", "max_ppl_increase", "min_top1", "min_recovery")  # the record's copy of the gate's
+
+
+@dataclass
+class _Candidate:
+    """The best artifact so far: the smallest that passed, or, while none has, the lowest KLD."""
+
+    kld: float
+    directory: Path
+    gate: GateResult
+    raised: dict[str, Rung]
+    step: int
+
+
+class _Search:
+    """Repair's state between gate evaluations (module doc, step 3). The plan's moves start from
+    `source` (the artifact, or the last failing candidate attributed again), whose layers are
+    already raised as in `prior`; its gate KLD is `source_kld`. `taken` is the prefix of the moves
+    gated last; `failed_count` and `failed_kld` are the largest prefix that failed and its KLD."""
+
+    def __init__(self, artifact: Path, manifest: dict, base: Path, gate: GateOptions, work: Path, result, steps, log):
+        self.artifact, self.base, self.gate, self.work, self.steps, self.log = artifact, base, gate, work, steps, log
+        self.options = options = gate.repair or RepairOptions()
+        self.target = target_kld(gate, result)
+        self.attribution = self.first_attribution = self.attribute_at(artifact)  # the record's: the artifact as given
+        self.itemsize = weight_itemsizes(base)
+        self.moves = plan_moves(self.attribution, manifest, self.itemsize, options.rungs)
+        self.budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
+        kld = result.metrics["kld_mean"]
+        self.rescale = gate_rescale(kld, self.attribution.kld)
+        self.best = _Candidate(kld, artifact, result, {}, 0)
+        self.source, self.prior, self.source_kld = artifact, {}, kld
+        self.taken: list[Move] = []
+        self.failed_count, self.failed_kld = 0, kld
+        self.evaluation = 0
+        self.reattributed: list[int] = []
+
+    def attribute_at(self, candidate: Path) -> Attribution:
+        o = self.options
+        return attribute(
+            candidate, self.base, windows=o.windows, seq_len=self.gate.seq_len, exact=o.exact_swaps, rungs=o.rungs
+        )
+
+    def climb(self) -> str | None:
+        """Gate longer prefixes of the plan until one passes (then shrink); returns why it stopped
+        short of a pass, or None once one passed."""
+        while self.evaluation < self.options.max_evaluations:
+            room = self.budget - (self.source / WEIGHTS).stat().st_size
+            aim = aim_kld(self.target, self.source_kld, self.rescale, self.moves, self.options.reattribute)
+            chosen, over_budget = extend_prefix(self.taken, self.moves, self.source_kld, self.rescale, aim, room)
+            if len(chosen) == len(self.taken):
+                spent = f"the size budget ({self.options.max_size_mb} MB) is spent"
+                return spent if over_budget else "no layer left to raise"
+            result = self.trial(chosen, self.taken)
+            if result.passed:
+                self.shrink(chosen, result.metrics["kld_mean"])
+                return None
+            self.learn_from_failure(chosen, result.metrics["kld_mean"])
+        return f"{self.options.max_evaluations} gate evaluations (max_evaluations) did not reach it"
+
+    def trial(self, moves: list[Move], previous: list[Move]) -> GateResult:
+        """Write and gate the source with `moves` taken (a step of the record); keep it if best."""
+        self.evaluation += 1
+        raised = {**self.prior, **raised_rungs(moves)}
+        out = self.work / f"step-{self.evaluation}"
+        write_mixed_artifact(self.source, self.base, raised_rungs(moves), out, {})
+        result = settle(out, self.base, self.gate, evaluate(out, self.base, self.gate), self.log)
+        before = {**self.prior, **raised_rungs(previous)}
+        changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
+        self.steps.append(_step(self.evaluation, raised, result, out, changed))
+        kld = result.metrics["kld_mean"]
+        self.log(
+            f"repair step {self.evaluation}: raised {len(raised)} linears, KLD {kld:.5f} "
+            f"(target {self.target:g}), {self.steps[-1]['size_mb']:.2f} MB: {result.verdict}"
+        )
+        best = self.best
+        smaller = result.passed and (not best.gate.passed or size_mb(out) < size_mb(best.directory))
+        if smaller or (not best.gate.passed and kld < best.kld):
+            self.best = _Candidate(kld, out, result, raised, self.evaluation)
+        return result
+
+    def shrink(self, chosen: list[Move], passing_kld: float) -> None:
+        """Spend `shrink_evaluations` on shorter prefixes, between the last failing one and the
+        passing `chosen` (regula falsi in the cumulative estimated drop)."""
+        passing = len(chosen)
+        for _ in range(self.options.shrink_evaluations):
+            if passing - self.failed_count <= 1 or self.evaluation >= self.options.max_evaluations:
+                break
+            k = secant_prefix(
+                chosen, self.failed_count, self.failed_kld, passing, passing_kld, SHRINK_AIM * self.target
+            )
+            shorter = self.trial(chosen[:k], chosen[:passing])
+            if shorter.passed:
+                passing, passing_kld = k, shorter.metrics["kld_mean"]
+            else:
+                self.failed_count, self.failed_kld = k, shorter.metrics["kld_mean"]
+
+    def learn_from_failure(self, chosen: list[Move], kld: float) -> None:
+        """`chosen` failed at `kld`: attribute that candidate again and plan from it (`reattribute`),
+        or refit the rescaling to what the gate measured."""
+        self.failed_count, self.failed_kld = len(chosen), kld
+        self.taken = chosen
+        if kld <= self.target:  # another threshold failed: aim lower
+            self.target = 0.8 * kld
+        if self.options.reattribute and self.evaluation < self.options.max_evaluations:
+            self.replan_from_last_step()
+        else:
+            self.rescale = refit_rescale(self.rescale, self.source_kld, kld, self.taken)
+
+    def replan_from_last_step(self) -> None:
+        """Linearize again at the last failing candidate: it becomes the source of a new plan."""
+        self.source = self.work / f"step-{self.evaluation}"
+        self.prior, self.source_kld = {**self.prior, **raised_rungs(self.taken)}, self.failed_kld
+        self.attribution = self.attribute_at(self.source)
+        self.moves = plan_moves(self.attribution, read_manifest(self.source), self.itemsize, self.options.rungs)
+        self.rescale = gate_rescale(self.source_kld, self.attribution.kld)
+        self.taken, self.failed_count = [], 0
+        self.reattributed.append(self.evaluation)
+
+    def finish(self, reason: str | None) -> RepairOutcome:
+        """Write the whole record into the chosen artifact's optkit.json and name the outcome."""
+        best, gate = self.best, self.gate
+        passed = best.gate.passed
+        if not passed and reason is None:
+            reason = "no layer left to raise"
+        record = {
+            "repair": {
+                "target_kld": self.target,
+                "thresholds": {k: getattr(gate, k) for k in THRESHOLDS},
+                "options": self.options.model_dump(),
+                "attribution": self.first_attribution.to_json(),
+                "steps": self.steps,
+                "reattributed_after": self.reattributed,  # the failing steps attributed again
+                "result": "passed" if passed else f"failed: {reason}",
+                "chosen_step": best.step,
+            },
+            "gate": best.gate.to_json(),
+        }
+        chosen_dir = best.directory
+        if chosen_dir == self.artifact:  # nothing better than the uniform artifact: copy it to hold the record
+            chosen_dir = self.work / "step-0"
+            remove_dir(chosen_dir, "repair work directory")
+            shutil.copytree(self.artifact, chosen_dir)
+        fields = {k: v for k, v in read_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
+        write_manifest(chosen_dir, {**fields, **record})
+        if not passed:
+            reason = (
+                f"repair could not reach KLD {self.target:g}: {reason}; closest KLD {best.kld:.5f} "
+                f"at {size_mb(chosen_dir):.2f} MB"
+            )
+        return RepairOutcome(
+            passed, chosen_dir, best.gate, self.steps, self.first_attribution, None if passed else reason, best.raised
+        )
+
+
 def repair(
     artifact: Path, base: Path, gate: GateOptions, work: Path, *, initial: GateResult | None = None, log=None
 ) -> RepairOutcome:
@@ -119,7 +274,6 @@ def repair(
     outcome names the artifact that passed or, failing that, the one with the lowest KLD; its
     optkit.json holds the whole record."""
     log = log or (lambda line: None)
-    options = gate.repair or RepairOptions()
     manifest = read_manifest(artifact)
     if manifest is None:
         raise OptkitError(f"{artifact} has no optkit.json: repair starts from an optkit artifact")
@@ -128,113 +282,8 @@ def repair(
     steps = [_step(0, {}, result, artifact, [])]
     if result.passed:
         return RepairOutcome(True, artifact, result, steps)
-    target = target_kld(gate, result)
-
-    def attribute_at(candidate: Path) -> Attribution:
-        windows, exact = options.windows, options.exact_swaps
-        return attribute(candidate, base, windows=windows, seq_len=gate.seq_len, exact=exact, rungs=options.rungs)
-
-    attribution = attribute_at(artifact)
-    first_attribution = attribution  # the record's: what the artifact as given owes to each layer
-    itemsize = weight_itemsizes(base)
-    moves = plan_moves(attribution, manifest, itemsize, options.rungs)
-    budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
-    rescale = gate_rescale(result.metrics["kld_mean"], attribution.kld)
-    best = (result.metrics["kld_mean"], artifact, result, {}, 0)  # (KLD, directory, gate, rungs, step)
-    # the plan's moves start from `source` (the artifact, or the last failing candidate attributed
-    # again), whose layers are already raised as in `prior`; its gate KLD is `source_kld`
-    source, prior, source_kld = artifact, {}, result.metrics["kld_mean"]
-    taken: list[Move] = []
-    failed_count, failed_kld = 0, source_kld  # the largest prefix that failed, its KLD
-    reason = None
-    evaluation = 0
-    reattributed: list[int] = []
-
-    def trial(moves: list[Move], previous: list[Move]) -> GateResult:
-        nonlocal best, evaluation
-        evaluation += 1
-        raised = {**prior, **raised_rungs(moves)}
-        out = work / f"step-{evaluation}"
-        write_mixed_artifact(source, base, raised_rungs(moves), out, {})
-        result = settle(out, base, gate, evaluate(out, base, gate), log)
-        before = {**prior, **raised_rungs(previous)}
-        changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
-        steps.append(_step(evaluation, raised, result, out, changed))
-        log(
-            f"repair step {evaluation}: raised {len(raised)} linears, KLD {result.metrics['kld_mean']:.5f} "
-            f"(target {target:g}), {steps[-1]['size_mb']:.2f} MB: {result.verdict}"
-        )
-        smaller = result.passed and (not best[2].passed or size_mb(out) < size_mb(best[1]))
-        if smaller or (not best[2].passed and result.metrics["kld_mean"] < best[0]):
-            best = (result.metrics["kld_mean"], out, result, raised, evaluation)
-        return result
-
-    while evaluation < options.max_evaluations:
-        room = budget - (source / WEIGHTS).stat().st_size
-        aim = aim_kld(target, source_kld, rescale, moves, options.reattribute)
-        chosen, over_budget = extend_prefix(taken, moves, source_kld, rescale, aim, room)
-        if len(chosen) == len(taken):
-            reason = f"the size budget ({options.max_size_mb} MB) is spent" if over_budget else "no layer left to raise"
-            break
-        result = trial(chosen, taken)
-        if result.passed:  # shrink: search between the last failing prefix and this one
-            passing, passing_kld = len(chosen), result.metrics["kld_mean"]
-            for _ in range(options.shrink_evaluations):
-                if passing - failed_count <= 1 or evaluation >= options.max_evaluations:
-                    break
-                k = secant_prefix(chosen, failed_count, failed_kld, passing, passing_kld, SHRINK_AIM * target)
-                shorter = trial(chosen[:k], chosen[:passing])
-                if shorter.passed:
-                    passing, passing_kld = k, shorter.metrics["kld_mean"]
-                else:
-                    failed_count, failed_kld = k, shorter.metrics["kld_mean"]
-            break
-        failed_count, failed_kld = len(chosen), result.metrics["kld_mean"]
-        taken = chosen
-        if result.metrics["kld_mean"] <= target:  # another threshold failed: aim lower
-            target = 0.8 * result.metrics["kld_mean"]
-        if options.reattribute and evaluation < options.max_evaluations:  # linearize again here
-            source, prior, source_kld = work / f"step-{evaluation}", {**prior, **raised_rungs(taken)}, failed_kld
-            attribution = attribute_at(source)
-            moves = plan_moves(attribution, read_manifest(source), itemsize, options.rungs)
-            rescale = gate_rescale(source_kld, attribution.kld)
-            taken, failed_count = [], 0
-            reattributed.append(evaluation)
-            continue
-        rescale = refit_rescale(rescale, source_kld, result.metrics["kld_mean"], taken)
-    else:
-        reason = f"{options.max_evaluations} gate evaluations (max_evaluations) did not reach it"
-    _, chosen_dir, chosen_result, raised, chosen_step = best
-    passed = chosen_result.passed
-    if not passed and reason is None:
-        reason = "no layer left to raise"
-    record = {
-        "repair": {
-            "target_kld": target,
-            "thresholds": {k: getattr(gate, k) for k in ("max_kld", "max_ppl_increase", "min_top1", "min_recovery")},
-            "options": options.model_dump(),
-            "attribution": first_attribution.to_json(),
-            "steps": steps,
-            "reattributed_after": reattributed,  # the failing steps attributed again
-            "result": "passed" if passed else f"failed: {reason}",
-            "chosen_step": chosen_step,
-        },
-        "gate": chosen_result.to_json(),
-    }
-    if chosen_dir == artifact:  # nothing better than the uniform artifact: copy it to hold the record
-        chosen_dir = work / "step-0"
-        remove_dir(chosen_dir, "repair work directory")
-        shutil.copytree(artifact, chosen_dir)
-    fields = {k: v for k, v in read_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
-    write_manifest(chosen_dir, {**fields, **record})
-    if not passed:
-        reason = (
-            f"repair could not reach KLD {target:g}: {reason}; closest KLD {chosen_result.metrics['kld_mean']:.5f} "
-            f"at {size_mb(chosen_dir):.2f} MB"
-        )
-    return RepairOutcome(
-        passed, chosen_dir, chosen_result, steps, first_attribution, None if passed else reason, raised
-    )
+    search = _Search(artifact, manifest, base, gate, work, result, steps, log)
+    return search.finish(search.climb())
 
 
 def record_pass_without_repair(outcome: RepairOutcome) -> None:
