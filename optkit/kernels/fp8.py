@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from optkit.kernels.w8a8 import check_scaled_linear
+from optkit.kernels.w8a8 import ScaledLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -101,27 +101,13 @@ def fp8_linear_reference(
     return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
 
-class FP8Linear(torch.nn.Module):
+class FP8Linear(ScaledLinear):
     """A linear layer that stays float8_e4m3fn in memory and multiplies in FP8 (or emulates it)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        weight_scale: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        input_scale: torch.Tensor | None = None,
-    ):
-        super().__init__()
-        weight_scale = check_scaled_linear(weight, FP8_DTYPE, weight_scale, bias, input_scale)
+    weight_dtype, weights_name, inputs_name = FP8_DTYPE, "fp8 e4m3", "fp8"
+
+    def store_weight(self, weight: torch.Tensor) -> None:
         self.register_buffer("weight", weight.contiguous())  # float8_e4m3fn [out, in]
-        self.register_buffer("weight_scale", weight_scale)  # [out]
-        self.register_buffer("bias", None if bias is None else bias.float())
-        self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
-
-    def extra_repr(self) -> str:
-        act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 weights, {act} fp8 inputs"

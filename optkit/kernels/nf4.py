@@ -49,13 +49,8 @@ class NF4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if triton_kernels.use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            from optkit.kernels.triton import w4a16 as kernels
-
-            packed = kernels.packed_for(self)
-            if packed is not None:
-                return kernels.w4a16_linear(x, packed, bias)
-        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+        y = triton_kernels.packed_linear(self, x, bias)
+        return y if y is not None else F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
         block = self.in_features // self.scale.shape[1]

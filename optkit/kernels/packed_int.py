@@ -82,8 +82,8 @@ def check_layer_tensors(
     zero_point: torch.Tensor,
     bits: int,
     in_features: int,
-    g_idx: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> None:
     """An OptkitError naming the tensor unless they agree: every kernel (Triton's takes N from
     scale.shape[0]) reads qweight, zero_point and bias by the scales' shape without checking it."""
@@ -272,13 +272,10 @@ class PackedIntLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if triton_kernels.use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            from optkit.kernels.triton import w4a16 as kernels
-
-            packed = kernels.packed_for(self)  # None when the layout needs the reference path
-            if packed is not None:
-                return kernels.w4a16_linear(x, packed, bias)
-        elif x.device.type == "cpu":
+        y = triton_kernels.packed_linear(self, x, bias)
+        if y is not None:
+            return y
+        if x.device.type == "cpu":
             packed = self.cpu_packed()
             if isinstance(packed, cpu_w4a8.W4A8Packed):
                 limit = cpu_w4a8.MAX_KERNEL_ROWS

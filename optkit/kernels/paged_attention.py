@@ -8,8 +8,8 @@ query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attend
 
 `paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, does the
 same for each group of short chunks of one length (speculative decoding's verification: 1 + k
-tokens per sequence), and runs one causal SDPA per longer chunk. `paged_attention_reference` loops
-over every token.
+tokens per sequence), and runs one causal SDPA per longer chunk (the tests' reference, which loops
+over every token, is in tests/kernels/paged_steps.py).
 A sliding `window` W (Mistral, Gemma's local layers) hides the keys more than W - 1 positions before
 the query (query p sees keys p - W + 1 .. p, as transformers' sliding_window_overlay); `softcap` c
 (Gemma 2) replaces each score s by c·tanh(s / c) before the mask and softmax, so SDPA gives way to
@@ -338,33 +338,3 @@ def _chunk_attention(
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
             out = _sdpa(q, k, v, mask, scale, softcap)
     return out.transpose(0, 1)
-
-
-def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The same, one token at a time, slot by slot, with an explicit softmax in float64."""
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // kv_heads
-    out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
-    tables = meta.block_tables.tolist()
-    for b, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
-        for i in range(query_len):
-            position = context_len - query_len + i
-            first = 0 if window is None else max(0, position - window + 1)
-            slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(first, position + 1)]
-            k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [p + 1, Hq, D]
-            v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
-            scores = torch.einsum("hd,thd->ht", q[starts[b] + i].double(), k) * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            out[starts[b] + i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
-    return out

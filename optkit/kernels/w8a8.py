@@ -93,8 +93,14 @@ def check_scaled_linear(
     return weight_scale.reshape(-1).float().expand(out_features).contiguous()
 
 
-class W8A8Linear(torch.nn.Module):
-    """A linear layer that stays int8 in memory and multiplies in int8."""
+class ScaledLinear(torch.nn.Module):
+    """An 8-bit linear layer (int8 here, FP8 in fp8.py): its weight in `weight_dtype`, stored as the
+    subclass lays it out (`store_weight`), one float32 scale per output, the bias in float32, and a
+    static input scale (None: activations quantized per token)."""
+
+    weight_dtype: torch.dtype
+    weights_name: str  # for extra_repr: what the weights and the inputs are quantized to
+    inputs_name: str
 
     def __init__(
         self,
@@ -104,14 +110,33 @@ class W8A8Linear(torch.nn.Module):
         input_scale: torch.Tensor | None = None,
     ):
         super().__init__()
-        weight_scale = check_scaled_linear(weight, torch.int8, weight_scale, bias, input_scale)
-        # weight: int8 [out, in]; kept transposed, [in, out], row-major: the layout the Triton kernel
-        # wants; `prepare` makes it column-major on the CPU, where oneDNN's int8 GEMV is 3x faster so
-        self.register_buffer("weight_t", weight.t().contiguous())
-        self.register_buffer("weight_scale", weight_scale)
+        weight_scale = check_scaled_linear(weight, self.weight_dtype, weight_scale, bias, input_scale)
+        self.store_weight(weight)
+        self.register_buffer("weight_scale", weight_scale)  # [out]
         self.register_buffer("bias", None if bias is None else bias.float())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.reshape(1).float())
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def store_weight(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.weights_name} weights, {act} {self.inputs_name} inputs"
+        )
+
+
+class W8A8Linear(ScaledLinear):
+    """A linear layer that stays int8 in memory and multiplies in int8."""
+
+    weight_dtype, weights_name, inputs_name = torch.int8, "int8", "int8"
+
+    def store_weight(self, weight: torch.Tensor) -> None:
+        # weight: int8 [out, in]; kept transposed, [in, out], row-major: the layout the Triton kernel
+        # wants; `prepare` makes it column-major on the CPU, where oneDNN's int8 GEMV is 3x faster so
+        self.register_buffer("weight_t", weight.t().contiguous())
 
     @classmethod
     def concatenate(cls, layers: list["W8A8Linear"]) -> "W8A8Linear | None":
@@ -153,7 +178,3 @@ class W8A8Linear(torch.nn.Module):
         if x.device.type == "cpu" and self.weight_t.stride(0) != 1:
             self.prepare()
         return int8_linear(x, self.weight_t, self.weight_scale, self.bias, self.input_scale)
-
-    def extra_repr(self) -> str:
-        act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights, {act} int8 inputs"

@@ -39,7 +39,9 @@ class APIError(Exception):
         self.headers = headers
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+        message = self.message.encode("utf-8", "backslashreplace").decode()  # a lone surrogate would fail the encoding
+        body = ErrorResponse(error=ErrorDetail(message=message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 # A routing error -> (status, param, code); its message is the body's message.
@@ -58,17 +60,9 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready; nothing is sent."""
 
 
-def error_response(
-    status: int,
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    message = message.encode("utf-8", "backslashreplace").decode()  # a lone surrogate would fail the encoding
-    body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+def error_response(status: int, message: str, **fields) -> JSONResponse:
+    """OpenAI's error body with this status; `fields`: APIError's type, param, code and headers."""
+    return APIError(status, message, **fields).response()
 
 
 def validation_error(errors: list[dict]) -> APIError:

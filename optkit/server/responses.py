@@ -136,12 +136,23 @@ def _error_event(error: Exception) -> str:
     return f"data: {body.model_dump_json()}\n\n"
 
 
+async def _until_finished(first, outputs: AsyncIterator) -> AsyncIterator:
+    """`first`, then the engine's outputs up to the finished one; `outputs` is closed when the
+    stream is (a client that went away aborts its request)."""
+    async with aclosing(outputs):
+        output = first
+        while True:
+            yield output
+            if output.finished:
+                return
+            output = await anext(outputs)
+
+
 async def completion_events(reply: Reply, first, outputs: AsyncIterator) -> AsyncIterator[str]:
-    offset = 0
+    offset, output = 0, first
     try:
-        async with aclosing(outputs):
-            output = first
-            while True:
+        async with aclosing(_until_finished(first, outputs)) as stream:
+            async for output in stream:
                 logprobs = None
                 if reply.logprobs and output.logprobs:
                     logprobs = completion_logprobs(reply.tokenizer, output.logprobs, offset)
@@ -149,9 +160,6 @@ async def completion_events(reply: Reply, first, outputs: AsyncIterator) -> Asyn
                 if output.text or output.finished or logprobs:
                     choice = CompletionChoice(text=output.text, logprobs=logprobs, finish_reason=output.finish_reason)
                     yield _event(reply, CompletionResponse(**_ids(reply), choices=[choice]))
-                if output.finished:
-                    break
-                output = await anext(outputs)
     except Exception as error:  # the engine failed after the 200 went out
         yield _error_event(error)
         yield DONE
@@ -167,18 +175,15 @@ async def chat_events(reply: Reply, first, outputs: AsyncIterator) -> AsyncItera
         return _event(reply, ChatCompletionChunk(**_ids(reply), choices=[choice]))
 
     yield chunk({"role": "assistant", "content": ""})
+    output = first
     try:
-        async with aclosing(outputs):
-            output = first
-            while True:
+        async with aclosing(_until_finished(first, outputs)) as stream:
+            async for output in stream:
                 logprobs = None
                 if reply.logprobs and output.logprobs:
                     logprobs = chat_logprobs(reply.tokenizer, output.logprobs)
                 if output.text or logprobs:
                     yield chunk({"content": output.text}, logprobs)
-                if output.finished:
-                    break
-                output = await anext(outputs)
     except Exception as error:
         yield _error_event(error)
         yield DONE

@@ -1,5 +1,6 @@
 """Random steps over a paged KV cache for the attention tests: caches of random keys and values,
-block tables shuffled, and the step's new K and V written where the runtime writes them."""
+block tables shuffled, and the step's new K and V written where the runtime writes them; and the
+reference every attention path is checked against."""
 
 import math
 
@@ -39,3 +40,34 @@ def torch_write_kv(k, v, k_cache, v_cache, slots):
     """The PyTorch path of write_kv, which on CUDA would itself dispatch to Triton."""
     for new, cache in ((k, k_cache), (v, v_cache)):
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """optkit.kernels.paged_attention.paged_attention one token at a time, slot by slot, with an
+    explicit softmax in float64 (a window: only the keys inside it)."""
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc.tolist()
+    tables = meta.block_tables.tolist()
+    for b, (query_len, context_len) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
+        for i in range(query_len):
+            position = context_len - query_len + i
+            first = 0 if window is None else max(0, position - window + 1)
+            slots = [tables[b][t // block_size] * block_size + t % block_size for t in range(first, position + 1)]
+            k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)  # [p + 1, Hq, D]
+            v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,thd->ht", q[starts[b] + i].double(), k) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[starts[b] + i] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(q.dtype)
+    return out

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
-from optkit.kernels.paged_attention import paged_attention, paged_attention_reference, write_kv
+from optkit.kernels.paged_attention import paged_attention, write_kv
 from tests.kernels.broken_build import failed_build_reason
-from tests.kernels.paged_steps import random_step
+from tests.kernels.paged_steps import paged_attention_reference, random_step
 from tests.models.paged import chunked_then_decode, run_paged
 
 pytestmark = pytest.mark.skipif(bool(cpu_decode.unavailable_reason()), reason="the C++ operators do not build here")

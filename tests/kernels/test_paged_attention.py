@@ -2,8 +2,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 from tests.kernels import paged_steps
+from tests.kernels.paged_steps import paged_attention_reference
 
 HQ, HKV, D = 8, 2, 16
 

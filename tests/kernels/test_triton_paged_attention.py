@@ -11,9 +11,9 @@ from tests.kernels.triton_devices import DEVICES
 
 import optkit.kernels.triton as triton_kernels
 from optkit.kernels import paged_attention as reference
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention_reference
+from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.kernels.triton import paged_attention as kernels
-from tests.kernels.paged_steps import random_step, torch_write_kv
+from tests.kernels.paged_steps import paged_attention_reference, random_step, torch_write_kv
 
 
 def check(q, k_cache, v_cache, meta, scale=0.25, atol=2e-5, **overrides):

@@ -40,7 +40,7 @@ def test_activation_quantization_is_bit_identical(static, device):
 def test_matches_the_reference(dtype, rows, device):
     weight_t, weight_scale, bias = make_weight(device=device)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
-    out = kernels.int8_linear(x, weight_t, weight_scale, bias)
+    out = kernels.int8_linear(x, weight_t, weight_scale, bias, None)
     expected = reference.int8_linear_reference(x, weight_t, weight_scale, bias)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2

@@ -8,9 +8,8 @@ from tests.kernels.triton_devices import DEVICES
 
 # isort: split
 
-from optkit.kernels.paged_attention import paged_attention_reference
 from optkit.kernels.triton import paged_attention as kernels
-from tests.kernels.paged_steps import random_step
+from tests.kernels.paged_steps import paged_attention_reference, random_step
 from tests.kernels.test_triton_paged_attention import MIXED
 
 

@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, paged_attention_reference
+from optkit.kernels.paged_attention import AttentionMetadata, paged_attention
 from optkit.models.config import ModelConfig
 from optkit.models.loader import load_runtime_model
+from tests.kernels.paged_steps import paged_attention_reference
 from tests.models.paged import chunked_then_decode, greedy_generate, run_paged, whole_prefills
 
 TINY = dict(

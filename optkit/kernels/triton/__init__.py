@@ -35,6 +35,17 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("OPTKIT_TRITON", "1") != "0" and available()
 
 
+def packed_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x Ŵᵀ + b by the W4A16 kernel for a layer of packed weights (PackedIntLinear, NF4Linear); None
+    where it does not run: not a CUDA input of a dtype it takes, or a layout it lacks."""
+    if not (use_triton(x) and x.dtype in (torch.float16, torch.bfloat16, torch.float32)):
+        return None
+    from optkit.kernels.triton import w4a16
+
+    packed = w4a16.packed_for(layer)
+    return None if packed is None else w4a16.w4a16_linear(x, packed, bias)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

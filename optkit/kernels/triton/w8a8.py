@@ -129,8 +129,8 @@ def int8_linear(
     x: torch.Tensor,
     weight_t: torch.Tensor,
     weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
     **overrides,
 ) -> torch.Tensor:
     """x [..., K] float; weight_t int8 [K, N] (any strides); weight_scale [N] -> [..., N] in x's dtype."""
