@@ -18,6 +18,7 @@ from optkit.cli.options import (
     Speculative,
     Threads,
     console,
+    engine_flags,
     print_json,
     require_supported,
 )
@@ -26,6 +27,7 @@ SAMPLING_KEYS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
 
 
 def generate(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
     prompt: Annotated[str | None, typer.Argument(help="The prompt (or use --prompts).")] = None,
     prompts: Annotated[
@@ -59,38 +61,15 @@ def generate(
     from optkit.errors import OptkitError
     from optkit.runtime.engine import LLMEngine
     from optkit.runtime.engine_args import EngineArgs
-    from optkit.runtime.sequence import SamplingParams
 
     if (prompt is None) == (prompts is None):
         raise OptkitError('give one prompt or --prompts FILE.jsonl (e.g. optkit generate small "def f(x):")')
     defaults = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     requests = [{"prompt": prompt}] if prompts is None else read_prompts(prompts)
-    params = []
-    for i, request in enumerate(requests):
-        try:
-            params.append(SamplingParams(**{**defaults, **{k: v for k, v in request.items() if k != "prompt"}}))
-        except (TypeError, ValueError) as e:
-            raise OptkitError(f"prompt {i + 1}: {e}") from None
-    args = EngineArgs.from_cli_args(
-        max_num_seqs=max_num_seqs,
-        device=device,
-        dtype=dtype,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        enforce_eager=enforce_eager,
-        kv_cache_dtype=kv_cache_dtype,
-        threads=threads,
-        head=head,
-    )
-    engine = LLMEngine(model, args.engine_config())
+    params = sampling_params(requests, defaults)
+    engine = LLMEngine(model, EngineArgs.from_cli_args(**engine_flags(ctx.params)).engine_config())
     token_ids = [engine.tokenizer.encode(r["prompt"]) for r in requests]
-    for i, ids in enumerate(token_ids):
-        if not ids:
-            raise OptkitError(f"prompt {i + 1} is empty: give some text")
-        try:
-            engine.check_request(ids, params[i])
-        except ValueError as e:
-            raise OptkitError(f"prompt {i + 1}: {e}: lower --max-tokens or shorten the prompt") from None
+    check_requests(engine, token_ids, params)
     texts = [""] * len(requests)
     reasons: list[str | None] = [None] * len(requests)
     show_stream = stream and len(requests) == 1 and not json_output
@@ -112,6 +91,33 @@ def generate(
         print()
     else:
         print_results(results)
+
+
+def sampling_params(requests: list[dict], defaults: dict) -> list:
+    """Each request's SamplingParams: its own keys over the command line's; a user error naming the prompt."""
+    from optkit.errors import OptkitError
+    from optkit.runtime.sequence import SamplingParams
+
+    params = []
+    for i, request in enumerate(requests):
+        try:
+            params.append(SamplingParams(**{**defaults, **{k: v for k, v in request.items() if k != "prompt"}}))
+        except (TypeError, ValueError) as e:
+            raise OptkitError(f"prompt {i + 1}: {e}") from None
+    return params
+
+
+def check_requests(engine, token_ids: list[list[int]], params: list) -> None:
+    """A user error naming the first prompt that is empty or that the engine cannot take."""
+    from optkit.errors import OptkitError
+
+    for i, ids in enumerate(token_ids):
+        if not ids:
+            raise OptkitError(f"prompt {i + 1} is empty: give some text")
+        try:
+            engine.check_request(ids, params[i])
+        except ValueError as e:
+            raise OptkitError(f"prompt {i + 1}: {e}: lower --max-tokens or shorten the prompt") from None
 
 
 def read_prompts(path: Path) -> list[dict]:

@@ -85,6 +85,16 @@ CompileDir = Annotated[
 ]
 
 
+def engine_flags(params: dict, *, exclude: tuple[str, ...] = ()) -> dict:
+    """The engine flags a command was given, from its parameters (typer.Context.params): those named
+    as EngineArgs fields, less `exclude` and those not given (None), so that EngineArgs' defaults hold."""
+    from optkit.runtime.engine_args import given
+
+    return given(
+        {name: value for name, value in params.items() if name in EngineArgs.model_fields and name not in exclude}
+    )
+
+
 def require_supported(*models: str | None, runtime: bool = False) -> None:
     """Refuse a model whose config.json names a model_type no family supports (`runtime`: that the
     runtime does not run), in one line and before anything heavy is imported (quant/supported.py)."""

@@ -1,7 +1,5 @@
 """`optkit serve`: an OpenAI-compatible HTTP server over the bundled runtime."""
 
-from typing import Annotated
-
 import typer
 
 from optkit.cli import serve_options as opt
@@ -18,6 +16,7 @@ from optkit.cli.options import (
     NumSpeculativeTokens,
     Speculative,
     Threads,
+    engine_flags,
     require_supported,
 )
 
@@ -25,9 +24,8 @@ DEFAULT_HOST = "127.0.0.1"  # loopback: reachable from this machine only, unless
 
 
 def serve(
-    model: Annotated[
-        str | None, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")
-    ] = None,
+    ctx: typer.Context,
+    model: opt.ModelArgument = None,
     models: opt.Models = None,
     kv_cache_fraction: opt.KvCacheFraction = None,
     task: opt.Tasks = None,
@@ -41,28 +39,17 @@ def serve(
     fallback_threshold: opt.FallbackThreshold = None,
     fallback_window: opt.FallbackWindow = None,
     fallback_recovery: opt.FallbackRecovery = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")] = 8000,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar="OPTKIT_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (better: OPTKIT_API_KEY, not shown by ps).",
-        ),
-    ] = None,
+    host: opt.Host = DEFAULT_HOST,
+    port: opt.Port = 8000,
+    api_key: opt.ApiKey = None,
     max_request_bytes: opt.MaxRequestBytes = None,
     body_timeout: opt.BodyTimeout = 30.0,
     allowed_host: opt.AllowedHosts = None,
     docs: opt.Docs = False,
-    served_model_name: Annotated[
-        str | None, typer.Option(help="The model's name in the API (default: the model directory's name).")
-    ] = None,
+    served_model_name: opt.ServedModelName = None,
     max_num_seqs: MaxNumSeqs = None,
     max_model_len: MaxModelLen = None,
-    kv_cache_blocks: Annotated[
-        list[str] | None,
-        typer.Option(help="KV cache blocks: N, or NAME=N per model (default: max-num-seqs full-length sequences)."),
-    ] = None,
+    kv_cache_blocks: opt.KvCacheBlocks = None,
     max_num_batched_tokens: MaxNumBatchedTokens = None,
     dtype: Dtype = None,
     device: Device = None,
@@ -87,51 +74,29 @@ def serve(
 
     Example: optkit serve --model w4=out/small-w4 --model small=small --shadow w4=small --fallback-threshold kld=0.05
     """
-    import asyncio
-    import sys
-
     require_supported(model, *(m.partition("=")[2] for m in models or []), runtime=True)
     from optkit.cli.serve_flags import ServeFlags, resolve_options
-    from optkit.routing.startup import describe, log_to_stderr, start_router
-    from optkit.runtime.engine_args import given
     from optkit.server.guards import Limits, allowed_hosts
-    from optkit.server.listen import bind, is_loopback, run_server
 
-    flags = ServeFlags(
-        models=models or [],
-        kv_cache_fraction=kv_cache_fraction or [],
-        kv_cache_blocks=kv_cache_blocks or [],
-        task=task or [],
-        route=route,
-        tiers=None if tiers is None else str(tiers),
-        max_queue_wait=max_queue_wait,
-        prefix_min_tokens=prefix_min_tokens,
-        shadow=shadow or [],
-        shadow_rate=shadow_rate,
-        fallback_threshold=fallback_threshold,
-        fallback_window=fallback_window,
-        fallback_recovery=fallback_recovery,
-        engine=given(  # kv_cache_blocks is per model (routing/startup.py)
-            dict(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-                dtype=dtype,
-                device=device,
-                speculative=speculative,
-                num_speculative_tokens=num_speculative_tokens,
-                enforce_eager=enforce_eager,
-                kv_cache_dtype=kv_cache_dtype,
-                threads=threads,
-                head=head,
-            )
-        ),
-    )
+    # kv_cache_blocks is per model (routing/startup.py); compile_dir is the command line's alone
+    engine = engine_flags(ctx.params, exclude=("kv_cache_blocks", "compile_dir"))
+    flags = ServeFlags.from_params(ctx.params, engine)
     options = resolve_options(model, served_model_name, None if recipe is None else str(recipe), flags)
     config = options.engine.engine_config()  # device "auto" resolved once, for every model
     if compile_dir is not None:  # the command line's alone: a recipe's serve.engine cannot name it
         config = config.model_copy(update={"compile_dir": str(compile_dir)})
     limits = Limits(max_request_bytes, body_timeout, allowed_hosts(host, allowed_host or []))
+    serve_until_stopped(options, config, host, port, api_key, limits, docs)
+
+
+def serve_until_stopped(options, config, host: str, port: int, api_key: str | None, limits, docs: bool) -> None:
+    """Bind the port, load the models, serve until Ctrl-C, and shut the router down."""
+    import asyncio
+    import sys
+
+    from optkit.routing.startup import describe, log_to_stderr, start_router
+    from optkit.server.listen import bind, is_loopback, run_server
+
     sock = bind(host, port)  # before loading the models: a port in use fails at once
     if not is_loopback(host) and not api_key:
         print(f"warning: serving on {host} without --api-key: anyone who can reach the port can use it", flush=True)

@@ -7,7 +7,7 @@ other flag replaces its key (`--tiers FILE` the whole tiers section, `--shadow` 
 """
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from optkit.errors import OptkitError
@@ -34,6 +34,16 @@ class ServeFlags:
     fallback_window: int | None = None
     fallback_recovery: str | None = None
     engine: dict = field(default_factory=dict)  # the engine flags given (runtime/engine_args.py's keys)
+
+    @classmethod
+    def from_params(cls, params: dict, engine: dict) -> "ServeFlags":
+        """The flags from `optkit serve`'s parameters by name (a repeatable flag not given is None there)."""
+        values = {f.name: params[f.name] for f in fields(cls) if f.name != "engine"}
+        for f in fields(cls):
+            if f.default_factory is list:
+                values[f.name] = list(values[f.name] or [])
+        tiers = values["tiers"]
+        return cls(**{**values, "tiers": None if tiers is None else str(tiers)}, engine=engine)
 
 
 def parse_pairs(values: list[str], flag: str, what: str = "VALUE") -> dict[str, str]:

@@ -6,6 +6,9 @@ from typing import Annotated
 
 import typer
 
+ModelArgument = Annotated[
+    str | None, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")
+]
 Models = Annotated[
     list[str] | None,
     typer.Option("--model", help="NAME=PATH: serve the model at PATH as NAME (repeatable: several models)."),
@@ -63,4 +66,20 @@ AllowedHosts = Annotated[
 Docs = Annotated[
     bool,
     typer.Option("--docs", help="Serve FastAPI's /docs, /redoc and /openapi.json (behind --api-key when set)."),
+]
+Host = Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")]
+Port = Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
+        envvar="OPTKIT_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 and /metrics (better: OPTKIT_API_KEY, not shown by ps).",
+    ),
+]
+ServedModelName = Annotated[
+    str | None, typer.Option(help="The model's name in the API (default: the model directory's name).")
+]
+KvCacheBlocks = Annotated[
+    list[str] | None,
+    typer.Option(help="KV cache blocks: N, or NAME=N per model (default: max-num-seqs full-length sequences)."),
 ]
