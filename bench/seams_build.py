@@ -116,7 +116,8 @@ def build_cells(tree: Path, cells: list[dict], inputs: dict, out: Path, keep: bo
         os.dup2(log.fileno(), 1), os.dup2(log.fileno(), 2)  # optkit's progress bars go to the log
         try:
             print(f"=== {cell['id']}", flush=True)
-            result = {**build(tree, cell, inputs, work), **digest(work)}
+            result = build(tree, cell, inputs, work)  # a recipe: the release, not its work directory
+            result |= digest(work / "release" if "recipe" in cell else work)
         except BaseException as e:  # pytest.skip is a BaseException
             if isinstance(e, KeyboardInterrupt):
                 raise
