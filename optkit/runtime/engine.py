@@ -20,7 +20,7 @@ from optkit.runtime.engine_args import EngineConfig
 from optkit.runtime.kv_groups import KVCacheGroups
 from optkit.runtime.sampler import Sampler, TokenLogprobs
 from optkit.runtime.scheduler import Scheduler, SchedulerConfig
-from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
+from optkit.runtime.sequence import SamplingParams, Sequence
 
 KV_CACHE_MEMORY_FRACTION = 0.25  # of physical memory, when --kv-cache-blocks is not given
 
@@ -178,9 +178,9 @@ class LLMEngine:
         logits, seqs = self.runner.run(schedule.scheduled)
         tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)
         before = [seq.num_output_tokens for seq in seqs]
-        finished = self.scheduler.update(schedule, tokens)
+        finished = self.scheduler.update(schedule, tokens, self._stop_strings(seqs))
         for seq, num_before in zip(seqs, before, strict=True):
-            appended = seq.num_output_tokens - num_before  # the tokens past a stop were dropped
+            appended = seq.num_output_tokens - num_before  # the tokens past a stop were not appended
             self.num_generation_tokens += appended
             if seq.seq_id in logprobs:
                 self.requests[seq.request_id].logprobs += logprobs[seq.seq_id][:appended]
@@ -188,20 +188,18 @@ class LLMEngine:
         outputs += [self._output(seq) for seq in finished]
         return [o for o in outputs if o is not None]
 
+    def _stop_strings(self, seqs: list[Sequence]) -> dict[int, Detokenizer]:
+        """The detokenizers that watch each new token of `seqs` for a stop string (runtime/stopping.py)."""
+        requests = (self.requests.get(seq.request_id) for seq in seqs)
+        return {r.seq.seq_id: r.detokenizer for r in requests if r is not None and r.detokenizer.stop}
+
     def _output(self, seq: Sequence) -> RequestOutput | None:
         request = self.requests.get(seq.request_id)
         if request is None:
             return None
-        if request.detokenizer.stop and seq.num_output_tokens - request.num_reported > 1:  # speculation
-            text, keep = request.detokenizer.update_each(seq.output_token_ids, request.num_reported, seq.is_finished)
-            if keep < seq.num_output_tokens:  # a stop string ends before the last tokens: drop them
-                del seq.token_ids[seq.num_prompt_tokens + keep :]
-                if seq.is_finished:  # it ended later (max_tokens, EOS), but the stop string came first
-                    seq.finish_reason = FinishReason.STOP
-        else:
-            text = request.detokenizer.update(seq.output_token_ids, seq.is_finished)
-        if request.detokenizer.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, FinishReason.STOP)
+        if not request.detokenizer.stop:  # no text can stop it, so the step's tokens were not watched
+            request.detokenizer.watch(seq.output_token_ids, seq.is_finished)
+        text = request.detokenizer.take()
         new_tokens = seq.output_token_ids[request.num_reported :]
         request.num_reported = seq.num_output_tokens
         logprobs = None

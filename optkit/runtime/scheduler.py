@@ -11,10 +11,12 @@ k + 1 tokens, and the slots of rejected proposals are given back.
 """
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from optkit.runtime.stopping import StopLimits, StopStrings, append_until_stop
 
 
 @dataclass(kw_only=True)
@@ -153,11 +155,19 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled: dict[int, int | list[int]],
+        stop_strings: Mapping[int, StopStrings] | None = None,
+    ) -> list[Sequence]:
         """Record a step: advance what is computed, append the sampled tokens (keyed by seq_id; a
-        list when speculation accepted proposals: the accepted ones, then the target's own), cache
-        full blocks and finish sequences that stop, at the exact token that stops them (later
-        tokens are dropped). Returns those finished this step."""
+        list when speculation accepted proposals: the accepted ones, then the target's own) up to
+        the one that stops the sequence (runtime/stopping.py; `stop_strings` watches the text of the
+        requests that have stop strings, by seq_id), cache full blocks and finish the sequences that
+        stopped. Returns those finished this step."""
+        limits = StopLimits(self.config.eos_token_ids, self.config.max_model_len, self.block_manager.max_tokens_held)
+        stop_strings = stop_strings or {}
         finished = []
         for item in output.scheduled:
             seq = item.seq
@@ -171,11 +181,7 @@ class Scheduler:
                 assert seq.seq_id in sampled, f"no token sampled for {seq}"
                 tokens = sampled[seq.seq_id]
                 tokens = [tokens] if isinstance(tokens, int) else tokens
-                for token in tokens:
-                    seq.append_token(token)
-                    reason = self._stop_reason(seq, token)
-                    if reason is not None:
-                        break
+                reason = append_until_stop(seq, tokens, limits, stop_strings.get(seq.seq_id))
                 # Every appended token but the last was a proposal this step ran: its KV is cached.
                 seq.num_computed_tokens = len(seq) - 1
             if item.num_lookahead_tokens:
@@ -206,17 +212,6 @@ class Scheduler:
             return False
         self.finish(seq, FinishReason.ABORT)
         return True
-
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if (token in self.config.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            return FinishReason.STOP
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        # The next step needs KV for every token; a sequence the whole cache cannot hold stops here.
-        if self.block_manager.max_blocks_held(len(seq)) > self.block_manager.num_blocks:
-            return FinishReason.LENGTH
-        return None
 
     def _num_lookahead(self, seq: Sequence) -> int:
         """Proposal slots for a decoding sequence: a step appends up to k + 1 tokens, so none are

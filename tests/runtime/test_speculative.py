@@ -115,10 +115,12 @@ def test_stop_string_cuts_at_the_token_that_completes_it(plain, spec, heldout_id
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
     texts = {"plain": [], "spec": []}
     expected = plain.generate([prompt], params, lambda i, o: texts["plain"].append(o))[0]
+    generated_before = spec.stats().num_generation_tokens
     got = spec.generate([prompt], params, lambda i, o: texts["spec"].append(o))[0]
     assert got == expected
     assert "".join(o.text for o in texts["spec"]) == "".join(o.text for o in texts["plain"])
     assert texts["spec"][-1].finish_reason == "stop"
+    assert spec.stats().num_generation_tokens - generated_before == len(got)  # the tokens past it never count
 
 
 def test_max_model_len_stops_at_the_exact_token(draft_dir, heldout_ids):
