@@ -22,9 +22,9 @@ def resolve_dtype(dtype: str | None, device: str) -> str:
     """ "auto" (or None) -> bfloat16 on CUDA, float32 on the CPU. The CPU's choice, by measurement
     (bench/cpu_decode.py on the 2-core AVX-512 machines: AVX512-BF16, no AMX; docs/results.md, "CPU
     decode"; docs/runtime.md, "The CPU's default dtype"): bf16 through oneDNN's packed weights
-    (kernels/cpu_bf16.py) decodes 1.1-1.3x faster there (its prefill 0.8x), but is not exact enough for a
-    full-precision checkpoint's default: on `small` its top token differs from fp32's at 1.3% of positions
-    (mean KLD 7.2e-5), so greedy output would stop matching transformers' fp32 and the gate would
+    (kernels/cpu_bf16.py) decodes faster there (its prefill slower), but is not exact enough for a
+    full-precision checkpoint's default: its top token differs from fp32's often enough that greedy
+    output would stop matching transformers' fp32 and the gate would
     measure another model than the one it compares against. `--dtype bfloat16` asks for it.
     Quantized artifacts take their own fast kernels either way."""
     if dtype in (None, "auto"):

@@ -179,7 +179,7 @@ class TensorReader:
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory (every shard), as stored: each file opened once (an open
-    parses the header: ~0.7 ms, which per tensor was half of loading a 135M-parameter artifact)."""
+    parses the header; once per tensor, that was half of an artifact's load: docs/results.md)."""
     by_file: dict[Path, list[str]] = {}
     for key, file in _tensor_files(path).items():
         by_file.setdefault(file, []).append(key)

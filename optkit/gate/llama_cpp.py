@@ -19,8 +19,8 @@ def idle_cores() -> int:
     """The cores no other process keeps busy (this one's own share counted free), at least 1.
 
     ggml's threads meet at a spinning barrier after every operation: when the cores are shared, one
-    descheduled thread stalls the rest. Measured on 2 shared cores (load average 5-7) with small's
-    Q4_0 file, 16 heldout windows: 1.2-1.4 s with 1 thread, 5-14 s with 2 (docs/results.md, GGUF).
+    descheduled thread stalls the rest: on 2 shared cores one thread ran several times faster than two
+    (docs/results.md, "Numbers moved out of the code").
     The thread count does not change llama.cpp's logits (each row's dot product is one thread's)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0

@@ -39,11 +39,11 @@ KLD ≥ 0 bounds its reject side. The rest are unbounded, and there the test ASS
                       it is applied to would void the test).
 The assumption is checked as windows come: a window beyond a bound ends that side's bet for the
 run (it can no longer decide; the run goes on and ends inconclusive if nothing else decides), so
-only windows not yet drawn can break it. On the reference models' artifacts (RTN 3-4 bits, 187
-windows of 256 tokens) the largest per-window mean KLD is 1.6-2.0× the mean (3.2× over 751 windows
-of 64 tokens): an artifact at its threshold stays inside 4τ, and one that passes early sits well
-below τ. Clipping x at the bound instead would lower the mean the pass side sees, which is not
-conservative. The bound costs speed rather than validity: the pass side's bet is capped at
+only windows not yet drawn can break it. On the reference models' artifacts the largest per-window
+mean KLD is a small multiple of the mean (docs/results.md): an artifact at its threshold stays
+inside 4τ, and one that passes early sits well below τ. Clipping x at the bound instead would
+lower the mean the pass side sees, which is not conservative. The bound costs speed rather than
+validity: the pass side's bet is capped at
 c/(3τ), so even an artifact far inside its threshold takes a few tens of windows. Like any test on
 a sample, it cannot see a rare kind of window it has not drawn.
 """

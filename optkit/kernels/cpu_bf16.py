@@ -8,7 +8,7 @@ as an inner product (`torch.ops.mkldnn._linear_pointwise`, what torch.compile's 
 the same brgemm kernel streams the weight at its bandwidth (docs/results.md, "CPU decode"). Each
 output is the same fp32-accumulated dot product of bf16 inputs, rounded once to bf16.
 
-Without AMX a bf16 GEMM over many rows (a prefill) is slower than fp32's (1.6x at 600 rows): compute,
+Without AMX a bf16 GEMM over many rows (a prefill) is slower than fp32's (docs/results.md): compute,
 not bytes, bounds it there. Over `UPCAST_ROWS` rows `PackedBf16Linear` unpacks its weight to fp32
 (one oneDNN reorder, a few % of such a GEMM) and runs fp32's GEMM on the bf16 inputs made fp32: the
 same exact products, summed in fp32 as the bf16 kernel sums them, rounded once to bf16. Only the

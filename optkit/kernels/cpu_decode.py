@@ -1,10 +1,10 @@
 """The small operators of a CPU decode step in C++ (cpu_decode.cpp), float32 or bfloat16: RMSNorm, RoPE,
 and attention of one query token per sequence over the paged KV cache.
 
-Why: a decode step of a small model on a CPU runs ~100 ATen operators per layer. Each costs 2-40 µs
-of dispatch, temporaries and OpenMP wake-ups whatever its size (F.rms_norm on one row of 768: ~35 µs
-through six operators; the paged gather and masked SDPA of one decode: ~90 µs), so at batch 1 a
-4-bit model's step spent as long there as in its matmuls. One call each instead:
+Why: a decode step of a small model on a CPU runs about a hundred ATen operators per layer, each
+paying dispatch, temporaries and OpenMP wake-ups whatever its size (F.rms_norm of one row is six
+operators; the paged gather and masked SDPA of one decode are more), so at batch 1 a 4-bit model's
+step spent as long there as in its matmuls (docs/results.md). One call each instead:
   rms_norm(x, w, eps)  x / sqrt(mean(x²) + eps) · w per row, rounded as models/llama.py's RMSNorm
   rope(x, cos, sin)    models/llama.py's apply_rope, the same bits (each product and sum rounded)
   decode_attention     softmax(scale · q·Kᵀ) V per (sequence, query head), K and V read in place

@@ -23,9 +23,8 @@ import torch
 
 KERNEL_GROUPS = (256, 128, 64, 32)  # the group sizes the CPU kernel takes, largest first
 # Above this many rows (prompt tokens) dequantizing once into a scratch buffer and running the fp32
-# GEMM (PackedIntLinear._dequantize_fast) is faster: the kernel's time grows by a GEMV's per row. Measured
-# as a whole prefill of bench/cpu_decode.py's shape (a), one thread, 2 shared cores: 64 rows kernel
-# 574 ms, scratch 745 ms (fp32 411); 160 rows kernel 1,400 ms, scratch 1,141 ms (fp32 838): equal at ~100.
+# GEMM (PackedIntLinear._dequantize_fast) is faster: the kernel's time grows by a GEMV's per row.
+# The two cross near 100 rows of a prefill (docs/results.md, "Numbers moved out of the code").
 MAX_KERNEL_ROWS = 96
 NAME = "cpu-int4 (aten _weight_int4pack_mm_for_cpu, bf16 activations)"
 

@@ -84,8 +84,8 @@ def load_runtime_model(
 
 def pack_bf16_linears(model: CausalLM) -> int:
     """bf16 on the CPU: every full-precision linear, and the output head, through oneDNN with its
-    weight packed once (kernels/cpu_bf16.py: 1.3-1.9x a plain bf16 GEMV at one row, where plain bf16
-    is no faster than fp32). A tied head gets a packed copy of the embedding (vocab x hidden bf16
+    weight packed once (kernels/cpu_bf16.py: faster than a plain bf16 GEMV at one row, which is no
+    faster than fp32's; docs/results.md). A tied head gets a packed copy of the embedding (vocab x hidden bf16
     more memory; the lookup keeps the plain table). How many linears were packed; none where this
     CPU has no oneDNN bf16 path."""
     packed = cpu_bf16.pack_linears(model)

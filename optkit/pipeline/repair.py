@@ -23,13 +23,12 @@ byte until the gate passes, the size budget is spent or the evaluations are.
    gated again on the whole eval set before repair climbs from it (`settle`).
 
 Why attribute again: the estimate is a first-order step from the attributed weights, good near
-them. From the default 2-bit start (KLD 0.16-0.18 on `small`, target 0.01) the first plan must
-remove 94% of the KLD on the estimate's word, and a 5% error in it is half the target; the first
-failing candidate (0.02-0.03) is a much closer point to linearize at. Measured on `small+outliers` at
-0.01: 3.733 MiB without, 3.633 MiB with (docs/results.md, repair). Far below the start (small-moe
-from 2 bits, KLD 0.02, at target 0.0001) no plan reaches the target on the estimate, and taking
-every move put every layer in full precision (11.2 MiB, more than uniform 8-bit); waypoints got
-there at 5.3 MiB.
+them. The default 2-bit start sits far above a usual target, so the first plan must remove nearly
+all of the KLD on the estimate's word and a small relative error in it is a large share of the
+target; the first failing candidate is a much closer point to linearize at, and attributing again
+there gives smaller artifacts. Far below the start no plan reaches the target on the estimate, and
+taking every move would put every layer in full precision; waypoints get there smaller
+(docs/results.md, "Numbers moved out of the code").
 """
 
 import math
