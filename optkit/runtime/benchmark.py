@@ -4,7 +4,8 @@ At each batch size B, B random prompts of prompt_len tokens each generate exactl
 (greedy, EOS ignored), submitted at once. Reported per run: output tokens/s (B * gen_len / wall
 time), TTFT (submission to a request's first token) and TPOT ((last - first) / (gen_len - 1)) as
 p50/p95/p99 over the requests. Baselines: `hf` (transformers `generate` on the same batch, no
-padding since the prompts are equally long) and `eager` (the engine with CUDA graphs off).
+padding since the prompts are equally long), `eager` (the engine with CUDA graphs off) and `vllm`
+(vLLM on the same model, at its default settings and eager: runtime/vllm_baseline.py).
 On CUDA, the batch-1 ceiling: weight bytes / device-to-device copy bandwidth, both measured here.
 """
 
@@ -18,7 +19,7 @@ import torch
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.sequence import SamplingParams
 
-BASELINES = ("hf", "eager")
+BASELINES = ("hf", "eager", "vllm")
 
 
 @dataclass
@@ -31,6 +32,7 @@ class BenchConfig:
     baselines: tuple[str, ...] = ()
     enforce_eager: bool = False
     seed: int = 0
+    vllm_python: str | None = None  # vLLM's venv python, for the vllm baseline
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -196,6 +198,13 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
         for name, run in runners.items():
             log(f"batch {batch_size}: {name}")
             rows.append({"run": name, "batch_size": batch_size, **run(prompts)})
+    vllm = None
+    if "vllm" in config.baselines:  # one worker, each setting loaded once for every batch size
+        from optkit.runtime.vllm_baseline import vllm_rows
+
+        batches = {b: random_prompts(vocab, b, config.prompt_len, config.seed + b) for b in config.batch_sizes}
+        peer_rows, vllm = vllm_rows(path, config, batches, warm, engine.model.config, log)
+        rows = sorted(rows + peer_rows, key=lambda row: row["batch_size"])
     for row in rows:  # ratios against the baselines of the same batch size
         for base in rows:
             if base["batch_size"] == row["batch_size"] and base["run"] != "optkit" and row["run"] == "optkit":
@@ -218,6 +227,8 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
         "cuda_graphs": engine.cuda_graphs_note,
         "rows": rows,
     }
+    if vllm is not None:
+        result["vllm"] = vllm
     if config.device.startswith("cuda"):
         nbytes, bandwidth = weight_bytes(engine.model), copy_bandwidth(config.device)
         ceiling = bandwidth / nbytes

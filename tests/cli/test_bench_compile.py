@@ -24,5 +24,5 @@ def test_bench_table_and_bad_batch_sizes(run_cli, draft_dir):
     assert "tok/s" in out
     code, _, err = run_cli("bench", draft_dir, "--batch-sizes", "1,x")
     assert code == 2 and "--batch-sizes" in err
-    code, _, err = run_cli("bench", draft_dir, "--baseline", "vllm")
-    assert code == 2 and "--baseline" in err
+    code, _, err = run_cli("bench", draft_dir, "--baseline", "vllx")
+    assert code == 2 and "--baseline" in err and "vllm" in err  # the error lists the baselines
