@@ -48,8 +48,8 @@ from optkit.progress import progress_bar
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
 from optkit.quant.ladder import Rung, layer_bytes
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.quant.mixed_artifact import artifact_scheme, layer_rungs
-from optkit.quant.rtn import rtn_quantize
 
 
 @dataclass
@@ -146,14 +146,7 @@ def attribute(
     `rungs`: the quantized rungs to price a move to, for each layer whose own rung takes fewer
     bytes (default: 8 bits)."""
     artifact_dir, base_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
-    manifest = read_manifest(artifact_dir)
-    if manifest is None or not manifest.get("layers"):
-        raise OptkitError(f"{artifact_dir} has no optkit.json with per-layer records: attribute an optkit artifact")
-    config = read_config(artifact_dir)
-    quant_config = config.get("quantization_config") or {}
-    is_w8a8 = getattr(reader_for(quant_config, str(artifact_dir)), "is_w8a8", None)
-    if is_w8a8 and is_w8a8(quant_config):
-        raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
+    manifest, config = _weight_only_manifest(artifact_dir)
     tokens, source = attribution_windows(base_dir, manifest, seq_len, windows)
     scheme = artifact_scheme(manifest)
     on = layer_rungs(manifest)
@@ -164,17 +157,71 @@ def attribute(
 
     base_model, model = load_model(base_dir), load_model(artifact_dir)
     model.requires_grad_(False)
-    family = family_for(config.get("model_type"))
-    module = {name: family.module_name(name) for name in names}  # the manifest names checkpoint keys
+    family = family_for(config.get("model_type"))  # the manifest names checkpoint keys
+    modules = {name: model.get_submodule(family.module_name(name)) for name in names}
     base_weights = TensorReader(base_dir)
 
     def base_weight(name: str) -> torch.Tensor:
         return base_weights.get(f"{name}.weight").float()
 
-    linears = {name: model.get_submodule(module[name]).weight for name in names}
-    for weight in linears.values():
-        weight.requires_grad_(True)
-    second_moments = {name: torch.zeros(w.shape[1], dtype=torch.float64) for name, w in linears.items()}
+    kld = _WindowKLD(base_model, tokens, batch_size)
+    total, second_moments = _backward_pass(model, modules, kld)
+    linears = {name: module.weight for name, module in modules.items()}
+    with torch.no_grad():
+        layers = []
+        for name, weight in linears.items():
+            pricing = (shapes[name], on[name], scheme, targets, eight)
+            layers.append(_layer_sensitivity(name, weight, base_weight(name), second_moments[name], *pricing))
+        layers.sort(key=lambda x: x.first_order, reverse=True)
+        swaps = layers if exact < 0 else layers[:exact]
+        with progress_bar() as bar:  # each layer's exact change: its float weights restored, then put back
+            task = bar.add_task("exact swaps", total=len(swaps), info="")
+            for layer in swaps:
+                weight = linears[layer.name]
+                saved = weight.detach().clone()
+                weight.copy_(base_weight(layer.name))
+                layer.exact = total - kld.mean(model)
+                weight.copy_(saved)
+                bar.update(task, advance=1, info=layer.name)
+    return Attribution(total, source, kld.count, _rescale(layers, swaps), layers)
+
+
+def _weight_only_manifest(artifact_dir: Path) -> tuple[dict, dict]:
+    """(manifest, config.json) of an optkit artifact with per-layer records whose activations stay
+    in float; a user error otherwise."""
+    manifest = read_manifest(artifact_dir)
+    if manifest is None or not manifest.get("layers"):
+        raise OptkitError(f"{artifact_dir} has no optkit.json with per-layer records: attribute an optkit artifact")
+    config = read_config(artifact_dir)
+    quant_config = config.get("quantization_config") or {}
+    if reader_for(quant_config, str(artifact_dir)).is_w8a8(quant_config):
+        raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
+    return manifest, config
+
+
+class _WindowKLD:
+    """Mean KL(P_base ‖ P) over the windows, in batches: the base model's log-probabilities once."""
+
+    def __init__(self, base_model: torch.nn.Module, tokens: torch.Tensor, batch_size: int):
+        self.batches = [tokens[i : i + batch_size] for i in range(0, len(tokens), batch_size)]
+        self.count = sum(b.shape[0] * (b.shape[1] - 1) for b in self.batches)
+        with torch.no_grad():
+            self.base_logp = [torch.log_softmax(base_model(b).logits[:, :-1].float(), dim=-1) for b in self.batches]
+
+    def mean(self, model: torch.nn.Module) -> float:
+        with torch.no_grad():
+            pairs = zip(self.batches, self.base_logp, strict=True)
+            return sum(_kld_sum(r, model(b).logits).item() for b, r in pairs) / self.count
+
+
+def _backward_pass(
+    model: torch.nn.Module, modules: dict[str, torch.nn.Module], kld: _WindowKLD
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """One backward pass for every layer: the mean KLD, each layer's weight gradient (in .grad) and
+    its inputs' second moments H_jj = Σ x_j² (float64)."""
+    for module in modules.values():
+        module.weight.requires_grad_(True)
+    second_moments = {name: torch.zeros(m.weight.shape[1], dtype=torch.float64) for name, m in modules.items()}
 
     def accumulate(name: str):
         def hook(module, inputs, output):  # inputs[0]: [B, T, in] -> H_jj += Σ x_j²
@@ -183,50 +230,46 @@ def attribute(
 
         return hook
 
-    hooks = [model.get_submodule(module[name]).register_forward_hook(accumulate(name)) for name in names]
-    batches = [tokens[i : i + batch_size] for i in range(0, len(tokens), batch_size)]
-    count = sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
-    with torch.no_grad():
-        base_logp = [torch.log_softmax(base_model(b).logits[:, :-1].float(), dim=-1) for b in batches]
+    hooks = [module.register_forward_hook(accumulate(name)) for name, module in modules.items()]
     total = 0.0
-    for batch, reference in zip(batches, base_logp, strict=True):  # one backward pass for every layer
-        loss = _kld_sum(reference, model(batch).logits) / count
+    for batch, reference in zip(kld.batches, kld.base_logp, strict=True):
+        loss = _kld_sum(reference, model(batch).logits) / kld.count
         loss.backward()
         total += loss.item()
     for hook in hooks:
         hook.remove()
+    return total, second_moments
 
-    def mean_kld() -> float:
-        with torch.no_grad():
-            return sum(_kld_sum(r, model(b).logits).item() for b, r in zip(batches, base_logp, strict=True)) / count
 
-    layers = []
-    with torch.no_grad():
-        for name, weight in linears.items():
-            original = base_weight(name)
-            first_order = (weight.grad * (weight - original)).sum().item()
-            moves = {}
-            h = second_moments[name]
-            error = ((weight.double() - original.double()).pow(2) @ h).sum().item()  # E(Ŵ − W)
-            if getattr(scheme, "type", "int") == "int" and error > 0:
-                shape, current = shapes[name], layer_bytes(shapes[name], on[name], scheme)
-                for rung in targets:
-                    if rung.fits(shape[1]) and layer_bytes(shape, rung, scheme) > current:
-                        target = rtn_quantize(original, rung.scheme(scheme)).dequantize()
-                        kept = ((target.double() - original.double()).pow(2) @ h).sum().item() / error
-                        moves[rung.label] = first_order * (1 - kept)
-            layers.append(LayerSensitivity(name, first_order, first_order, moves.get(eight.label), moves))
-        layers.sort(key=lambda x: x.first_order, reverse=True)
-        swaps = layers if exact < 0 else layers[:exact]
-        with progress_bar() as bar:
-            task = bar.add_task("exact swaps", total=len(swaps), info="")
-            for layer in swaps:
-                weight = linears[layer.name]
-                saved = weight.detach().clone()
-                weight.copy_(base_weight(layer.name))
-                layer.exact = total - mean_kld()
-                weight.copy_(saved)
-                bar.update(task, advance=1, info=layer.name)
+def _layer_sensitivity(
+    name: str,
+    weight: torch.Tensor,
+    original: torch.Tensor,
+    h: torch.Tensor,
+    shape: list[int],
+    rung: Rung,
+    scheme,
+    targets: list[Rung],
+    eight: Rung,
+) -> LayerSensitivity:
+    """The first-order KLD change of restoring the layer, g · (Ŵ − W), and of moving it to each
+    larger rung of `targets`: the share of its error E(Ŵ − W) = Σ (Ŵ − W)² H the move removes."""
+    first_order = (weight.grad * (weight - original)).sum().item()
+    moves = {}
+    error = ((weight.double() - original.double()).pow(2) @ h).sum().item()  # E(Ŵ − W)
+    if getattr(scheme, "type", "int") == "int" and error > 0:
+        current = layer_bytes(shape, rung, scheme)
+        for target_rung in targets:
+            if target_rung.fits(shape[1]) and layer_bytes(shape, target_rung, scheme) > current:
+                target = rtn_quantize(original, target_rung.scheme(scheme)).dequantize()
+                kept = ((target.double() - original.double()).pow(2) @ h).sum().item() / error
+                moves[target_rung.label] = first_order * (1 - kept)
+    return LayerSensitivity(name, first_order, first_order, moves.get(eight.label), moves)
+
+
+def _rescale(layers: list[LayerSensitivity], swaps: list[LayerSensitivity]) -> float:
+    """The least-squares scale from first-order to exact changes over the swapped layers, applied
+    to every layer's estimates."""
     fo = torch.tensor([x.first_order for x in swaps], dtype=torch.float64)
     ex = torch.tensor([x.exact for x in swaps], dtype=torch.float64)
     scale = (fo @ ex / (fo @ fo)).item() if swaps and (fo @ fo) > 0 else 1.0
@@ -235,4 +278,4 @@ def attribute(
         if layer.estimate_8bit is not None:
             layer.estimate_8bit *= scale
         layer.moves = {label: scale * value for label, value in layer.moves.items()}
-    return Attribution(total, source, count, scale, layers)
+    return scale
