@@ -17,41 +17,35 @@ def _png(figure) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def _layer_chart(layers: list[dict]) -> str:
+def _per_layer_chart(names: list[str], values: list[float], colors, ylabel: str, title: str) -> str:
+    """A bar per layer, named without the `model.layers.` prefix: a base64 PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     figure, axis = plt.subplots(figsize=(10, 3.5))
-    names = [layer["name"].removeprefix("model.layers.") for layer in layers]
-    axis.bar(range(len(layers)), [layer["rel_error"] for layer in layers], color="#1f77b4")
-    axis.set_xticks(range(len(layers)), names, rotation=90, fontsize=7)
-    axis.set_ylabel("relative weight error ‖W−Ŵ‖/‖W‖")
-    axis.set_title("per-layer quantization error")
+    axis.bar(range(len(values)), values, color=colors)
+    axis.set_xticks(range(len(values)), [n.removeprefix("model.layers.") for n in names], rotation=90, fontsize=7)
+    axis.set_ylabel(ylabel)
+    axis.set_title(title)
     data = _png(figure)
     plt.close(figure)
     return data
+
+
+def _layer_chart(layers: list[dict]) -> str:
+    names, errors = [x["name"] for x in layers], [x["rel_error"] for x in layers]
+    return _per_layer_chart(names, errors, "#1f77b4", "relative weight error ‖W−Ŵ‖/‖W‖", "per-layer quantization error")
 
 
 def _attribution_chart(attribution: dict, raised: dict) -> str:
     """Estimated KLD each linear causes (drop with it in full precision), raised layers in orange."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
     layers = sorted(attribution["layers"], key=lambda x: x["name"])
-    figure, axis = plt.subplots(figsize=(10, 3.5))
     colors = ["#ff7f0e" if x["name"] in raised else "#1f77b4" for x in layers]
-    axis.bar(range(len(layers)), [x["estimate"] for x in layers], color=colors)
-    names = [x["name"].removeprefix("model.layers.") for x in layers]
-    axis.set_xticks(range(len(layers)), names, rotation=90, fontsize=7)
-    axis.set_ylabel("KLD it causes, nats (est.)")
-    axis.set_title("per-layer sensitivity (orange: raised by repair)")
-    data = _png(figure)
-    plt.close(figure)
-    return data
+    names, estimates = [x["name"] for x in layers], [x["estimate"] for x in layers]
+    title = "per-layer sensitivity (orange: raised by repair)"
+    return _per_layer_chart(names, estimates, colors, "KLD it causes, nats (est.)", title)
 
 
 def _attribution_section(manifest: dict) -> str:
