@@ -16,6 +16,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ def vllm_python(given: str | Path | None) -> Path:
         raise OptkitError(
             f"--engine vllm runs vLLM's python: give --vllm-python PATH or set {ENV_PYTHON}; {INSTALL_HINT}"
         )
-    path = Path(value).expanduser()
+    path = Path(os.path.abspath(Path(value).expanduser()))  # the worker runs elsewhere; a venv's link kept
     source = "--vllm-python" if given else ENV_PYTHON
     if not path.is_file() or not os.access(path, os.X_OK):
         raise OptkitError(f"{source} {shorten(str(path))} is not an executable file: {INSTALL_HINT}")
@@ -62,6 +63,15 @@ def vllm_dtype(quantization_config: dict | None) -> str:
     return "float32"
 
 
+class VllmRefused(OptkitError):
+    """vLLM answered a request with an error (a model it cannot load, say); the worker is still up.
+    Any other failure (the worker died, timed out, spoke nonsense) is a plain OptkitError."""
+
+    def __init__(self, op: str, vllm_message: str):
+        self.op, self.vllm_message = op, vllm_message
+        super().__init__(f"vLLM refused {op}: {vllm_message}")
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Seconds each wait may take: the hello, a model load, any other request, the shutdown."""
@@ -81,7 +91,8 @@ class Gathered:
     argmax: torch.Tensor  # int64 [N, T-1]: the artifact's own most likely token
 
 
-_LOG_PREFIX = re.compile(r"^\([^)]*\)\s+(?:ERROR|WARNING|INFO|DEBUG)\s+\S+\s+\S+\s+\[[^\]]*\]\s*")
+# "(EngineCore pid=9) ERROR 12-01 19:19:57 [core.py:1510] " before each line vLLM logs
+_LOG_PREFIX = re.compile(r"^(?:\([^)]*\)\s+)?(?:ERROR|WARNING|INFO|DEBUG)\b[^\[]*\[[^\]]*\]\s*")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b:?")
 
 
@@ -198,9 +209,16 @@ class VllmWorker:
         if not reply["ok"]:
             error = str(reply.get("error"))
             if "root cause" in error or "initialization failed" in error:
-                error = root_cause(list(self.stderr)) or error
-            raise OptkitError(f"vLLM refused {op}: {shorten(error, 600)}")
+                error = self._root_cause() or error
+            raise VllmRefused(op, shorten(error, 600))
         return reply
+
+    def _root_cause(self, wait: float = 2.0) -> str | None:
+        """The exception line vLLM logged, waiting a moment for stderr (its own pipe) to catch up."""
+        deadline = time.monotonic() + wait
+        while (found := root_cause(list(self.stderr))) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
 
     # ---------------------------------------------------------------- requests
     def load(
@@ -213,8 +231,10 @@ class VllmWorker:
         kv_cache_dtype: str = "auto",
         enforce_eager: bool = True,
         seed: int = 0,
+        max_num_seqs: int | None = None,
     ) -> dict:
-        """Load a model (replacing one loaded before): its vocab_size, dtype, quantization and load_s."""
+        """Load a model (replacing one loaded before): its vocab_size, dtype, quantization, load_s
+        and the vLLM version. A model vLLM cannot run raises VllmRefused naming the model."""
         message = {
             "op": "load",
             "model": str(model),
@@ -224,12 +244,13 @@ class VllmWorker:
             "kv_cache_dtype": kv_cache_dtype,
             "enforce_eager": enforce_eager,
             "seed": seed,
+            "max_num_seqs": max_num_seqs,
         }
         try:
             reply = self.request(message, self.timeouts.load)
-        except OptkitError as e:
-            raise OptkitError(f"{shorten(str(model))}: {e}") from e
-        return {k: reply[k] for k in ("vocab_size", "dtype", "quantization", "load_s")}
+        except VllmRefused as e:
+            raise VllmRefused("load", f"{shorten(str(model))}: {e.vllm_message}") from e
+        return {k: reply[k] for k in ("vocab_size", "dtype", "quantization", "load_s")} | {"vllm": self.hello["vllm"]}
 
     def _files(self, **tensors: torch.Tensor) -> dict[str, str]:
         paths = {}

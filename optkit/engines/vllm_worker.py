@@ -54,6 +54,7 @@ class Worker:
         from vllm import LLM
 
         start = time.perf_counter()
+        optional = {"max_num_seqs": request["max_num_seqs"]} if request.get("max_num_seqs") else {}
         self.llm = LLM(
             model=request["model"],
             dtype=request.get("dtype", "auto"),
@@ -65,6 +66,7 @@ class Worker:
             enable_prefix_caching=False,  # a cached prefix would have no prompt log-probs
             max_logprobs=-1,  # the full vocabulary may be asked for
             trust_remote_code=False,  # nothing that comes with a model directory runs
+            **optional,
         )
         config = self.llm.llm_engine.model_config
         return {

@@ -42,9 +42,13 @@ def reference_from_logits(logits: torch.Tensor, tokens: torch.Tensor, k: int) ->
 
 def topk_kld(reference: Reference, log_q: torch.Tensor) -> torch.Tensor:
     """KL(P ‖ Q) over the base's top-k plus a tail bucket: [..., V] log_q -> [...]."""
+    return topk_kld_at(reference, log_q.gather(-1, reference.topk_ids.long()))
+
+
+def topk_kld_at(reference: Reference, log_q_topk: torch.Tensor) -> torch.Tensor:
+    """topk_kld from log Q at the base's top-k ids only ([..., k]): what an outside engine returns."""
     log_p = reference.topk_logp
     p = log_p.exp()
-    log_q_topk = log_q.gather(-1, reference.topk_ids.long())
     p_tail = (1 - p.sum(-1)).clamp(min=0)
     q_tail = (1 - log_q_topk.exp().sum(-1)).clamp(min=1e-12)
     tail = torch.where(p_tail > 1e-12, p_tail * (torch.log(p_tail.clamp(min=1e-12)) - torch.log(q_tail)), 0.0)
@@ -72,6 +76,22 @@ class TokenStats:
         """Comparison with the base's cached top-k (KLD over top-k plus tail)."""
         log_q = torch.log_softmax(artifact_logits[:, :-1].float(), dim=-1)
         self._append(reference.target_nll, log_q, tokens, topk_kld(reference, log_q), reference.topk_ids[..., 0])
+
+    def add_gathered(
+        self,
+        reference: Reference,
+        logp_at_ids: torch.Tensor,
+        target_logp: torch.Tensor,
+        argmax: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
+        """Comparison with the base's top-k from what an outside engine computed ([B, T-1] each, and
+        [B, T-1, k] log Q at reference.topk_ids): the same numbers add_reference gives from full logits."""
+        self.window_tokens.extend([target_logp.shape[-1]] * target_logp.shape[0])
+        self.nll_base.append(reference.target_nll.flatten())
+        self.nll_artifact.append(-target_logp.flatten())
+        self.kld.append(topk_kld_at(reference, logp_at_ids).flatten())
+        self.top1_match.append((reference.topk_ids[..., 0].long() == argmax.long()).flatten())
 
     def _append(
         self,

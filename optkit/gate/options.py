@@ -74,6 +74,9 @@ class GateOptions(Thresholds):
     # gate/sequential.py: windows in a random order (seeded by bootstrap_seed), stopping as soon as
     # every threshold is decided at `confidence` (anytime-valid bets; inconclusive if they run out)
     sequential: bool = False
+    # what runs the artifact (pipeline/gate_engine.py): None is the artifact's default (transformers,
+    # or its format's runtime); vllm reads vLLM's python from OPTKIT_VLLM_PYTHON, never from here
+    engine: Literal["transformers", "optkit", "vllm", "llama.cpp"] | None = None
 
     @model_validator(mode="after")
     def _sequential_needs_a_threshold(self):
