@@ -114,7 +114,9 @@ def _print_table(rows: list[dict], base_rev: str, seconds: float) -> None:
         colour = style.get(row["status"], "red")
         result = f"[{colour}]{row['status']}[/]"
         table.add_row(row["cell"], str(row["files"]), str(row["layers"]), result, row["detail"])
-    console = Console()
+    console = Console(soft_wrap=True)
+    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+    table.width = max(natural, console.width) if natural > console.width else None  # whole cell names
     console.print(table)
     console.print(f"({seconds:.0f}s)")
 
