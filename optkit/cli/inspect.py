@@ -128,7 +128,7 @@ def where_it_loads_table(path):
     from optkit.modeldir import read_config
 
     config = read_config(path)
-    kind = kind_from_quant_config(config["quantization_config"])
+    kind = kind_from_quant_config(config["quantization_config"], str(path / "config.json"))  # as its format says
     table = Table(title=f"where it loads ({kind.describe()}; docs/compatibility.md)", show_header=False)
     for loader, status in where_it_loads(kind, model_type=config.get("model_type")):
         table.add_row(loader, status)

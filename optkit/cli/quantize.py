@@ -249,8 +249,9 @@ def _quantize_and_repair(model, out, options, gate, device, overwrite, json_outp
 def warn_if_unloadable(options, model: str) -> None:
     """One line on stderr when the installed loaders cannot read what is about to be written (of
     this model's family: transformers loads no quantized mixture of experts)."""
-    from optkit.compat.matrix import ArtifactKind, check_installed_versions
+    from optkit.compat.matrix import check_installed_versions
     from optkit.modeldir import read_config, resolve_model_dir
+    from optkit.quant.formats.kind import ArtifactKind
 
     w = options.weights
     kind = ArtifactKind(options.format, w.bits, w.symmetric, w8a8=options.activations is not None)

@@ -1,8 +1,10 @@
 """The compatibility matrix as data: artifact kinds, loaders, and the upstream breakages measured.
 
-Pure data and small functions (no torch): `optkit quantize` warns from it before work starts,
-`optkit inspect` says where an artifact loads, tests/compat asserts every entry, and
-bench/compat_matrix.py renders docs/compatibility.md from the test results.
+Data and small functions: `optkit quantize` warns from it before work starts, `optkit inspect`
+says where an artifact loads, tests/compat asserts every entry, and bench/compat_matrix.py renders
+docs/compatibility.md from the test results. What only a format knows (which loaders read it, and
+vLLM's loader for a kind) its `CheckpointFormat` says (LOADERS, vllm_loader): a plug-in format
+gets its rows without an entry here.
 """
 
 from dataclasses import dataclass
@@ -11,32 +13,17 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from optkit.quant.formats import get_format, reader_for
+from optkit.quant.formats.kind import ArtifactKind
+
 TRANSFORMERS = "transformers (+ compressed-tensors)"
 GPTQMODEL = "transformers + gptqmodel"
 OPTKIT = "optkit runtime"
 VLLM = "vLLM"
 LLAMA_CPP = "llama.cpp"  # GGUF files only (quant/formats/gguf.py)
 LOADERS = (OPTKIT, TRANSFORMERS, GPTQMODEL, VLLM, LLAMA_CPP)
-
-
-@dataclass(frozen=True)
-class ArtifactKind:
-    """What decides whether a loader can read an artifact (the method only changes the numbers)."""
-
-    format: str  # compressed-tensors | gptq | awq | bitsandbytes
-    bits: int
-    symmetric: bool
-    w8a8: bool = False  # 8-bit weights and activations (compressed-tensors int- or float-quantized)
-    type: str = "int"  # the weights' numbers: int, float (FP8 E4M3) or nf4
-
-    def describe(self) -> str:
-        if self.format == "gguf":
-            return f"gguf {'Q8_0' if self.bits == 8 else 'Q4_0' if self.symmetric else 'Q4_1'}"
-        if self.w8a8:
-            return f"{self.format} W8A8 {'fp8' if self.type == 'float' else 'int8'}"
-        if self.type == "nf4":
-            return f"{self.format} nf4"
-        return f"{self.format} w{self.bits} {'sym' if self.symmetric else 'asym'}"
+# each loader by the name a format's LOADERS gives it (vLLM: the format's `vllm_loader`)
+LOADER_NAMES = {OPTKIT: "optkit", TRANSFORMERS: "transformers", GPTQMODEL: "gptqmodel", LLAMA_CPP: "llama.cpp"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +56,13 @@ class Breakage:
         )
 
 
+def _with_compressed_tensors(pairs: str) -> tuple[dict[str, str], ...]:
+    """Version sets from "TRANSFORMERS COMPRESSED_TENSORS, ..." (the versions of the two packages)."""
+    return tuple(
+        dict(zip(("transformers", "compressed-tensors"), pair.split(), strict=True)) for pair in pairs.split(", ")
+    )
+
+
 # Measured in scratch environments (torch 2.13.0, docs/compatibility.md) and by tests/compat.
 # transformers 5.23 builds the compressed modules on the meta device before loading
 # (`CompressedTensorsHfQuantizer._process_model_before_weight_loading` -> `compress_model`), and
@@ -87,22 +81,11 @@ CT_ASYM_TRANSFORMERS_5_23 = Breakage(
         "through quantizers/quantizer_compressed_tensors.py _process_model_before_weight_loading"
     ),
     remedy="load with quantization_config=CompressedTensorsConfig(dequantize=True), or pass --sym",
-    measured_ok=(
-        {"transformers": "5.21.1", "compressed-tensors": "0.20.1"},
-        {"transformers": "5.22.2", "compressed-tensors": "0.20.1"},
-        {"transformers": "5.22.2", "compressed-tensors": "0.17.1"},
-        {"transformers": "5.22.2", "compressed-tensors": "0.19.0"},
-        {"transformers": "5.20.2", "compressed-tensors": "0.20.0"},
-        {"transformers": "5.23.0", "compressed-tensors": "0.17.1"},
-        {"transformers": "5.24.0", "compressed-tensors": "0.17.1"},
+    measured_ok=_with_compressed_tensors(
+        "5.21.1 0.20.1, 5.22.2 0.20.1, 5.22.2 0.17.1, 5.22.2 0.19.0, 5.20.2 0.20.0, 5.23.0 0.17.1, 5.24.0 0.17.1"
     ),
-    measured_broken=(
-        {"transformers": "5.23.0", "compressed-tensors": "0.18.0"},
-        {"transformers": "5.23.0", "compressed-tensors": "0.19.0"},
-        {"transformers": "5.23.0", "compressed-tensors": "0.20.1"},
-        {"transformers": "5.24.0", "compressed-tensors": "0.18.0"},
-        {"transformers": "5.24.0", "compressed-tensors": "0.19.0"},
-        {"transformers": "5.24.0", "compressed-tensors": "0.20.1"},
+    measured_broken=_with_compressed_tensors(
+        "5.23.0 0.18.0, 5.23.0 0.19.0, 5.23.0 0.20.1, 5.24.0 0.18.0, 5.24.0 0.19.0, 5.24.0 0.20.1"
     ),
 )
 BREAKAGES = (CT_ASYM_TRANSFORMERS_5_23,)
@@ -210,66 +193,35 @@ def check_installed_versions(
 
 def vllm_path(kind: ArtifactKind) -> str | None:
     """The vLLM loader that reads `kind` (by spec, optkit/compat/vllm_spec.py), or None."""
-    if kind.format == "compressed-tensors":
-        if kind.w8a8:
-            return "compressed-tensors W8A8Fp8" if kind.type == "float" else "compressed-tensors W8A8Int8"
-        if kind.symmetric or kind.bits in (4, 8):
-            return "compressed-tensors WNA16"
-        return None  # WNA16 zero points: 4 and 8 bits only
-    if kind.format == "gptq":
-        return "GPTQ-Marlin" if kind.bits in (4, 8) and kind.symmetric else "GPTQ (exllama)"
-    if kind.format == "awq":
-        return "AWQ-Marlin" if kind.bits == 4 else None
-    if kind.format == "bitsandbytes":
-        return "bitsandbytes (pre-quantized 4-bit)"
-    return None
+    return get_format(kind.format).vllm_loader(kind)
 
 
 def expected_status(
     kind: ArtifactKind, loader: str, versions: dict[str, str | None] | None = None, model_type: str | None = None
 ) -> str:
     """What the matrix expects: "loads", "fails" (a known breakage), "by spec", "no" (the loader
-    does not read this kind) or "untested". `model_type`: the artifact's family, where it matters."""
-    if kind.format == "gguf" or loader == LLAMA_CPP:  # llama.cpp reads GGUF, and nothing else does
-        return "loads" if kind.format == "gguf" and loader == LLAMA_CPP else "no"
+    does not read this kind) or "untested" (a manual check, or a package the loader needs for this
+    format is missing). `model_type`: the artifact's family, where it matters."""
+    if loader not in LOADERS:
+        raise ValueError(loader)
+    needs = get_format(kind.format).LOADERS.get(LOADER_NAMES.get(loader))
+    if (vllm_path(kind) is None) if loader == VLLM else (needs is None):
+        return "no"
     if family_breakages(model_type, loader, versions, kind.format):
         return "fails"
-    if loader == OPTKIT:
-        return "loads"
-    if loader == TRANSFORMERS:
-        if kind.format == "bitsandbytes":  # transformers reads it through the bitsandbytes package
-            return "loads" if installed_version("bitsandbytes") else "untested"
-        if kind.format != "compressed-tensors":
-            return "no"  # transformers reads GPTQ/AWQ only through gptqmodel
-        return "fails" if known_breakages(kind, versions) else "loads"
-    if loader == GPTQMODEL:
-        return "untested" if kind.format != "compressed-tensors" else "no"
+    if loader == TRANSFORMERS and known_breakages(kind, versions):
+        return "fails"
     if loader == VLLM:
-        return "by spec" if vllm_path(kind) else "no"
-    raise ValueError(loader)
+        return "by spec"
+    if loader == GPTQMODEL or any(installed_version(package) is None for package in needs):
+        return "untested"
+    return "loads"
 
 
-def kind_from_quant_config(quant_config: dict) -> ArtifactKind:
-    """The kind of an artifact from its config.json `quantization_config`."""
-    method = quant_config.get("quant_method")
-    if method == "compressed-tensors":
-        weights = next(iter(quant_config["config_groups"].values()))["weights"]
-        return ArtifactKind(
-            "compressed-tensors",
-            weights["num_bits"],
-            weights["symmetric"],
-            w8a8=quant_config.get("format") in ("int-quantized", "float-quantized"),
-            type="float" if weights.get("type") == "float" else "int",
-        )
-    if method == "bitsandbytes":
-        return ArtifactKind("bitsandbytes", 4, True, type=quant_config.get("bnb_4bit_quant_type", "nf4"))
-    if method == "gguf":
-        return ArtifactKind("gguf", quant_config["bits"], quant_config["sym"])
-    if method == "gptq":
-        return ArtifactKind("gptq", quant_config["bits"], quant_config.get("sym", True))
-    if method == "awq":
-        return ArtifactKind("awq", quant_config["bits"], False)
-    raise ValueError(f"unknown quant_method {method!r}")
+def kind_from_quant_config(quant_config: dict, where: str = "config.json") -> ArtifactKind:
+    """The kind of an artifact from its config.json `quantization_config`, as its format says; one
+    OptkitError naming `where` for a block no registered format wrote."""
+    return reader_for(quant_config, where).artifact_kind(quant_config)
 
 
 def where_it_loads(

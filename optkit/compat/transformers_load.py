@@ -120,6 +120,7 @@ def check_transformers_load(
     """Load `path` in transformers and compare its logits with the runtime's (see the module doc);
     rtol overrides the relative tolerance, kwargs go to `from_pretrained`."""
     from optkit.modeldir import read_config
+    from optkit.quant.formats import reader_for
 
     config = read_config(path)
     model, problems = load_transformers(path, **kwargs)
@@ -131,7 +132,7 @@ def check_transformers_load(
     if sequences is None:  # the vocabulary as the runtime reads it (Gemma 3 keeps it in text_config)
         sequences = sample_sequences(runtime_config.vocab_size)
     quant_config = config.get("quantization_config", {})
-    w8a8 = quant_config.get("format") in ("int-quantized", "float-quantized")
+    w8a8 = bool(quant_config) and reader_for(quant_config, str(path)).is_w8a8(quant_config)
     if rtol is None and quant_config.get("quant_method") == "bitsandbytes":
         rtol = BNB_RTOL
     expected = runtime_logits(path, sequences)

@@ -32,7 +32,8 @@ import math
 
 import torch
 
-from optkit.compat.matrix import ArtifactKind, kind_from_quant_config, vllm_path
+from optkit.compat.matrix import kind_from_quant_config, vllm_path
+from optkit.quant.formats.kind import ArtifactKind
 
 Spec = dict[str, tuple[torch.dtype | None, tuple[int, ...]]]  # suffix -> (dtype or None: any float, shape)
 
@@ -153,7 +154,9 @@ def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict
     kind = kind_from_quant_config(quant_config)
     path = vllm_path(kind)
     if path is None:
-        return [f"vLLM has no loader for {kind.describe()} (see optkit/compat/vllm_spec.py)"]
+        return [f"vLLM has no loader for {kind.describe()}: not loadable by vLLM (see optkit/compat/vllm_spec.py)"]
+    if kind.format not in REQUIRED_KEYS:  # a plug-in format that names a vLLM loader whose layout is not written here
+        return [f"{path}: optkit/compat/vllm_spec.py has no spec of what vLLM reads for {kind.format}: not checked"]
     problems = [f"quantization_config lacks {key!r}" for key in REQUIRED_KEYS[kind.format] if key not in quant_config]
     problems += moe_problems(config, tensors)
     if kind.format == "compressed-tensors" and not kind.w8a8:

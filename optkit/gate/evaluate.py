@@ -15,6 +15,7 @@ from optkit.gate.decision import EXIT_CODES, Decision, decide
 from optkit.gate.intervals import Bootstrap, bootstrap_items, bootstrap_windows
 from optkit.gate.metrics import Reference, TokenStats, WindowStats, kld_histogram, reference_from_logits, summarize
 from optkit.gate.options import GateOptions
+from optkit.gate.outside_runtime import outside_model
 from optkit.gate.power import plan as power_plan
 from optkit.gate.power import spreads
 from optkit.gate.reference_cache import (
@@ -30,8 +31,7 @@ from optkit.gate.thresholds import Check
 from optkit.json_strict import finite
 from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
-from optkit.quant.formats.gguf_read import is_gguf
-from optkit.quant.formats.gguf_read import read_config as read_gguf_config
+from optkit.quant.formats import file_format
 from optkit.quant.formats.load import load_model
 
 
@@ -168,8 +168,8 @@ def evaluate(
     eval_set, seq_len, max_windows = options.eval_set, options.seq_len, options.max_windows
     reference_cache, top_k, task = options.reference_cache, options.top_k, options.task
     start = time.perf_counter()
-    gguf_file = is_gguf(artifact)  # a .gguf is evaluated by llama.cpp, everything else by transformers
-    artifact_dir = Path(artifact) if gguf_file else resolve_model_dir(artifact)
+    one_file = file_format(artifact)  # a .gguf runs in its format's runtime (llama.cpp), the rest in transformers
+    artifact_dir = Path(artifact) if one_file else resolve_model_dir(artifact)
     baseline_dir = resolve_model_dir(baseline)
     texts = load_text_set(eval_set)
     tokenizer = load_tokenizer(baseline_dir)
@@ -188,7 +188,7 @@ def evaluate(
         windows = windows[torch.randperm(configured, generator=generator)[:pilot_windows].sort().values]
 
     base_vocab = read_config(baseline_dir)["vocab_size"]
-    artifact_vocab = (read_gguf_config if gguf_file else read_config)(artifact_dir)["vocab_size"]
+    artifact_vocab = (one_file.file_config if one_file else read_config)(artifact_dir)["vocab_size"]
     if base_vocab != artifact_vocab:
         raise OptkitError(
             f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
@@ -197,7 +197,7 @@ def evaluate(
     key = reference_key(baseline_dir, windows, top_k) if reference_cache else None
     reference = load_reference(key) if key else None
     if artifact_model is None:
-        artifact_model = _gguf_model(artifact_dir, seq_len) if gguf_file else load_model(artifact_dir)
+        artifact_model = outside_model(one_file, artifact_dir, seq_len) if one_file else load_model(artifact_dir)
     base_model = load_model(baseline_dir) if reference is None else None
     bets = new_gate(options, options.alpha) if options.sequential else None
 
@@ -258,7 +258,7 @@ def evaluate(
         metrics["task_acc_base"] = base_correct.double().mean().item()
         metrics["task_acc_artifact"] = artifact_correct.double().mean().item()
         metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
-    if gguf_file:
+    if one_file:
         artifact_model.close()
     window_stats = WindowStats.of(stats)
     decision, bounds, plan = judge(metrics, window_stats, answers, options, eval_windows=configured)
@@ -300,11 +300,3 @@ def _cached_answers(key: str, questions: int) -> torch.Tensor | None:
     if not isinstance(value, list) or len(value) != questions or any(v not in (0, 1) for v in value):
         return None  # absent, damaged or from another task: recomputed, never trusted
     return torch.tensor(value, dtype=torch.bool)
-
-
-def _gguf_model(path: Path, seq_len: int):
-    """llama.cpp with a context long enough for the windows and the task's questions."""
-    from optkit.gate.llama_cpp import LlamaCppModel
-
-    context = read_gguf_config(path)["max_position_embeddings"] or 2048
-    return LlamaCppModel(path, n_ctx=max(seq_len, min(context, 2048)))

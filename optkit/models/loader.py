@@ -138,8 +138,7 @@ def _install_quantized(
     from optkit.quant.formats.mixed import layer_schemes
 
     fmt = reader_for(quant_config, str(path))
-    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
-    if is_w8a8 and is_w8a8(quant_config):
+    if fmt.is_w8a8(quant_config):  # int8 (or FP8) activations: compressed-tensors' W8A8
         try:
             modules = fmt.w8a8_modules(tensors, quant_config)
         except OptkitError as e:  # a layer whose tensors do not fit each other

@@ -89,7 +89,7 @@ class Recipe(BaseModel):
     def _stages_an_outside_runtime_can_take(self):
         """A format run by an outside runtime (GGUF: llama.cpp) has nothing for `optkit compile` to
         warm, and the gate's repair rewrites artifact directories layer by layer (not a GGUF file)."""
-        outside = getattr(get_format(self.quantize.format), "runtime", None)
+        outside = get_format(self.quantize.format).runtime
         if self.compile is not None and outside is not None:
             raise ValueError(
                 f"compile warms optkit's runtime, and a {self.quantize.format} release runs in {outside}: "

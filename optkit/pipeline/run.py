@@ -135,7 +135,7 @@ def run_recipe(
         {"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()}
     )
     fmt = get_format(recipe.quantize.format)
-    one_file = getattr(fmt, "write_file", None) is not None  # GGUF: one file; its manifest lives in the record
+    one_file = fmt.SUFFIX is not None  # GGUF: one file; its manifest lives in the record
     artifact = work / (f"model{fmt.SUFFIX}" if one_file else "quantized")
     done = _record(work, "quantize")
     if one_file:

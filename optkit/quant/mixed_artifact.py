@@ -55,8 +55,7 @@ def write_mixed_artifact(source: Path, base: Path, rungs: dict[str, Rung | int |
     check_mixed(manifest["format"])
     fmt = get_format(manifest["format"])
     config = read_config(source)
-    is_w8a8 = getattr(fmt, "is_w8a8", None)
-    if is_w8a8 and is_w8a8(config["quantization_config"]):
+    if fmt.is_w8a8(config["quantization_config"]):
         raise OptkitError("repair raises weight precision: a W8A8 artifact quantizes activations too")
     scheme = artifact_scheme(manifest)
     if not (source / WEIGHTS).is_file():

@@ -142,9 +142,8 @@ class QuantizeOptions(BaseModel):
                 )
         # GPTQ settings left unset take the format's defaults (GGUF Q4_0: act-order, static groups and
         # llama.cpp's scale rule), else the plain ones; what is recorded is what ran
-        defaults = getattr(get_format(self.format), "gptq_defaults", None)
-        uses_gptq = composition.uses("gptq")
-        object.__setattr__(self, "gptq", self.gptq.resolved(defaults(self.weights) if defaults and uses_gptq else None))
+        defaults = get_format(self.format).gptq_defaults(self.weights) if composition.uses("gptq") else None
+        object.__setattr__(self, "gptq", self.gptq.resolved(defaults))
         for method in methods.registered_methods().values():
             if method.unused is not None and not composition.uses(method.name):
                 problem = method.unused(self.section(method))
@@ -202,7 +201,7 @@ def quantize_model(
     _staging: bool = False,
 ) -> dict:
     """Quantize `model` into `out` and return the manifest written there."""
-    if getattr(get_format(options.format), "write_file", None) is not None and not _staging:
+    if get_format(options.format).SUFFIX is not None and not _staging:
         return _quantize_to_file(model, Path(out), options, overwrite=overwrite, device=device)
     start = time.perf_counter()
     check_output_dir(out, overwrite)
@@ -232,10 +231,8 @@ def quantize_model(
                 f"--method {stage.name} cannot be written as --format {options.format}: "
                 f"use --format {' or '.join(stage.formats)}"
             )
-    if getattr(fmt, "check_model", None) is not None:  # what the format cannot hold, before calibrating
-        fmt.check_model(config_dict, base)
-    constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
-    work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
+    fmt.check_model(config_dict, base)  # what the format cannot hold, before calibrating
+    work = options.model_copy(update={"weights": fmt.constrain(options.weights)})  # GGUF: its fp16 blocks' scales
 
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:

@@ -3,7 +3,7 @@
 import pytest
 
 from optkit.compat import matrix
-from optkit.compat.matrix import ArtifactKind
+from optkit.quant.formats.kind import ArtifactKind
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from optkit.compat import matrix
-from optkit.compat.matrix import ArtifactKind
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats.gguf_read import read_config, write_model_dir
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.compat.test_matrix import _versions
@@ -22,13 +22,12 @@ CALIB = {"num_samples": 8, "seq_len": 64}
 
 def test_the_matrix_says_only_llama_cpp_reads_gguf_and_it_reads_only_gguf():
     for qtype, (_, bits, symmetric) in KINDS.items():
-        kind = ArtifactKind("gguf", bits, symmetric)
-        assert kind.describe() == f"gguf {qtype}"
+        config = {"quant_method": "gguf", "type": qtype, "bits": bits, "sym": symmetric, "group_size": 32}
+        kind = matrix.kind_from_quant_config(config)
+        assert kind == ArtifactKind("gguf", bits, symmetric) and kind.describe() == f"gguf {qtype}"
         assert dict(matrix.where_it_loads(kind)) == {
             loader: ("loads" if loader == matrix.LLAMA_CPP else "no") for loader in matrix.LOADERS
         }
-        config = {"quant_method": "gguf", "type": qtype, "bits": bits, "sym": symmetric, "group_size": 32}
-        assert matrix.kind_from_quant_config(config) == kind
     assert matrix.expected_status(ArtifactKind("compressed-tensors", 4, True), matrix.LLAMA_CPP) == "no"
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from optkit.compat import matrix
-from optkit.compat.matrix import ArtifactKind
 from optkit.compat.transformers_load import check_transformers_load
 from optkit.compat.vllm_spec import check_vllm_spec
 from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.quant.fp8 import FP8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.quant.smoothquant import W8_PER_CHANNEL

@@ -3,7 +3,7 @@
 import pytest
 
 from optkit.compat import matrix
-from optkit.compat.matrix import ArtifactKind
+from optkit.quant.formats.kind import ArtifactKind
 
 ASYM = ArtifactKind("compressed-tensors", 4, False)
 BROKEN = {"transformers": "5.24.0", "compressed-tensors": "0.20.1"}

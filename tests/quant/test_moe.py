@@ -295,8 +295,9 @@ def test_runtime_on_an_artifact_matches_the_dequantized_reference_of_its_own_ten
 
 def test_the_matrix_says_transformers_cannot_load_quantized_moe_artifacts_and_why():
     from optkit.compat import matrix
+    from optkit.quant.formats.kind import ArtifactKind
 
-    kind = matrix.ArtifactKind("compressed-tensors", 4, True)
+    kind = ArtifactKind("compressed-tensors", 4, True)
     versions = {"transformers": "5.24.0", "compressed-tensors": "0.20.1"}
     for model_type in MOE_FAMILIES:
         assert matrix.expected_status(kind, matrix.TRANSFORMERS, versions, model_type) == "fails"

@@ -9,11 +9,11 @@ import torch
 from optkit.kernels.packed_int import PackedIntLinear
 from optkit.quant import methods
 from optkit.quant.formats import format_names, reader_for, registered_format
-from optkit.quant.formats.common import dequantize_layers
 from optkit.quant.rtn import minmax_qparams, quantize
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills
+from tests.quant.toy_format import ToyFormat
 
 
 def pow2_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
@@ -26,39 +26,6 @@ def pow2_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtyp
 POW2 = methods.Method(
     name="pow2", summary="round to nearest on power-of-two scales", quantize_weight=pow2_quantize, bits=(4, 8)
 )
-
-
-class ToyFormat:
-    """int8 codes, fp32 scales and zero points, one tensor each; config block `quant_method: toy`."""
-
-    NAME = "toy"
-    MARKER = "toy_q"
-    SUFFIXES = ("toy_q", "toy_scale", "toy_zero")
-
-    def detect(self, quant_config: dict) -> bool:
-        return quant_config.get("quant_method") == self.NAME
-
-    def check(self, scheme, act_order, layers, activations=None) -> None:
-        assert activations is None and not act_order
-
-    def quantization_config(self, scheme, act_order, ignore, activations=None) -> dict:
-        return {"quant_method": self.NAME, **scheme.model_dump(), "ignore": ignore}
-
-    def compress(self, prefix, qw, activations=None) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.toy_q": qw.q, f"{prefix}.toy_scale": qw.scale.float(), f"{prefix}.toy_zero": qw.zero_point}
-
-    def scheme_from_config(self, quant_config: dict) -> WeightScheme:
-        return WeightScheme(**{k: quant_config[k] for k in ("bits", "group_size", "symmetric")})
-
-    def decompress(self, prefix, tensors, scheme) -> QuantizedWeight:
-        return QuantizedWeight(
-            tensors[f"{prefix}.toy_q"], tensors[f"{prefix}.toy_scale"], tensors[f"{prefix}.toy_zero"], scheme
-        )
-
-    def dequantized_state_dict(self, tensors, quant_config, dtype=torch.float32):
-        scheme = self.scheme_from_config(quant_config)
-        read = lambda prefix: self.decompress(prefix, tensors, scheme)  # noqa: E731
-        return dequantize_layers(tensors, self.MARKER, self.SUFFIXES, read, dtype)
 
 
 @pytest.fixture

@@ -12,26 +12,36 @@ No g_idx: GPTQ act-order cannot be stored (static groups can).
 import torch
 
 from optkit.errors import OptkitError
-from optkit.quant.formats.common import dequantize_layers
+from optkit.quant.formats.common import dequantize_layers, weight_only
+from optkit.quant.formats.defaults import check_model as check_model
+from optkit.quant.formats.defaults import constrain as constrain
+from optkit.quant.formats.defaults import file_config as file_config
+from optkit.quant.formats.defaults import gptq_defaults as gptq_defaults
+from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
+from optkit.quant.formats.defaults import quant_method_is
+from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
+from optkit.quant.formats.defaults import write_file as write_file
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
 NAME = "awq"
+detect = quant_method_is(NAME)
+# CheckpointFormat's defaults, imported above (formats/defaults.py):
+# check_model, constrain, file_config, gptq_defaults, is_w8a8, w8a8_modules, write_file
 SUFFIXES = ("qweight", "qzeros", "scales")
 MARKER = "qweight"  # the suffix that marks a quantized linear
+SUFFIX = None  # an artifact directory
+runtime = None  # optkit's runtime
+LOADERS = {"optkit": (), "gptqmodel": ()}  # and vLLM (`vllm_loader`)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column held by nibble i of each int32
 OFFSET = 8  # signed 4-bit q in [-8, 7] <-> unsigned [0, 15]
-
-
-def detect(quant_config: dict) -> bool:
-    return quant_config.get("quant_method") == NAME
 
 
 def check(
     scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
 ) -> None:
-    if activations is not None:
-        raise OptkitError(f"--format {NAME} stores weight-only quantization: W8A8 needs --format compressed-tensors")
+    weight_only(NAME, activations)
     if scheme.bits != 4:
         raise OptkitError(f"--format awq stores 4-bit weights, not {scheme.bits}: use --format compressed-tensors")
     if scheme.group_size == -1:
@@ -97,6 +107,14 @@ def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightSche
 def scheme_from_config(quant_config: dict) -> WeightScheme:
     # zero points are always stored; the integers read back are exact either way
     return WeightScheme(bits=quant_config["bits"], group_size=quant_config["group_size"], symmetric=False)
+
+
+def artifact_kind(quant_config: dict) -> ArtifactKind:
+    return ArtifactKind(NAME, quant_config["bits"], False)  # zero points always stored
+
+
+def vllm_loader(kind: ArtifactKind) -> str | None:
+    return "AWQ-Marlin" if kind.bits == 4 else None
 
 
 def dequantized_state_dict(

@@ -24,12 +24,24 @@ import torch
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import read_checked
+from optkit.quant.formats.defaults import check_model as check_model
+from optkit.quant.formats.defaults import constrain as constrain
+from optkit.quant.formats.defaults import file_config as file_config
+from optkit.quant.formats.defaults import gptq_defaults as gptq_defaults
+from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
+from optkit.quant.formats.defaults import quant_method_is
+from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
+from optkit.quant.formats.defaults import write_file as write_file
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.quant.nf4 import NESTED_BLOCKSIZE, double_dequantize, double_quantize
 from optkit.weights.codebooks import dynamic_code, nf4_code
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
 NAME = "bitsandbytes"
+detect = quant_method_is(NAME)
+# CheckpointFormat's defaults, imported above (formats/defaults.py):
+# check_model, constrain, file_config, gptq_defaults, is_w8a8, w8a8_modules, write_file
 QUANT_STATE = "weight.quant_state.bitsandbytes__nf4"
 MARKER = "weight.quant_map"  # the suffix that marks a quantized linear
 SUFFIXES = (
@@ -44,10 +56,9 @@ BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # what bitsandbytes' qua
 MAX_STATE_BYTES = 4096  # a quant state is a few keys of JSON
 MAX_DIM = 2**24  # a side of a quantized weight (an output head's: the vocabulary)
 DTYPE = "float32"  # the dtype bitsandbytes dequantizes to (and computes in): exact, like optkit's reference
-
-
-def detect(quant_config: dict) -> bool:
-    return quant_config.get("quant_method") == NAME
+SUFFIX = None  # an artifact directory
+runtime = None  # optkit's runtime
+LOADERS = {"optkit": (), "transformers": ("bitsandbytes",), "gptqmodel": ()}  # and vLLM (`vllm_loader`)
 
 
 def check(
@@ -194,6 +205,14 @@ def scheme_from_config(quant_config: dict) -> WeightScheme:
     return WeightScheme(
         bits=4, group_size=64, type="nf4", double_quant=bool(quant_config.get("bnb_4bit_use_double_quant"))
     )
+
+
+def artifact_kind(quant_config: dict) -> ArtifactKind:
+    return ArtifactKind(NAME, 4, True, type=quant_config.get("bnb_4bit_quant_type", "nf4"))
+
+
+def vllm_loader(kind: ArtifactKind) -> str:
+    return "bitsandbytes (pre-quantized 4-bit)"
 
 
 def dequantized_state_dict(

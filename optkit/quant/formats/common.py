@@ -10,6 +10,14 @@ from optkit.errors import OptkitError, shown_shape
 from optkit.weights.quantized import QuantizedWeight
 
 
+def weight_only(format_name: str, activations: str | None) -> None:
+    """`check`'s refusal of W8A8 for a layout that stores weights only."""
+    if activations is not None:
+        raise OptkitError(
+            f"--format {format_name} stores weight-only quantization: W8A8 needs --format compressed-tensors"
+        )
+
+
 def dequantize_layers(
     tensors: dict[str, torch.Tensor],
     marker: str,

@@ -23,19 +23,28 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.common import dequantize_layers
+from optkit.quant.formats.defaults import check_model as check_model
+from optkit.quant.formats.defaults import constrain as constrain
+from optkit.quant.formats.defaults import file_config as file_config
+from optkit.quant.formats.defaults import gptq_defaults as gptq_defaults
+from optkit.quant.formats.defaults import quant_method_is
+from optkit.quant.formats.defaults import write_file as write_file
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
 NAME = "compressed-tensors"
+detect = quant_method_is(NAME)
+# CheckpointFormat's defaults, imported above (formats/defaults.py):
+# check_model, constrain, file_config, gptq_defaults, write_file
 FORMAT = "pack-quantized"
 W8A8_FORMAT = "int-quantized"
 FP8_FORMAT = "float-quantized"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 MARKER = "weight_packed"  # the suffix that marks a quantized linear
-
-
-def detect(quant_config: dict) -> bool:
-    return quant_config.get("quant_method") == NAME
+SUFFIX = None  # an artifact directory
+runtime = None  # optkit's runtime
+LOADERS = {"optkit": (), "transformers": ("compressed-tensors",)}  # and vLLM (`vllm_loader`)
 
 
 def check(
@@ -173,6 +182,26 @@ def scheme_from_config(quant_config: dict) -> WeightScheme:
         group_size=-1 if weights.get("strategy") == "channel" else weights["group_size"],
         symmetric=weights["symmetric"],
     )
+
+
+def artifact_kind(quant_config: dict) -> ArtifactKind:
+    """The kind of the artifact's own scheme (its first group; a mixed one's others are rungs of it)."""
+    weights = next(iter(quant_config["config_groups"].values()))["weights"]
+    return ArtifactKind(
+        NAME,
+        weights["num_bits"],
+        weights["symmetric"],
+        w8a8=is_w8a8(quant_config),
+        type="float" if weights.get("type") == "float" else "int",
+    )
+
+
+def vllm_loader(kind: ArtifactKind) -> str | None:
+    if kind.w8a8:
+        return "compressed-tensors W8A8Fp8" if kind.type == "float" else "compressed-tensors W8A8Int8"
+    if kind.symmetric or kind.bits in (4, 8):
+        return "compressed-tensors WNA16"
+    return None  # WNA16 zero points: 4 and 8 bits only
 
 
 def dequantized_state_dict(

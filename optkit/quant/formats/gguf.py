@@ -24,17 +24,25 @@ from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
-from optkit.quant.formats.common import dequantize_layers
+from optkit.quant.formats.common import dequantize_layers, weight_only
+from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
+from optkit.quant.formats.defaults import quant_method_is
+from optkit.quant.formats.defaults import vllm_loader as vllm_loader
+from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.weights import gguf_blocks
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 from optkit.weights.stored import StoredScheme
 
 NAME = "gguf"
+detect = quant_method_is(NAME)
+# CheckpointFormat's defaults, imported above (formats/defaults.py): is_w8a8, vllm_loader, w8a8_modules
 MARKER = "gguf_blocks"
 SUFFIXES = ("gguf_blocks",)
 SUFFIX = ".gguf"  # what `optkit eval` and the runtime recognise as a GGUF file
 runtime = "llama.cpp"
+LOADERS = {"llama.cpp": ()}  # llama.cpp reads GGUF, and no other loader of the matrix does
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
 
 
@@ -54,15 +62,10 @@ def block_type(scheme: WeightScheme) -> str:
     raise OptkitError(f"--format gguf has no {scheme.bits}-bit block type optkit writes: use --bits 4 or 8")
 
 
-def detect(quant_config: dict) -> bool:
-    return quant_config.get("quant_method") == NAME
-
-
 def check(
     scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
 ) -> None:
-    if activations is not None:
-        raise OptkitError("--format gguf stores weight-only quantization: W8A8 needs --format compressed-tensors")
+    weight_only(NAME, activations)
     block_type(scheme)
     if act_order == "group":
         raise OptkitError("--format gguf keeps each block's 32 columns together: with --act-order add --static-groups")
@@ -131,6 +134,18 @@ def scheme_from_config(quant_config: dict) -> StoredScheme:
         symmetric=quant_config["sym"],
         float_zero=not quant_config["sym"],
     )
+
+
+def artifact_kind(quant_config: dict) -> ArtifactKind:
+    bits, symmetric = quant_config["bits"], quant_config["sym"]
+    return ArtifactKind(NAME, bits, symmetric, label="Q8_0" if bits == 8 else "Q4_0" if symmetric else "Q4_1")
+
+
+def file_config(path: Path) -> dict:
+    """The Hugging Face config a .gguf's metadata describes, once the file checks out (gguf_read.py)."""
+    from optkit.quant.formats.gguf_read import read_config
+
+    return read_config(path)
 
 
 def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:

@@ -14,25 +14,35 @@ The v1 zero-point offset cannot store an unsigned zero of 0, so this writer is s
 import torch
 
 from optkit.errors import OptkitError
-from optkit.quant.formats.common import dequantize_layers
+from optkit.quant.formats.common import dequantize_layers, weight_only
+from optkit.quant.formats.defaults import check_model as check_model
+from optkit.quant.formats.defaults import constrain as constrain
+from optkit.quant.formats.defaults import file_config as file_config
+from optkit.quant.formats.defaults import gptq_defaults as gptq_defaults
+from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
+from optkit.quant.formats.defaults import quant_method_is
+from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
+from optkit.quant.formats.defaults import write_file as write_file
+from optkit.quant.formats.kind import ArtifactKind
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
 NAME = "gptq"
+detect = quant_method_is(NAME)
+# CheckpointFormat's defaults, imported above (formats/defaults.py):
+# check_model, constrain, file_config, gptq_defaults, is_w8a8, w8a8_modules, write_file
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 MARKER = "qweight"  # the suffix that marks a quantized linear
-
-
-def detect(quant_config: dict) -> bool:
-    return quant_config.get("quant_method") == NAME
+SUFFIX = None  # an artifact directory
+runtime = None  # optkit's runtime
+LOADERS = {"optkit": (), "gptqmodel": ()}  # and vLLM (`vllm_loader`)
 
 
 def check(
     scheme: WeightScheme, act_order: bool | str, layers: list[tuple[str, int, int]], activations: str | None = None
 ) -> None:
     """User errors for what this layout cannot store. layers: (name, in_features, out_features)."""
-    if activations is not None:
-        raise OptkitError(f"--format {NAME} stores weight-only quantization: W8A8 needs --format compressed-tensors")
+    weight_only(NAME, activations)
     if not scheme.symmetric:
         raise OptkitError(
             "--format gptq stores symmetric weights only (its v1 zero points cannot hold 0): "
@@ -135,6 +145,15 @@ def scheme_from_config(quant_config: dict) -> WeightScheme:
     return WeightScheme(
         bits=quant_config["bits"], group_size=quant_config["group_size"], symmetric=quant_config.get("sym", True)
     )
+
+
+def artifact_kind(quant_config: dict) -> ArtifactKind:
+    return ArtifactKind(NAME, quant_config["bits"], quant_config.get("sym", True))
+
+
+def vllm_loader(kind: ArtifactKind) -> str | None:
+    """Marlin for the bit widths and symmetry its kernels take, else the exllama kernels."""
+    return "GPTQ-Marlin" if kind.bits in (4, 8) and kind.symmetric else "GPTQ (exllama)"
 
 
 def dequantized_state_dict(

@@ -40,8 +40,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32) -> 
             block.to_empty(device="cpu").to(dtype).routed_tokens.zero_()
     stored = read_tensors(path)  # named as the checkpoint names them, as a mixed config's targets do
     tensors = {family.module_name(k): v for k, v in stored.items()}
-    is_w8a8 = getattr(fmt, "is_w8a8", None)  # only compressed-tensors stores int8 activations
-    int8_modules = fmt.w8a8_modules(tensors, quant_config) if is_w8a8 and is_w8a8(quant_config) else {}
+    int8_modules = fmt.w8a8_modules(tensors, quant_config) if fmt.is_w8a8(quant_config) else {}
     for name, module in int8_modules.items():  # W8A8 layers stay int8 and multiply in int8
         model.set_submodule(name, module)
 
