@@ -133,7 +133,8 @@ class VllmWorker:
         self.stderr: deque[str] = deque(maxlen=STDERR_LINES)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump_stdout, daemon=True).start()
-        threading.Thread(target=self._pump_stderr, daemon=True).start()
+        self._stderr_pump = threading.Thread(target=self._pump_stderr, daemon=True)
+        self._stderr_pump.start()
         try:
             self.hello = self._check_hello(self._receive(timeouts.start, "its hello"))
         except OptkitError:
@@ -160,6 +161,15 @@ class VllmWorker:
     def _last_stderr(self) -> str:
         return shorten(self.stderr[-1]) if self.stderr else "nothing on stderr"
 
+    def _died(self, when: str) -> OptkitError:
+        """The worker's pipe closed: its exit code and its last words (read to the end of stderr)."""
+        try:
+            code = self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = "unknown (still running)"
+        self._stderr_pump.join(timeout=5)  # vLLM's engine processes may hold stderr open a while
+        return self._fail(f"exited with code {code} {when}: {self._last_stderr()}")
+
     def _fail(self, problem: str) -> OptkitError:
         """The worker is unusable: end it and say why in one line."""
         self._kill()
@@ -173,8 +183,7 @@ class VllmWorker:
                 f"did not answer {what} within {timeout:g} s (last stderr line: {self._last_stderr()})"
             ) from None
         if line is None:
-            code = self.process.wait(timeout=10)
-            raise self._fail(f"exited with code {code} during {what}: {self._last_stderr()}")
+            raise self._died(f"during {what}")
         try:
             message = json.loads(line)
         except json.JSONDecodeError:
@@ -201,8 +210,7 @@ class VllmWorker:
             self.process.stdin.write(json.dumps(message) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):
-            code = self.process.wait(timeout=10)
-            raise self._fail(f"exited with code {code} before {op}: {self._last_stderr()}") from None
+            raise self._died(f"before {op}") from None
         reply = self._receive(self.timeouts.call if timeout is None else timeout, op)
         if reply.get("op") != op or "ok" not in reply:
             raise self._fail(f"answered {op} with {shorten(json.dumps(reply))}")
