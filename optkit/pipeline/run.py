@@ -61,6 +61,12 @@ class RunResult:
     def exit_code(self) -> int:
         return {"released": 0, "rejected": 1, "inconclusive": 4}[self.verdict]
 
+    def ran(self, stage: str, start: float) -> None:
+        self.stages.append({"stage": stage, "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+
+    def skipped(self, stage: str, status: str = "skipped") -> None:
+        self.stages.append({"stage": stage, "status": status, "seconds": 0.0})
+
 
 RELEASE_VERDICTS = {"pass": "released", "fail": "rejected", "inconclusive": "inconclusive"}
 
@@ -128,70 +134,97 @@ def run_recipe(
     work = _prepare_outputs(release, what)
     base = resolve_model_dir(recipe.model)
     result = RunResult(release, "rejected")
+    staged = _quantize_stage(recipe, base, work, result, device)
+    _gate_stage(recipe, base, staged, work, result)
+    # repair: the recipe asks the gate to raise the layers that caused the failure, or (start:
+    # smallest) for the smallest mixed artifact that passes, whatever the gate said of this one
+    repair_options = recipe.gate.repair
+    if repair_options is not None and (not result.passed or repair_options.start == "smallest"):
+        staged.artifact, staged.manifest = _repair_stage(
+            recipe, base, staged.artifact, staged.manifest, work, result, device
+        )
+    # compile: only what will be released is worth warming
+    compiled = _compile_stage(recipe, staged.manifest, staged.artifact, work, result) if recipe.compile else None
+    _package_stage(recipe, raw, recipe_path, staged, compiled, result, what)
+    return result
 
-    # 1. quantize
+
+@dataclass
+class _Staged:
+    """The artifact the stages hand on: a directory, or one file (GGUF) whose manifest lives in
+    the quantize stage's record."""
+
+    artifact: Path
+    manifest: dict
+    one_file: bool
+
+
+def _quantize_stage(recipe: Recipe, base: Path, work: Path, result: RunResult, device: str) -> _Staged:
+    """Quantize the base into the work directory, unless the last run did with these inputs and
+    its artifact is intact."""
     start = time.perf_counter()
-    quantize_inputs = _digest(
-        {"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()}
-    )
+    inputs = _digest({"optkit": __version__, "base": content_sha256(base), "quantize": recipe.quantize.model_dump()})
     fmt = get_format(recipe.quantize.format)
     one_file = fmt.SUFFIX is not None  # GGUF: one file; its manifest lives in the record
     artifact = work / (f"model{fmt.SUFFIX}" if one_file else "quantized")
     done = _record(work, "quantize")
+    manifest = _intact_manifest(artifact, one_file, done)
+    if done and done["inputs"] == inputs and manifest:
+        result.skipped("quantize")
+        return _Staged(artifact, manifest, one_file)
+    manifest = quantize_model(base, artifact, recipe.quantize, overwrite=True, device=device)
+    if one_file:  # the file is the artifact: its digest replaces the staged directory's
+        manifest = {**manifest, "files": {artifact.name: file_sha256(artifact)}}
+    _write_record(work, "quantize", {"inputs": inputs, **({"manifest": manifest} if one_file else {})})
+    result.ran("quantize", start)
+    return _Staged(artifact, manifest, one_file)
+
+
+def _intact_manifest(artifact: Path, one_file: bool, done: dict | None) -> dict | None:
+    """The manifest of the artifact the last run left, when every file is as it lists; else None."""
     if one_file:
         intact = (
             done
             and artifact.is_file()
             and done.get("manifest", {}).get("files") == {artifact.name: file_sha256(artifact)}
         )
-        manifest = done["manifest"] if intact else None
-    else:
-        manifest = read_manifest(artifact) if artifact.exists() else None
-        intact = manifest and not verify_files(artifact, manifest)
-    if done and done["inputs"] == quantize_inputs and intact:
-        result.stages.append({"stage": "quantize", "status": "skipped", "seconds": 0.0})
-    else:
-        manifest = quantize_model(base, artifact, recipe.quantize, overwrite=True, device=device)
-        if one_file:  # the file is the artifact: its digest replaces the staged directory's
-            manifest = {**manifest, "files": {artifact.name: file_sha256(artifact)}}
-        _write_record(work, "quantize", {"inputs": quantize_inputs, **({"manifest": manifest} if one_file else {})})
-        result.stages.append({"stage": "quantize", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+        return done["manifest"] if intact else None
+    manifest = read_manifest(artifact) if artifact.exists() else None
+    return manifest if manifest and not verify_files(artifact, manifest) else None
 
-    # 2. gate
+
+def _gate_stage(recipe: Recipe, base: Path, staged: _Staged, work: Path, result: RunResult) -> None:
+    """Gate the artifact (or take the last run's verdict on the same inputs); sets the run's verdict."""
     start = time.perf_counter()
-    gate = recipe.gate
-    gate_inputs = _digest(
+    gate, manifest = recipe.gate, staged.manifest
+    inputs = _digest(
         {"artifact": manifest["files"], "base": manifest["base_model"]["sha256"], "gate": gate.model_dump()}
     )
     done = _record(work, "gate")
-    if done and done["inputs"] == gate_inputs:
+    if done and done["inputs"] == inputs:
         result.gate = done["result"]
-        result.stages.append({"stage": "gate", "status": "skipped", "seconds": 0.0})
+        result.skipped("gate")
     else:
-        outcome: GateResult = evaluate(artifact, base, gate)
+        outcome: GateResult = evaluate(staged.artifact, base, gate)
         result.gate = outcome.to_json()
-        _write_record(work, "gate", {"inputs": gate_inputs, "result": result.gate})
-        result.stages.append({"stage": "gate", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+        _write_record(work, "gate", {"inputs": inputs, "result": result.gate})
+        result.ran("gate", start)
     result.verdict = release_verdict(result.gate)
 
-    # 2b. repair: the recipe asks the gate to raise the layers that caused the failure, or (start:
-    # smallest) for the smallest mixed artifact that passes, whatever the gate said of this one
-    repair_options = recipe.gate.repair
-    if repair_options is not None and (not result.passed or repair_options.start == "smallest"):
-        artifact, manifest = _repair_stage(recipe, base, artifact, manifest, work, result, device)
 
-    # 3. compile: only what will be released is worth warming
-    compiled = _compile_stage(recipe, manifest, artifact, work, result) if recipe.compile else None
-
-    # 4. package: always rewritten (cheap), so the release reflects this recipe and verdict
+def _package_stage(
+    recipe: Recipe, raw: dict, recipe_path: Path, staged: _Staged, compiled: dict | None, result: RunResult, what: str
+) -> None:
+    """Write the release: always (cheap), so that it reflects this recipe and verdict."""
     start = time.perf_counter()
-    with atomic_output_dir(release, overwrite=True, what=what) as tmp:
-        for path in [artifact] if one_file else artifact.iterdir():
+    manifest = staged.manifest
+    with atomic_output_dir(result.release, overwrite=True, what=what) as tmp:
+        for path in [staged.artifact] if staged.one_file else staged.artifact.iterdir():
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(dumps(result.gate, indent=2) + "\n")
         (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
-        (tmp / "report.html").write_text(render_report(release.name, manifest, result.gate, result.verdict))
+        (tmp / "report.html").write_text(render_report(result.release.name, manifest, result.gate, result.verdict))
         fields = {k: v for k, v in manifest.items() if k not in ("files", "optkit_version", "created", "versions")}
         write_manifest(
             tmp,
@@ -205,8 +238,7 @@ def run_recipe(
                 "compile": compiled,
             },
         )
-    result.stages.append({"stage": "package", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
-    return result
+    result.ran("package", start)
 
 
 def _repair_stage(
@@ -222,7 +254,7 @@ def _repair_stage(
     done = _record(work, "repair")
     kept = read_manifest(repaired) if repaired.exists() else None
     if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
-        result.stages.append({"stage": "repair", "status": "skipped", "seconds": 0.0})
+        result.skipped("repair")
     else:
         with scratch_dir(work / "repair-steps") as steps:
             if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
@@ -237,7 +269,7 @@ def _repair_stage(
             publish(outcome.artifact, repaired)
         kept = read_manifest(repaired)
         _write_record(work, "repair", {"inputs": inputs})
-        result.stages.append({"stage": "repair", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+        result.ran("repair", start)
     result.gate = kept["gate"]
     result.verdict = release_verdict(result.gate)
     return repaired, kept
@@ -248,7 +280,7 @@ def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, r
     record for the release's manifest, or None when the gate rejected the artifact."""
     start = time.perf_counter()
     if not result.passed:
-        result.stages.append({"stage": "compile", "status": "skipped (rejected)", "seconds": 0.0})
+        result.skipped("compile", "skipped (rejected)")
         return None
     options = recipe.compile
     args = EngineArgs(
@@ -263,10 +295,10 @@ def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, r
     done = _record(work, "compile")
     warm = (cache_path(artifact, device) / COMPILE_MANIFEST).is_file()
     if done and done["inputs"] == inputs and "result" in done and warm:
-        result.stages.append({"stage": "compile", "status": "skipped", "seconds": 0.0})
+        result.skipped("compile")
         return done["result"]
     record = compile_model(str(artifact), options.batch_sizes, config, log_line=lambda line: None)
     record.pop("path")  # this machine's cache: no business of the release
     _write_record(work, "compile", {"inputs": inputs, "result": record})
-    result.stages.append({"stage": "compile", "status": "ran", "seconds": round(time.perf_counter() - start, 2)})
+    result.ran("compile", start)
     return record
