@@ -5,6 +5,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -50,6 +51,7 @@ class GateResult:
     windows: WindowStats | None = None  # per-window sums, in the order scored (`--compare`, report.html)
     answers: tuple[torch.Tensor, torch.Tensor] | None = None  # task: (base, artifact) correct per question
     sequential: dict = field(default_factory=dict)  # --sequential: the bets (gate/sequential.py)
+    engine: dict = field(default_factory=dict)  # what ran the artifact: {"name": "vllm", "dtype": ...}
 
     @property
     def verdict(self) -> str:
@@ -86,9 +88,18 @@ class GateResult:
                 "kld_histogram": self.kld_histogram,
                 "window_kld": [] if self.windows is None else (self.windows.kld / self.windows.tokens).tolist(),
                 **({"sequential": self.sequential} if self.sequential else {}),
+                **({"engine": self.engine} if self.engine else {}),
                 "wall_time_s": self.wall_time_s,
             }
         )
+
+
+@runtime_checkable
+class GatheringModel(Protocol):
+    """An artifact model run by an outside engine that returns log Q at given ids, not full logits
+    (gate/vllm_model.py): the gate asks it only for the base's top-k."""
+
+    def gather(self, windows: torch.Tensor, ids: torch.Tensor): ...  # -> engines.vllm.Gathered
 
 
 def score_windows(
@@ -110,17 +121,28 @@ def score_windows(
     with torch.inference_mode():
         for first in range(0, len(windows), batch_size):
             batch = windows[first : first + batch_size]
-            artifact_logits = artifact_model(batch).logits
             if reference is not None:  # the base never runs: its top-k comes from the cache
-                stats.add_reference(reference[first : first + batch_size], artifact_logits, batch)
+                base = reference[first : first + batch_size]
             elif top_k is not None:  # first run with the cache: build it, score the way reruns will
-                parts.append(reference_from_logits(base_model(batch).logits, batch, top_k))
-                stats.add_reference(parts[-1], artifact_logits, batch)
+                base = reference_from_logits(base_model(batch).logits, batch, top_k)
+                parts.append(base)
             else:
-                stats.add(base_model(batch).logits, artifact_logits, batch)
+                base = None
+            _score_batch(stats, artifact_model, batch, base, base_model)
             if advance is not None:
                 advance(len(batch))
     return stats, Reference.cat(parts) if parts else None
+
+
+def _score_batch(stats: TokenStats, artifact_model, batch: torch.Tensor, base: Reference | None, base_model) -> None:
+    if base is None:  # exact, over the whole vocabulary
+        artifact_logits = artifact_model(batch).logits
+        stats.add(base_model(batch).logits, artifact_logits, batch)
+    elif isinstance(artifact_model, GatheringModel):  # log Q at the base's top-k ids only
+        found = artifact_model.gather(batch, base.topk_ids)
+        stats.add_gathered(base, found.logp_at_ids, found.target_logp, found.argmax, batch)
+    else:
+        stats.add_reference(base, artifact_model(batch).logits, batch)
 
 
 def judge(
@@ -156,128 +178,58 @@ def evaluate(
     *,
     batch_size: int = 8,
     artifact_model=None,
+    engine: dict | None = None,
     pilot_windows: int | None = None,
 ) -> GateResult:
     """Score `artifact` against `baseline` on the token windows of `options.eval_set`: exactly over
     the whole vocabulary, or, with `reference_cache`, against the base's cached top-k log-probs (the
     base model is then loaded only the first time); then decide on `options`' thresholds.
-    artifact_model: what runs the artifact instead of transformers (`optkit eval --kv-cache-dtype`
-    passes the runtime's paged model, models/paged_lm.py): input_ids [B, S] -> .logits.
+    artifact_model: what runs the artifact instead of transformers (`optkit eval --engine optkit`
+    passes the runtime's paged model, models/paged_lm.py; `--engine vllm` gate/vllm_model.py):
+    input_ids [B, S] -> .logits; `engine` is what the report says of it (its name, dtype...).
     pilot_windows: `optkit eval --plan`: score only this many windows, drawn at random (seeded) from
     the configured set, and plan the whole set from them; the verdict is then report_only."""
-    eval_set, seq_len, max_windows = options.eval_set, options.seq_len, options.max_windows
-    reference_cache, top_k, task = options.reference_cache, options.top_k, options.task
     start = time.perf_counter()
     one_file = file_format(artifact)  # a .gguf runs in its format's runtime (llama.cpp), the rest in transformers
     artifact_dir = Path(artifact) if one_file else resolve_model_dir(artifact)
     baseline_dir = resolve_model_dir(baseline)
-    texts = load_text_set(eval_set)
+    texts = load_text_set(options.eval_set)
     tokenizer = load_tokenizer(baseline_dir)
-    if seq_len < 2:
-        raise OptkitError(f"--seq-len {seq_len} is too short: at least 2 tokens are needed to predict one")
-    tokens = tokenize_stream(tokenizer, texts.texts)
-    windows = pack_windows(tokens, seq_len, max_windows)
-    if len(windows) == 0:
-        raise OptkitError(
-            f"--eval-set {eval_set!r} is shorter than one window of {seq_len} tokens: "
-            "give more text or a smaller --seq-len"
-        )
-    configured = len(windows)
-    if pilot_windows is not None and pilot_windows < configured:
-        generator = torch.Generator().manual_seed(options.bootstrap_seed)
-        windows = windows[torch.randperm(configured, generator=generator)[:pilot_windows].sort().values]
-
-    base_vocab = read_config(baseline_dir)["vocab_size"]
-    artifact_vocab = (one_file.file_config if one_file else read_config)(artifact_dir)["vocab_size"]
-    if base_vocab != artifact_vocab:
-        raise OptkitError(
-            f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
-            "compare an artifact with the model it was made from"
-        )
-    key = reference_key(baseline_dir, windows, top_k) if reference_cache else None
+    tokens, windows, configured = _eval_windows(options, tokenizer, texts, pilot_windows)
+    _check_vocabulary(baseline_dir, artifact_dir, one_file)
+    key = reference_key(baseline_dir, windows, options.top_k) if options.reference_cache else None
     reference = load_reference(key) if key else None
     if artifact_model is None:
-        artifact_model = outside_model(one_file, artifact_dir, seq_len) if one_file else load_model(artifact_dir)
-    base_model = load_model(baseline_dir) if reference is None else None
-    bets = new_gate(options, options.alpha) if options.sequential else None
-
-    def score_batch(index: torch.Tensor) -> TokenStats:  # --sequential: the windows at index
-        cached = reference[index] if reference is not None else None
-        part, built = score_windows(
-            artifact_model,
-            windows[index],
-            base_model=base_model,
-            reference=cached,
-            top_k=top_k if reference_cache and cached is None else None,
-            batch_size=batch_size,
+        artifact_model = (
+            outside_model(one_file, artifact_dir, options.seq_len) if one_file else load_model(artifact_dir)
         )
-        if built is not None:
-            save_reference(key.select(index), built)
-        return part
-
-    with progress_bar() as bar:
-        progress_task = bar.add_task("gate", total=len(windows), info=f"{eval_set}, {windows.numel():,} tokens")
-
-        def advance(n: int) -> None:
-            bar.update(progress_task, advance=n)
-
-        if bets is not None:
-            order = drawing_order(len(windows), options.bootstrap_seed)
-            stats, used = score_until_decided(order, score_batch, bets, batch_size=batch_size, advance=advance)
-            windows, built = windows[used], None
-        else:
-            stats, built = score_windows(
-                artifact_model,
-                windows,
-                base_model=base_model,
-                reference=reference,
-                top_k=top_k if reference_cache and reference is None else None,
-                batch_size=batch_size,
-                advance=advance,
-            )
+        engine = {"name": one_file.runtime if one_file else "transformers"}
+    base_model = load_model(baseline_dir) if reference is None else None
+    scorer = _Scorer(artifact_model, base_model, reference, key, options.top_k if options.reference_cache else None)
+    bets = new_gate(options, options.alpha) if options.sequential else None
+    stats, windows, built = _score(scorer, windows, options, bets, batch_size)
     if built is not None:
         save_reference(key, built)
 
     metrics = summarize(stats)
     answers = None
-    if task is not None:
-        records = load_task(task)
-        encoded = encode_task(tokenizer, records)
-        pad_id = tokenizer.eos_token_id or 0
-        # the base's answers, one 0/1 per question (the task intervals pair them with the artifact's)
-        records_hash = hashlib.sha256(json.dumps(records).encode()).hexdigest()[:16]
-        task_key = f"{key.base}-task-{records_hash}-answers" if key else None
-        base_correct = _cached_answers(task_key, len(encoded)) if task_key else None
-        if base_correct is None:
-            base_model = base_model if base_model is not None else load_model(baseline_dir)
-            base_correct = item_correct(base_model, encoded, pad_id)
-            if task_key:
-                save_cached_value(task_key, base_correct.int().tolist())
-        artifact_correct = item_correct(artifact_model, encoded, pad_id)
-        answers = (base_correct, artifact_correct)
-        metrics["task_acc_base"] = base_correct.double().mean().item()
-        metrics["task_acc_artifact"] = artifact_correct.double().mean().item()
-        metrics["task_recovery"] = metrics["task_acc_artifact"] / max(metrics["task_acc_base"], 1e-12)
+    if options.task is not None:
+        answers, base_model = _task_answers(options.task, tokenizer, key, scorer, baseline_dir)
+        metrics |= _task_metrics(answers)
     if one_file:
         artifact_model.close()
     window_stats = WindowStats.of(stats)
-    decision, bounds, plan = judge(metrics, window_stats, answers, options, eval_windows=configured)
-    if bets is not None:
-        if answers is not None:
-            add_answers(bets, answers, options.bootstrap_seed)
-        decision = sequential_decision(bets, metrics, options)
-    if pilot_windows is not None:  # a plan, not a verdict: the pilot is too small to judge on
-        decision = Decision("report_only", options.decision, options.alpha, [], reason="--plan: a pilot, no verdict")
+    decision, bounds, plan = _decide(metrics, window_stats, answers, options, configured, bets, pilot_windows)
     return GateResult(
         artifact=str(artifact_dir),
         baseline=str(baseline_dir),
         eval_set={
-            "name": eval_set,
+            "name": options.eval_set,
             "sha256": texts.sha256,
-            "seq_len": seq_len,
+            "seq_len": options.seq_len,
             "windows": len(windows),
-            "windows_available": tokens.numel() // seq_len,  # the whole set, without max_windows
-            "kld": f"top-{top_k} + tail" if reference_cache else "full vocabulary",
+            "windows_available": tokens.numel() // options.seq_len,  # the whole set, without max_windows
+            "kld": f"top-{options.top_k} + tail" if options.reference_cache else "full vocabulary",
             "base_model_loaded": base_model is not None,
             **({"task_questions": answers[0].numel()} if answers is not None else {}),
             **({"pilot_of": configured} if pilot_windows is not None else {}),
@@ -292,7 +244,130 @@ def evaluate(
         windows=window_stats,
         answers=answers,
         sequential=bets.to_json() | {"windows_available": configured} if bets is not None else {},
+        engine=engine or {},
     )
+
+
+def _eval_windows(options: GateOptions, tokenizer, texts, pilot_windows: int | None):
+    """The eval set's tokens, the windows to score (a seeded pilot of them with --plan) and how
+    many windows the configured set holds."""
+    if options.seq_len < 2:
+        raise OptkitError(f"--seq-len {options.seq_len} is too short: at least 2 tokens are needed to predict one")
+    tokens = tokenize_stream(tokenizer, texts.texts)
+    windows = pack_windows(tokens, options.seq_len, options.max_windows)
+    if len(windows) == 0:
+        raise OptkitError(
+            f"--eval-set {options.eval_set!r} is shorter than one window of {options.seq_len} tokens: "
+            "give more text or a smaller --seq-len"
+        )
+    configured = len(windows)
+    if pilot_windows is not None and pilot_windows < configured:
+        generator = torch.Generator().manual_seed(options.bootstrap_seed)
+        windows = windows[torch.randperm(configured, generator=generator)[:pilot_windows].sort().values]
+    return tokens, windows, configured
+
+
+def _check_vocabulary(baseline_dir: Path, artifact_dir: Path, one_file) -> None:
+    base_vocab = read_config(baseline_dir)["vocab_size"]
+    artifact_vocab = (one_file.file_config if one_file else read_config)(artifact_dir)["vocab_size"]
+    if base_vocab != artifact_vocab:
+        raise OptkitError(
+            f"artifact vocabulary ({artifact_vocab}) differs from the baseline's ({base_vocab}): "
+            "compare an artifact with the model it was made from"
+        )
+
+
+@dataclass
+class _Scorer:
+    """The artifact and what it is compared with: the base model or its cached top-k (`key`);
+    top_k: build and cache the base's top-k where it is not cached yet."""
+
+    artifact_model: object
+    base_model: object
+    reference: Reference | None
+    key: object  # reference_cache.ReferenceKey | None
+    top_k: int | None
+
+    def windows_at(self, windows: torch.Tensor, index: torch.Tensor, batch_size: int) -> TokenStats:
+        """--sequential: the windows at index."""
+        cached = self.reference[index] if self.reference is not None else None
+        part, built = score_windows(
+            self.artifact_model,
+            windows[index],
+            base_model=self.base_model,
+            reference=cached,
+            top_k=self.top_k if cached is None else None,
+            batch_size=batch_size,
+        )
+        if built is not None:
+            save_reference(self.key.select(index), built)
+        return part
+
+
+def _score(scorer: _Scorer, windows: torch.Tensor, options: GateOptions, bets, batch_size: int):
+    """Every window, or with `bets` (--sequential) windows in a seeded random order until every
+    threshold is decided: (stats, the windows scored, the base's top-k built to cache or None)."""
+    with progress_bar() as bar:
+        progress_task = bar.add_task("gate", total=len(windows), info=f"{options.eval_set}, {windows.numel():,} tokens")
+
+        def advance(n: int) -> None:
+            bar.update(progress_task, advance=n)
+
+        if bets is not None:
+            order = drawing_order(len(windows), options.bootstrap_seed)
+
+            def some(index: torch.Tensor) -> TokenStats:
+                return scorer.windows_at(windows, index, batch_size)
+
+            stats, used = score_until_decided(order, some, bets, batch_size=batch_size, advance=advance)
+            return stats, windows[used], None
+        stats, built = score_windows(
+            scorer.artifact_model,
+            windows,
+            base_model=scorer.base_model,
+            reference=scorer.reference,
+            top_k=scorer.top_k if scorer.reference is None else None,
+            batch_size=batch_size,
+            advance=advance,
+        )
+    return stats, windows, built
+
+
+def _task_answers(task: str, tokenizer, key, scorer: _Scorer, baseline_dir: Path):
+    """(base correct, artifact correct) per question, the base's from the cache where it can, and
+    the base model (loaded here when the base's answers were not cached)."""
+    records = load_task(task)
+    encoded = encode_task(tokenizer, records)
+    pad_id = tokenizer.eos_token_id or 0
+    # the base's answers, one 0/1 per question (the task intervals pair them with the artifact's)
+    records_hash = hashlib.sha256(json.dumps(records).encode()).hexdigest()[:16]
+    task_key = f"{key.base}-task-{records_hash}-answers" if key else None
+    base_correct = _cached_answers(task_key, len(encoded)) if task_key else None
+    base_model = scorer.base_model
+    if base_correct is None:
+        base_model = base_model if base_model is not None else load_model(baseline_dir)
+        base_correct = item_correct(base_model, encoded, pad_id)
+        if task_key:
+            save_cached_value(task_key, base_correct.int().tolist())
+    artifact_correct = item_correct(scorer.artifact_model, encoded, pad_id)
+    return (base_correct, artifact_correct), base_model
+
+
+def _task_metrics(answers: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    base, artifact = (a.double().mean().item() for a in answers)
+    return {"task_acc_base": base, "task_acc_artifact": artifact, "task_recovery": artifact / max(base, 1e-12)}
+
+
+def _decide(metrics, window_stats: WindowStats, answers, options: GateOptions, configured: int, bets, pilot):
+    """judge(), then --sequential's bets decide instead, and a --plan pilot decides nothing."""
+    decision, bounds, plan = judge(metrics, window_stats, answers, options, eval_windows=configured)
+    if bets is not None:
+        if answers is not None:
+            add_answers(bets, answers, options.bootstrap_seed)
+        decision = sequential_decision(bets, metrics, options)
+    if pilot is not None:  # a plan, not a verdict: the pilot is too small to judge on
+        decision = Decision("report_only", options.decision, options.alpha, [], reason="--plan: a pilot, no verdict")
+    return decision, bounds, plan
 
 
 def _cached_answers(key: str, questions: int) -> torch.Tensor | None:

@@ -57,6 +57,18 @@ def verdict_line(result: GateResult) -> str:
     return text
 
 
+def engine_line(engine: dict) -> str | None:
+    """What ran the artifact, e.g. "engine: vllm 0.32.0, bfloat16" (None: not said)."""
+    if not engine:
+        return None
+    text = f"engine: {engine['name']}" + (f" {engine['vllm']}" if engine.get("vllm") else "")
+    if engine.get("dtype"):
+        text += f", {engine['dtype']}"
+    if engine.get("kv_cache_dtype") not in (None, "auto"):
+        text += f", KV cache {engine['kv_cache_dtype']}"
+    return text
+
+
 def gate_table(result: GateResult) -> Table:
     report = result.to_json()
     checks = {c.metric: c for c in result.checks}
@@ -65,7 +77,8 @@ def gate_table(result: GateResult) -> Table:
     confidence = (report.get("intervals") or {}).get("confidence", 0.95)
     table = Table(
         title=f"optkit gate: {verdict_line(result)}  "
-        f"({result.metrics['num_tokens']:,} tokens of {result.eval_set['name']})"
+        f"({result.metrics['num_tokens']:,} tokens of {result.eval_set['name']})",
+        caption=engine_line(result.engine),
     )
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -9,14 +9,14 @@ thresholds (`--max-kld` 0.01 and such)."""
 
 import torch
 
-from optkit.cli.eval import _paged_model
+from optkit.pipeline.gate_engine import paged_model
 from optkit.runtime.benchmark import decode_operators, layer_kernels
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from tests.models.paged import run_paged
 
 
 def test_the_runtime_gate_and_the_server_take_the_same_path(draft_w2):
-    gate = _paged_model(str(draft_w2), "auto", None)
+    gate = paged_model(str(draft_w2), "auto")
     server = LLMEngine(draft_w2, EngineConfig(device="cpu", dtype="float32", max_model_len=128)).model
     for rows in (1, 16, 256):  # a decode, a batch, a gate window
         assert layer_kernels(gate.model, "cpu", rows) == layer_kernels(server, "cpu", rows)
