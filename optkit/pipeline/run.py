@@ -35,6 +35,7 @@ from optkit.gate.evaluate import GateResult, evaluate
 from optkit.json_strict import dumps
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
 from optkit.modeldir import resolve_model_dir
+from optkit.pipeline.gate_engine import gate_engine
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
@@ -205,7 +206,8 @@ def _gate_stage(recipe: Recipe, base: Path, staged: _Staged, work: Path, result:
         result.gate = done["result"]
         result.skipped("gate")
     else:
-        outcome: GateResult = evaluate(staged.artifact, base, gate)
+        with gate_engine(staged.artifact, gate.engine, task=gate.task, seq_len=gate.seq_len) as (model, engine):
+            outcome: GateResult = evaluate(staged.artifact, base, gate, artifact_model=model, engine=engine)
         result.gate = outcome.to_json()
         _write_record(work, "gate", {"inputs": inputs, "result": result.gate})
         result.ran("gate", start)
