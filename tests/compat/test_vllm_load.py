@@ -11,27 +11,37 @@ def _ct(*groups: tuple[int, bool], fmt: str = "pack-quantized") -> dict:
         f"group_{i}": {"weights": {"num_bits": bits, "type": "int"}, "input_activations": {} if a8 else None}
         for i, (bits, a8) in enumerate(groups)
     }
-    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": config_groups}
+    return _model({"quant_method": "compressed-tensors", "format": fmt, "config_groups": config_groups})
+
+
+def _model(quant_config: dict | None, model_type: str = "llama") -> dict:
+    """A config.json holding `quant_config`."""
+    return {"model_type": model_type, "quantization_config": quant_config}
 
 
 def test_vllm_cpu_runs_4_bit_weight_only_w8a8_fp8_and_plain_models():
-    assert vllm_load.vllm_cpu_refusal(None) is None
+    assert vllm_load.vllm_cpu_refusal(_model(None)) is None
     assert vllm_load.vllm_cpu_refusal(_ct((4, False))) is None
     assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized")) is None
     assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized")) is None
-    assert vllm_load.vllm_cpu_refusal({"quant_method": "gptq", "bits": 4}) is None
-    assert vllm_load.vllm_cpu_refusal({"quant_method": "awq", "bits": 4}) is None
+    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 4})) is None
+    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "awq", "bits": 4})) is None
+    moe_w8a8 = _ct((8, True), fmt="int-quantized") | {"model_type": "mixtral"}
+    assert vllm_load.vllm_cpu_refusal(moe_w8a8) is None
 
 
-def test_other_weight_only_widths_have_no_cpu_kernel_and_bitsandbytes_is_unknown():
-    for config in (_ct((2, False)), _ct((3, False)), _ct((8, False)), {"quant_method": "gptq", "bits": 8}):
+def test_other_weight_only_widths_and_moe_have_no_cpu_kernel_and_bitsandbytes_is_unknown():
+    for config in (_ct((2, False)), _ct((3, False)), _ct((8, False))):
         assert vllm_load.vllm_cpu_refusal(config) is vllm_load.NO_CPU_WNA16
+    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 8})) is vllm_load.NO_CPU_GPTQ
     # repair's mixed precision: one 8-bit group (or GPTQ override) among 4-bit layers is enough
     assert vllm_load.vllm_cpu_refusal(_ct((4, False), (8, False))) is vllm_load.NO_CPU_WNA16
     mixed_gptq = {"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*q_proj": {"bits": 8}, "-:.*down": {}}}
     assert vllm_load.weight_bits(mixed_gptq) == {4, 8}
-    assert vllm_load.vllm_cpu_refusal(mixed_gptq) is vllm_load.NO_CPU_WNA16
-    refusal = vllm_load.vllm_cpu_refusal({"quant_method": "bitsandbytes", "load_in_4bit": True})
+    assert vllm_load.vllm_cpu_refusal(_model(mixed_gptq)) is vllm_load.NO_CPU_GPTQ
+    moe_w4 = _ct((4, False)) | {"model_type": "qwen3_moe"}
+    assert vllm_load.vllm_cpu_refusal(moe_w4) is vllm_load.NO_CPU_WNA16_MOE
+    refusal = vllm_load.vllm_cpu_refusal(_model({"quant_method": "bitsandbytes", "load_in_4bit": True}))
     assert refusal.status == "fails" and "bitsandbytes" in refusal.message
 
 
