@@ -16,16 +16,15 @@ import torch
 # both dequantize the same integers with the same scales in fp32, only the summation order differs.
 # W8A8: transformers fake-quantizes activations per token with compressed-tensors' scale
 # amax / 127.5 (calculate_qparams: bit_range / 2), the runtime (like vLLM's scaled_int8_quant) with
-# amax / 127, so activations round differently: a difference of the size of int8 activation noise
-# (measured up to 2.8% of max |logits| on tiny random models, 1e-6 on draft). FP8 (float-quantized):
-# the same scale amax / 448 on both sides, but an E4M3 step is 1/8 of the value, so a one-ulp
-# difference in x / scale that flips one rounding moves a logit visibly (0.9% of max |logits| on draft).
+# amax / 127, so activations round differently: a difference of the size of int8 activation noise.
+# FP8 (float-quantized): the same scale amax / 448 on both sides, but an E4M3 step is 1/8 of the
+# value, so a one-ulp difference in x / scale that flips one rounding moves a logit visibly.
+# The gaps measured on the reference and tiny models are in docs/results.md.
 ATOL = 1e-3
 RTOL = {False: 1e-4, True: 5e-2}  # w8a8 -> relative tolerance
 # bitsandbytes (NF4): transformers 5 keeps the checkpoint's bf16 for the tensors it does not quantize
 # (embeddings, norms) even when asked for fp32, so its logits sit within bf16 rounding of the
-# runtime's (measured 0.7% of max |logits| on draft, up to 1.3% on tiny random OLMo 2 and Gemma);
-# the NF4 weights themselves dequantize exactly.
+# runtime's (docs/results.md); the NF4 weights themselves dequantize exactly.
 BNB_RTOL = 3e-2
 
 
