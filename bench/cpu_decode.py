@@ -67,8 +67,8 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
 
     from optkit.modeldir import resolve_model_dir
     from optkit.quant.calibration_data import CalibrationOptions
+    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.quant.smoothquant import W8_PER_CHANNEL
     from optkit.weights.schemes import WeightScheme
 
     root = cache_dir() / shape

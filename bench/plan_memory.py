@@ -84,11 +84,11 @@ def _save_medium(out: Path, tokenizer_dir: Path) -> Path:
 def options_for(method: str, num_samples: int, seq_len: int, grid: int):
     """The CLI's defaults, but AWQ's and SmoothQuant's search grids of `grid` points: a grid point
     reruns a block on the same captured inputs, so it costs time and no memory."""
-    from optkit.quant.awq_layer import AWQOptions
     from optkit.quant.calibration_data import CalibrationOptions
+    from optkit.quant.methods.awq.options import AWQOptions
+    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+    from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
     from optkit.quant.quantize import QuantizeOptions
-    from optkit.quant.smoothquant import W8_PER_CHANNEL
-    from optkit.quant.smoothquant_layer import SmoothQuantOptions
 
     weights = {"weights": W8_PER_CHANNEL} if method == "smoothquant" else {}
     return QuantizeOptions(

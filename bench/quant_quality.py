@@ -46,10 +46,10 @@ from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.memory import PeakMemory
 from optkit.modeldir import resolve_model_dir, weight_files
-from optkit.quant import methods
-from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.awq.options import AWQOptions
+from optkit.quant.methods.composition import resolve
+from optkit.quant.methods.gptq.options import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 
@@ -150,9 +150,9 @@ W8A8_METHODS = (
 
 def w8a8_rows(model: str, tmp: Path, eval_set: str, only: list[str] | None = None) -> list[dict]:
     """W8A8 methods (int8 and FP8) on the model and on a copy with activation outliers (same function)."""
-    from optkit.quant.fp8 import FP8_PER_CHANNEL
-    from optkit.quant.smoothquant import W8_PER_CHANNEL
-    from optkit.quant.smoothquant_layer import SmoothQuantOptions
+    from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL
+    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+    from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
     from optkit.zoo.outliers import add_activation_outliers
 
     rows = []
@@ -212,7 +212,7 @@ def run_variant(
 ) -> dict:
     method, fmt, symmetric, method_options = VARIANTS[label]
     method_options = dict(method_options)
-    weight_type = methods.resolve(method).weights.weight_type  # nf4 for NF4
+    weight_type = resolve(method).weights.weight_type  # nf4 for NF4
     double_quant = method_options.pop("double_quant", False)
     moe_calibration = method_options.pop("moe_calibration", "all")
     options = QuantizeOptions(

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny_famil
 from optkit.families import family_for  # noqa: E402
 from optkit.modeldir import resolve_model_dir  # noqa: E402
 from optkit.quant.calibration_data import CalibrationOptions  # noqa: E402
+from optkit.quant.methods.smoothquant.options import SmoothQuantOptions  # noqa: E402
 from optkit.quant.quantize import QuantizeOptions, quantize_model  # noqa: E402
-from optkit.quant.smoothquant_layer import SmoothQuantOptions  # noqa: E402
 from optkit.weights.schemes import WeightScheme  # noqa: E402
 from tests.quant.paired_kld import heldout_windows, window_klds  # noqa: E402
 from tests.tiny_families import save_tiny_family  # noqa: E402

@@ -61,7 +61,7 @@ def make_w4(src: Path, out: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     from optkit.quant.formats import gptq  # needs compressed_tensors importable (formats/__init__.py)
-    from optkit.quant.rtn import rtn_quantize
+    from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.weights.schemes import WeightScheme
 
     scheme = WeightScheme(bits=4, group_size=128, symmetric=True)

@@ -7,86 +7,86 @@ from typer.core import TyperCommand
 
 from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json, require_supported
 
+METHOD_FLAGS = "optkit.method_flags"  # ctx.meta: the values of the methods' own flags (QuantizeCommand)
+
+
+Model = Annotated[str, typer.Argument(help="Model directory or reference model name.")]
+MethodName = Annotated[str, typer.Option(help="Quantization method (the registered ones are listed below).")]
+Bits = Annotated[int | None, typer.Option(help="Weight bits: 2, 3, 4 or 8 [default: 4; W8A8: 8].")]
+GroupSize = Annotated[
+    int | None, typer.Option(help="Input columns per scale; -1 = per channel [default: 128; W8A8: -1].")
+]
+Symmetric = Annotated[bool, typer.Option("--sym/--asym", help="Symmetric or asymmetric integers.")]
+Ignore = Annotated[list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")]
+Format = Annotated[
+    str | None,
+    typer.Option(
+        help="Checkpoint format (the registered ones are listed below) "
+        "[default: compressed-tensors; nf4: bitsandbytes]."
+    ),
+]
+Calib = Annotated[str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")]
+MoeCalibration = Annotated[
+    str,
+    typer.Option(
+        help="Mixture-of-experts models: 'all' sends every calibration token through every expert for its "
+        "statistics, weighted by the router (its squared routing weight; the output still follows the router); "
+        "'routed' only the tokens the router chooses."
+    ),
+]
+QuantizeRouter = Annotated[
+    bool,
+    typer.Option(
+        "--quantize-router", help="Mixture-of-experts models: quantize the routers too (default: full precision)."
+    ),
+]
+DoubleQuant = Annotated[bool, typer.Option(help="NF4: store the block scales in 8 bits (QLoRA).")]
+Device = Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")]
+TargetKld = Annotated[
+    float | None,
+    typer.Option(help="Gate at this mean KLD; if the artifact fails, raise its most damaging layers (repair)."),
+]
+TargetPpl = Annotated[float | None, typer.Option(help="Gate (and repair) at this perplexity increase, percent.")]
+MaxSize = Annotated[float | None, typer.Option(help="Repair: size budget of the weights, MiB.")]
+MaxEvaluations = Annotated[int, typer.Option(help="Repair: gate evaluations at most.", min=1)]
+RepairStart = Annotated[
+    str,
+    typer.Option(
+        help="Repair: 'artifact' raises layers of the artifact quantized as asked; 'smallest' quantizes on the "
+        "ladder's smallest rung (2-bit g128) and raises from there, for the smallest artifact that passes."
+    ),
+]
+GateWindows = Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")]
+DryRun = Annotated[
+    bool, typer.Option("--dry-run", help="Print the plan: linears by group, what stays, size, peak memory.")
+]
+
 
 def quantize(
+    ctx: typer.Context,
     out: OutDir = None,
-    model: Annotated[str, typer.Argument(help="Model directory or reference model name.")] = "small",
-    method: Annotated[str, typer.Option(help="Quantization method (the registered ones are listed below).")] = "rtn",
-    bits: Annotated[int | None, typer.Option(help="Weight bits: 2, 3, 4 or 8 [default: 4; W8A8: 8].")] = None,
-    group_size: Annotated[
-        int | None, typer.Option(help="Input columns per scale; -1 = per channel [default: 128; W8A8: -1].")
-    ] = None,
-    symmetric: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric or asymmetric integers.")] = True,
-    ignore: Annotated[
-        list[str] | None, typer.Option(help="Glob of layer names to keep in full precision (repeatable).")
-    ] = None,
-    format: Annotated[
-        str | None,
-        typer.Option(
-            help="Checkpoint format (the registered ones are listed below) "
-            "[default: compressed-tensors; nf4: bitsandbytes]."
-        ),
-    ] = None,
-    calib: Annotated[
-        str, typer.Option(help="Calibration data: bundled set name or .txt/.jsonl/.parquet/datasets dir.")
-    ] = "calib",
+    model: Model = "small",
+    method: MethodName = "rtn",
+    bits: Bits = None,
+    group_size: GroupSize = None,
+    symmetric: Symmetric = True,
+    ignore: Ignore = None,
+    format: Format = None,
+    calib: Calib = "calib",
     num_samples: Annotated[int, typer.Option(help="Calibration sequences.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 256,
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampling.")] = 0,
-    moe_calibration: Annotated[
-        str,
-        typer.Option(
-            help="Mixture-of-experts models: 'all' sends every calibration token through every expert for its "
-            "statistics, weighted by the router (its squared routing weight; the output still follows the router); "
-            "'routed' only the tokens the router chooses."
-        ),
-    ] = "all",
-    quantize_router: Annotated[
-        bool,
-        typer.Option(
-            "--quantize-router", help="Mixture-of-experts models: quantize the routers too (default: full precision)."
-        ),
-    ] = False,
-    damp: Annotated[float, typer.Option(help="GPTQ dampening, a fraction of the mean Hessian diagonal.")] = 0.01,
-    block_size: Annotated[int, typer.Option(help="GPTQ lazy-batch block size.")] = 128,
-    act_order: Annotated[
-        bool | None,
-        typer.Option(
-            "--act-order/--no-act-order",
-            help="GPTQ: quantize columns by descending Hessian diagonal (default: off; on for GGUF Q4_0).",
-        ),
-    ] = None,
-    static_groups: Annotated[
-        bool | None,
-        typer.Option(
-            "--static-groups/--no-static-groups",
-            help="GPTQ: fix group parameters before reordering (default: off; on for GGUF Q4_0).",
-        ),
-    ] = None,
-    alpha: Annotated[str, typer.Option(help="SmoothQuant migration strength in [0, 1], or auto.")] = "auto",
-    act_quant: Annotated[str, typer.Option(help="W8A8 activations: dynamic (per token) or static.")] = "dynamic",
-    double_quant: Annotated[bool, typer.Option(help="NF4: store the block scales in 8 bits (QLoRA).")] = False,
-    device: Annotated[str, typer.Option(help="Compute device for calibration: auto, cpu, cuda, cuda:N.")] = "auto",
-    target_kld: Annotated[
-        float | None,
-        typer.Option(help="Gate at this mean KLD; if the artifact fails, raise its most damaging layers (repair)."),
-    ] = None,
-    target_ppl_increase: Annotated[
-        float | None, typer.Option(help="Gate (and repair) at this perplexity increase, percent.")
-    ] = None,
-    max_size_mb: Annotated[float | None, typer.Option(help="Repair: size budget of the weights, MiB.")] = None,
-    max_evaluations: Annotated[int, typer.Option(help="Repair: gate evaluations at most.", min=1)] = 8,
-    repair_start: Annotated[
-        str,
-        typer.Option(
-            help="Repair: 'artifact' raises layers of the artifact quantized as asked; 'smallest' quantizes on the "
-            "ladder's smallest rung (2-bit g128) and raises from there, for the smallest artifact that passes."
-        ),
-    ] = "artifact",
-    gate_windows: Annotated[int | None, typer.Option(help="Repair: the gate's windows at most (default: all).")] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the plan: linears by group, what stays, size, peak memory.")
-    ] = False,
+    moe_calibration: MoeCalibration = "all",
+    quantize_router: QuantizeRouter = False,
+    double_quant: DoubleQuant = False,
+    device: Device = "auto",
+    target_kld: TargetKld = None,
+    target_ppl_increase: TargetPpl = None,
+    max_size_mb: MaxSize = None,
+    max_evaluations: MaxEvaluations = 8,
+    repair_start: RepairStart = "artifact",
+    gate_windows: GateWindows = None,
+    dry_run: DryRun = False,
     overwrite: Overwrite = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -98,79 +98,13 @@ def quantize(
     """
     require_supported(model)
     from optkit.errors import OptkitError
-    from optkit.quant import methods
-    from optkit.quant.calibration_data import CalibrationOptions
-    from optkit.quant.moe import MOE_CALIBRATION
 
-    if moe_calibration not in MOE_CALIBRATION:
-        raise OptkitError(f"--moe-calibration {moe_calibration!r}: choose one of {', '.join(MOE_CALIBRATION)}")
-    from optkit.quant.formats import format_names
-    from optkit.quant.gptq import GPTQOptions
-    from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.quant.smoothquant_layer import SmoothQuantOptions
-    from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
-
-    if method not in methods.method_names():
-        raise OptkitError(f"unknown --method {method!r}: choose one of {', '.join(methods.method_names())}")
-    fixed = methods.resolve(method).fixed_weights
-    if fixed is not None and (
-        bits not in (None, fixed.bits) or group_size not in (None, fixed.group_size) or symmetric != fixed.symmetric
-    ):
-        raise OptkitError(f"--method {method} quantizes to {fixed.describe()}: drop --bits/--group-size/--asym")
-    bits = bits if bits is not None else (fixed.bits if fixed else 4)
-    weights_stage = methods.resolve(method).weights
-    if format is None:  # the method's own format when it has one (nf4: bitsandbytes)
-        formats = weights_stage.formats if weights_stage is not None else None
-        format = formats[0] if formats else "compressed-tensors"
-    weight_type = fixed.type if fixed else weights_stage.weight_type if weights_stage else "int"
-    default_group = 64 if weight_type == "nf4" else 128  # bitsandbytes' NF4 block
-    group_size = group_size if group_size is not None else (fixed.group_size if fixed else default_group)
-    if double_quant and weight_type != "nf4":
-        raise OptkitError(f"--double-quant quantizes NF4's block scales: use it with --method nf4, not {method}")
-    alpha_value: float | str = alpha
-    if alpha != "auto":
-        try:
-            alpha_value = float(alpha)
-        except ValueError:
-            pass  # SmoothQuantOptions names what it accepts
-    smoothquant = _options(
-        SmoothQuantOptions, {"alpha": "--alpha", "activations": "--act-quant"}, alpha=alpha_value, activations=act_quant
+    given = ctx.meta.get(METHOD_FLAGS, {})
+    options = _quantize_options(
+        method, bits, group_size, symmetric, ignore, format, double_quant, quantize_router, given
     )
-    if format not in format_names():
-        raise OptkitError(f"unknown --format {format!r}: choose one of {', '.join(format_names())}")
-    if bits not in SUPPORTED_BITS:
-        raise OptkitError(f"--bits {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
-    if group_size != -1 and group_size <= 0:
-        raise OptkitError(f"--group-size {group_size} is invalid: give a positive size or -1 for per channel")
-    gptq = _options(
-        GPTQOptions,
-        {"damp": "--damp", "block_size": "--block-size"},
-        damp=damp,
-        block_size=block_size,
-        act_order=act_order,
-        static_groups=static_groups,
-    )
-    options = _options(
-        QuantizeOptions,
-        {},
-        method=method,
-        format=format,
-        ignore=ignore or [],
-        weights=_options(
-            WeightScheme,
-            {"group_size": "--group-size", "bits": "--bits"},
-            bits=bits,
-            group_size=group_size,
-            symmetric=symmetric,
-            type=weight_type,
-            double_quant=double_quant,
-        ),
-        gptq=gptq,
-        calibration=CalibrationOptions(
-            calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, moe_calibration=moe_calibration
-        ),
-        smoothquant=smoothquant,
-        quantize_router=quantize_router,
+    options = options.model_copy(
+        update={"calibration": _calibration(calib, num_samples, seq_len, seed, moe_calibration)}
     )
     warn_if_unloadable(options, model)
     if dry_run:  # config.json and the safetensors headers only: nothing is loaded, run or written
@@ -184,10 +118,108 @@ def quantize(
         gate = _repair_gate(target_kld, target_ppl_increase, max_size_mb, max_evaluations, gate_windows, repair_start)
         _quantize_and_repair(model, out, options, gate, device, overwrite, json_output)
         return
+    from optkit.quant.quantize import quantize_model
+
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
     if json_output:
         print_json(manifest)
         return
+    _print_summary(out, method, options, manifest)
+
+
+def _calibration(calib: str, num_samples: int, seq_len: int, seed: int, moe_calibration: str):
+    from optkit.errors import OptkitError
+    from optkit.quant.calibration_data import CalibrationOptions
+    from optkit.quant.moe import MOE_CALIBRATION
+
+    if moe_calibration not in MOE_CALIBRATION:
+        raise OptkitError(f"--moe-calibration {moe_calibration!r}: choose one of {', '.join(MOE_CALIBRATION)}")
+    return CalibrationOptions(
+        calib=calib, num_samples=num_samples, seq_len=seq_len, seed=seed, moe_calibration=moe_calibration
+    )
+
+
+def _quantize_options(method, bits, group_size, symmetric, ignore, format, double_quant, quantize_router, given):
+    """The QuantizeOptions the flags describe: the scheme (the method's fixed one, or the flags'),
+    the format (the method's own when it has one) and each method's section from its flags."""
+    from optkit.errors import OptkitError
+    from optkit.quant.formats import format_names
+    from optkit.quant.methods.composition import resolve
+    from optkit.quant.quantize import QuantizeOptions
+    from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
+
+    try:
+        composition = resolve(method)
+    except ValueError as e:
+        raise OptkitError(f"--method: {e}") from None
+    fixed = composition.fixed_weights
+    if fixed is not None and (
+        bits not in (None, fixed.bits) or group_size not in (None, fixed.group_size) or symmetric != fixed.symmetric
+    ):
+        raise OptkitError(f"--method {method} quantizes to {fixed.describe()}: drop --bits/--group-size/--asym")
+    bits = bits if bits is not None else (fixed.bits if fixed else 4)
+    weights_stage = composition.weights
+    if format is None:  # the method's own format when it has one (nf4: bitsandbytes)
+        format = weights_stage.formats[0] if weights_stage.formats else "compressed-tensors"
+    weight_type = fixed.type if fixed else weights_stage.weight_type
+    default_group = 64 if weight_type == "nf4" else 128  # bitsandbytes' NF4 block
+    group_size = group_size if group_size is not None else (fixed.group_size if fixed else default_group)
+    if double_quant and weight_type != "nf4":
+        raise OptkitError(f"--double-quant quantizes NF4's block scales: use it with --method nf4, not {method}")
+    if format not in format_names():
+        raise OptkitError(f"unknown --format {format!r}: choose one of {', '.join(format_names())}")
+    if bits not in SUPPORTED_BITS:
+        raise OptkitError(f"--bits {bits} is not supported: choose one of {', '.join(map(str, SUPPORTED_BITS))}")
+    if group_size != -1 and group_size <= 0:
+        raise OptkitError(f"--group-size {group_size} is invalid: give a positive size or -1 for per channel")
+    weights = _options(
+        WeightScheme,
+        {"group_size": "--group-size", "bits": "--bits"},
+        bits=bits,
+        group_size=group_size,
+        symmetric=symmetric,
+        type=weight_type,
+        double_quant=double_quant,
+    )
+    sections = _sections(composition, given)
+    return _options(
+        QuantizeOptions,
+        {},
+        method=method,
+        format=format,
+        ignore=ignore or [],
+        weights=weights,
+        quantize_router=quantize_router,
+        **sections,
+    )
+
+
+def _sections(composition, given: dict) -> dict:
+    """Each method section the given method flags set: a flag sets the field of each stage of the
+    run that declares it, or, when no stage does, of every method that does (whose own check then
+    says what is wrong: GPTQ's --act-order with --method rtn)."""
+    from optkit.quant import methods
+
+    values: dict[str, dict] = {}
+    for users in methods.flags().values():
+        value = given.get(users[0][1].parameter)
+        if value is None:
+            continue
+        in_run = [(m, f) for m, f in users if composition.uses(m.name) or composition.weights is m]
+        for method, flag in in_run or users:
+            values.setdefault(method.section, {})[flag.field] = (flag.parse or (lambda v: v))(value)
+    by_section = methods.sections()
+    return {
+        section: _options(by_section[section].options, _flag_names(by_section[section]), **fields)
+        for section, fields in values.items()
+    }
+
+
+def _flag_names(method) -> dict[str, str]:
+    return {flag.field: flag.name.split("/")[0] for flag in method.flags}
+
+
+def _print_summary(out, method: str, options, manifest: dict) -> None:
     layers = manifest["layers"]
     summary = f"mean rel. weight error {sum(x['rel_error'] for x in layers) / len(layers):.4f}"
     if all("rtn_loss" in x for x in layers):  # GPTQ's layers compare their output error with RTN's
@@ -280,8 +312,21 @@ def _options(model, flags: dict[str, str], **values):
 
 
 class QuantizeCommand(TyperCommand):
-    """`optkit quantize --help` lists the registered methods and formats: read from the registries
-    when help is asked for (so plug-ins show, and other commands never import them)."""
+    """`optkit quantize`: the registered methods' flags (quant/methods/: each Method's `flags`) join
+    the command's own, read from the registry when the command parses or shows help (so plug-ins'
+    show, and other commands never import them); `--help` lists the registered methods and formats."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        own = {p.name for p in params}
+        added = [p for p in _method_params() if p.name not in own]
+        help_at = next((i for i, p in enumerate(params) if p.name == "help"), len(params))
+        return params[:help_at] + added + params[help_at:]
+
+    def invoke(self, ctx):
+        names = {p.name for p in _method_params()}
+        ctx.meta[METHOD_FLAGS] = {k: ctx.params.pop(k) for k in list(ctx.params) if k in names}
+        return super().invoke(ctx)
 
     def format_help(self, ctx, formatter):
         from optkit.quant import methods
@@ -293,3 +338,28 @@ class QuantizeCommand(TyperCommand):
             if param.name == "format":
                 param.help = "Checkpoint format: " + ", ".join(format_names()) + "."
         return super().format_help(ctx, formatter)
+
+
+def _method_params() -> list:
+    """One click option per flag name the registered methods declare (default None: not given)."""
+    import inspect
+
+    from optkit.quant import methods
+
+    parameters = []
+    for name, users in methods.flags().items():
+        flag = users[0][1]
+        option = typer.Option(name, help=flag.help, show_default=False)
+        annotation = Annotated[flag.type | None, option]
+        parameters.append(
+            inspect.Parameter(flag.parameter, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+        )
+
+    def flags(**values):  # pragma: no cover - only its signature is read
+        return values
+
+    flags.__signature__ = inspect.Signature(parameters)
+    app = typer.Typer(add_completion=False)
+    app.command()(flags)
+    names = {p.name for p in parameters}
+    return [p for p in typer.main.get_command(app).params if p.name in names]

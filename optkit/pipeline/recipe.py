@@ -12,15 +12,11 @@ from optkit.errors import MAX_LINE_CHARS, OptkitError, shorten, shown
 from optkit.gate.options import GateOptions
 from optkit.quant import methods
 from optkit.quant.formats import get_format
+from optkit.quant.methods.composition import resolve
 from optkit.quant.quantize import QuantizeOptions
+from optkit.quant.sections import SectionError
 from optkit.routing.config import ServeOptions
 from optkit.yaml_files import load_yaml, read_yaml_mapping
-
-
-def method_of_stages(stages: list[str]) -> str:
-    """The quantize method that a list of stages composes to, or a user error naming the stage
-    (the rules are in quant/methods/: which stage smooths, which quantizes the weights)."""
-    return methods.compose(stages).name
 
 
 class CompileOptions(BaseModel):
@@ -75,14 +71,10 @@ class Recipe(BaseModel):
             if not isinstance(data.get("quantize") or {}, dict):
                 return data  # the model names the section that is not a mapping
             quantize = dict(data.get("quantize") or {})
-            method = method_of_stages(stages)
+            method = resolve(stages).name  # a user error naming the stage (quant/methods/composition.py)
             if quantize.get("method") not in (None, method):
                 raise ValueError(f"quantize.method {shown(quantize['method'])} contradicts stages {shown(stages)}")
-            quantize["method"] = method
-            fixed = methods.resolve(method).fixed_weights
-            if fixed is not None:
-                quantize.setdefault("weights", fixed.model_dump())
-            data = {**data, "quantize": quantize}
+            data = {**data, "quantize": {**quantize, "method": method}}
         return data
 
     @model_validator(mode="after")
@@ -104,19 +96,27 @@ class Recipe(BaseModel):
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:
-    """Valid keys of the nested model at `path` (a pydantic error location without its last key)."""
+    """Valid keys of the nested model at `path` (a pydantic error location without its last key);
+    `quantize`'s method sections are those of the registered methods (quant/methods/)."""
     for key in path:
+        if model is QuantizeOptions and str(key) in methods.sections():
+            model = methods.sections()[str(key)].options
+            continue
         field = model.model_fields.get(str(key))
         annotation = getattr(field, "annotation", None)
         models = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
         if not models:  # a plain value, or no such key
             return []
         model = models[0]  # the section's model, also when the section is optional (Model | None)
-    return list(model.model_fields)
+    return list(model.model_fields) + (list(methods.sections()) if model is QuantizeOptions else [])
 
 
 def _describe(error: dict) -> str:
     """The error's one line; the keys and values it quotes from the recipe are shortened."""
+    section = (error.get("ctx") or {}).get("error")
+    if isinstance(section, SectionError):  # a method section's own error, where it is in the recipe
+        loc = (*error["loc"], *section.loc)
+        error = {"loc": loc, "type": section.type, "msg": section.msg, "input": section.input}
     where = shown(".".join(str(p) for p in error["loc"]))
     message = shorten(error["msg"].removeprefix("Value error, "), MAX_LINE_CHARS // 2)
     if error["type"] == "extra_forbidden":

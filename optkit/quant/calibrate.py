@@ -5,9 +5,9 @@ layer for every calibration sample are cached on the CPU. Inside a layer the lin
 are calibrated in true-sequential order (q/k/v, then o, then gate/up, then down), each on the
 inputs produced by the already-quantized sublayers before it; then the quantized layer runs
 once more and its outputs become the next layer's inputs (the sequential scheme of GPTQ's
-reference code). What a method does to one layer is a `LayerProcedure` (procedures.py,
-awq_layer.py, smoothquant_layer.py); each layer's results are handed to the caller as soon as the
-layer is done, so that they can be written out instead of accumulating.
+reference code). What a method does to one layer is a `LayerProcedure` (its step in
+quant/methods/NAME/, run through quant/layer_step.py); each layer's results are handed to the
+caller as soon as the layer is done, so that they can be written out instead of accumulating.
 """
 
 import inspect
@@ -20,7 +20,6 @@ from optkit.errors import OptkitError
 from optkit.families import Family, expand_group, family_for
 from optkit.modeldir import TensorReader
 from optkit.progress import progress_bar
-from optkit.quant.gptq import accumulate_hessian, empty_hessian
 from optkit.quant.moe import (
     calibration_modules,
     expert_min_tokens,
@@ -137,7 +136,7 @@ class LayerWork:
     family: Family = field(default_factory=lambda: family_for("llama"))
     # experts' linears: the fewest calibration tokens their statistics may come from (else RTN)
     min_tokens: dict[str, int] = field(default_factory=dict)
-    tokens_seen: dict[str, int] = field(default_factory=dict)  # by capture_hessians, per linear
+    tokens_seen: dict[str, int] = field(default_factory=dict)  # by a step's statistics, per linear
     # additive [1, 1, L, L] mask where the layer needs one (LayerStream.layer_inputs); None: causal
     attention_mask: torch.Tensor | None = None
 
@@ -201,33 +200,6 @@ def run_layer(
                 "check the checkpoint, or quantize in a wider dtype"
             )
         batch.copy_(out)
-
-
-def capture_hessians(work: LayerWork, names: list[str]) -> dict[str, torch.Tensor]:
-    """H = 2/N Σ x xᵀ of the inputs of each named linear; an expert's in --moe-calibration all
-    H = 2/N Σ c_t x xᵀ, each token weighted by the router (quant/moe.py: expert_token_weights).
-
-    Modules fed the very same input tensor (q/k/v; gate/up) share one Hessian: it is the same
-    matrix, so it is accumulated once and the dict holds the same tensor under each name."""
-    hessians: dict[str, tuple[torch.Tensor, int]] = {}
-    owner_of: dict[str, str] = {}
-
-    def on_input(name: str, x: torch.Tensor, owner: str) -> None:
-        owner_of[name] = owner
-        if owner == name:
-            if name not in hessians:
-                hessians[name] = empty_hessian(x.shape[-1], work.device)
-            if x.numel():
-                hessians[name] = accumulate_hessian(*hessians[name], x, token_weight(work.layer, name))
-
-    work.run_until_seen(names, on_input)
-    result = {}
-    for name in names:  # an expert the router never chose saw no input: a zero Hessian, 0 tokens
-        width = work.layer.get_submodule(name).in_features
-        hessian, tokens = hessians.get(owner_of.get(name), empty_hessian(width, work.device))
-        work.tokens_seen[name] = tokens
-        result[name] = hessian
-    return result
 
 
 def capture_inputs(

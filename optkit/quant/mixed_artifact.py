@@ -22,7 +22,7 @@ from optkit.modeldir import TensorReader, read_config
 from optkit.quant.formats import get_format
 from optkit.quant.formats.mixed import check_mixed, mixed_quantization_config
 from optkit.quant.ladder import Rung, parse_rung
-from optkit.quant.rtn import rtn_quantize, weight_error
+from optkit.quant.methods.rtn.math import rtn_quantize, weight_error
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
 from optkit.weights.schemes import WeightScheme
 
@@ -79,7 +79,8 @@ def write_mixed_artifact(source: Path, base: Path, rungs: dict[str, Rung | int |
             tensors[f"{name}.weight"] = weight
             layers[name] = {**layers[name], "precision": rung.to_json(), "rel_error": 0.0, "mse": 0.0}
             continue
-        qw = rtn_quantize(weight.float(), rung.scheme(scheme), _scale_dtype(weight))
+        raised = rung.scheme(scheme)
+        qw = rtn_quantize(weight.float(), raised, raised.scale_dtype_for(weight.dtype))
         tensors.update(fmt.compress(name, qw, None))
         layers[name] = {**layers[name], "precision": rung.to_json(), **weight_error(weight, qw.dequantize())}
     config["quantization_config"] = mixed_quantization_config(
@@ -110,7 +111,3 @@ def _uniform_config(quant_config: dict, previous: dict[str, Rung]) -> dict:
         config["config_groups"] = {"group_0": config["config_groups"]["group_0"]}
         config["ignore"] = [name for name in config.get("ignore", []) if name not in previous]
     return config
-
-
-def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
-    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -19,6 +19,7 @@ from pathlib import Path
 from optkit.errors import OptkitError
 from optkit.families import Family, family_for
 from optkit.modeldir import weight_files
+from optkit.quant.methods import Workload
 
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 _HEADER_BYTES = 200  # a safetensors header entry: name, dtype, shape, offsets (JSON)
@@ -262,26 +263,11 @@ def _peak_bytes(headers, hf_config, linears, layers, options) -> dict[str, int]:
         sum(o * i for o, i in (linears[f"{prefix}.{n}"] for g in groups for n in g)) for prefix, groups in layers
     ]
     working += max(layer_weights, default=0) + 4 * 4 * weight
-    stages = {s.name for s in composition.stages}
-    hessians = 4 * _gptq_hessians(linears, layers) if "gptq" in stages else 0
-    # AWQ's and SmoothQuant's scale searches: the inputs of a smoothing group's first linear for
-    # the search samples [S, L, in] and the block's reference output [S, L, hidden]. AWQ's groups
-    # include up → down (in: the widest input); SmoothQuant smooths only the norm-fed groups, whose
-    # linears take the hidden states (in: hidden).
-    widest_in = max((i for _, i in linears.values()), default=0)
-    searches = {
-        "awq": (options.awq.search_samples, widest_in),
-        "smoothquant": (options.smoothquant.search_samples, text.hidden_size),
-    }
-    searched = max(
-        (
-            4 * min(samples, calibration.num_samples) * calibration.seq_len * (width + text.hidden_size)
-            for stage, (samples, width) in searches.items()
-            if stage in stages
-        ),
-        default=0,
-    )
-    working += max(hessians, searched)  # a composition (smoothquant+gptq) smooths, then runs GPTQ
+    workload = Workload(linears, layers, text.hidden_size, calibration.num_samples, calibration.seq_len)
+    # each stage's own working set (GPTQ's Hessians, a scale search's inputs); a composition
+    # (smoothquant+gptq) smooths, then quantizes: the larger of the two
+    stages = [s for s in composition.stages if s.memory is not None]
+    working += max((s.memory(options.section(s), workload) for s in stages), default=0)
     return {
         "calibration_inputs": cache,
         "decoder_layer": layer,
@@ -289,18 +275,3 @@ def _peak_bytes(headers, hf_config, linears, layers, options) -> dict[str, int]:
         "write": write,
         "total": max(cache + layer + working, write),
     }
-
-
-def _gptq_hessians(linears: dict[str, tuple[int, int]], layers) -> int:
-    """fp32 elements of the Hessians GPTQ holds at once: those of one true-sequential group, one
-    [in, in] per distinct input (q/k/v share the attention's input, an expert's gate and up share
-    theirs: the same module path but the last name, the same width), all captured before the
-    first is used; plus the factor of (H + λI)⁻¹ that gptq_quantize builds for one linear."""
-    worst = 0
-    for prefix, groups in layers:
-        for group in groups:
-            shapes = {n: linears[f"{prefix}.{n}"] for n in group}
-            inputs = {(n.rpartition(".")[0], i) for n, (_, i) in shapes.items()}
-            widest = max(i for _, i in shapes.values())
-            worst = max(worst, sum(i * i for _, i in inputs) + widest * widest)
-    return worst

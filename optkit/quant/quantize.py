@@ -1,13 +1,14 @@
 """`optkit quantize`: turn a model directory into a quantized artifact directory.
 
-The math lives in `rtn.py` and `gptq.py`, the layer-by-layer walk in `calibrate.py`, the on-disk
-layouts in `formats/`. This module chooses, collects per-layer results and writes atomically.
+The methods live in `methods/` (one folder each), the layer-by-layer walk in `calibrate.py`, the
+on-disk layouts in `formats/`. This module chooses, collects per-layer results and writes atomically.
 """
 
 import json
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,7 +17,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
@@ -30,14 +30,14 @@ from optkit.manifest import MANIFEST, confined_file, write_manifest
 from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
-from optkit.quant import methods, rtn
-from optkit.quant.awq_layer import AWQOptions
+from optkit.quant import methods
 from optkit.quant.calibrate import LayerResult, calibrate_layerwise
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats import format_names, get_format
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.composition import Composition, resolve
+from optkit.quant.methods.rtn.math import weight_error
 from optkit.quant.moe import calibration_record as moe_calibration_record
-from optkit.quant.smoothquant_layer import SmoothQuantOptions
+from optkit.quant.sections import check_scheme, check_sections, split_sections
 from optkit.quant.targets import (
     LinearTarget,
     decoder_linears,
@@ -53,9 +53,10 @@ class QuantizeOptions(BaseModel):
     """Everything that decides the artifact's weights; the field names are the recipe keys.
 
     `method` is a registered method (quant/methods/), a composition's canonical name
-    (`smoothquant+gptq`) or, in a recipe, the list of its stages (`[smoothquant, gptq]`). The
-    built-in methods' sections are declared here, as every optkit.json records them; a plug-in
-    method's section (`quantize.<its section>`) is validated by its own options model."""
+    (`smoothquant+gptq`) or, in a recipe, the list of its stages (`[smoothquant, gptq]`). Each
+    method's section (`quantize.<its section>`: gptq, awq, smoothquant, fp8, w8a8, a plug-in's) is
+    validated by its own options model (sections.py) and read with `section`. Without `weights`,
+    a method that fixes its scheme (W8A8) gets that scheme."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -63,20 +64,15 @@ class QuantizeOptions(BaseModel):
     weights: WeightScheme = Field(default_factory=WeightScheme)
     ignore: list[str] = Field(default_factory=list)
     format: str = "compressed-tensors"
-    gptq: GPTQOptions = Field(default_factory=GPTQOptions)
-    awq: AWQOptions = Field(default_factory=AWQOptions)
-    smoothquant: SmoothQuantOptions = Field(default_factory=SmoothQuantOptions)
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     # mixture-of-experts models: quantize the routers too (by default they stay in full precision)
     quantize_router: bool = False
-    _plugin_sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
+    _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 
     @field_validator("method", mode="before")
     @classmethod
     def _registered_method(cls, value):
-        if isinstance(value, list | tuple):
-            return methods.compose(value).name
-        return methods.resolve(value).name if isinstance(value, str) else value
+        return resolve(value).name if isinstance(value, str | list | tuple) else value
 
     @field_validator("format")
     @classmethod
@@ -87,89 +83,50 @@ class QuantizeOptions(BaseModel):
 
     @model_validator(mode="wrap")
     @classmethod
-    def _plugin_method_sections(cls, data, handler):
-        """Validate the sections of plug-in methods with their own options models."""
+    def _method_sections(cls, data, handler):
+        """Validate each method's section with its own options model; fixed schemes by default."""
         if not isinstance(data, dict):
             return handler(data)
-        registered = methods.registered_methods().values()
-        plugins = {m.section: m for m in registered if m.options and m.section not in cls.model_fields}
-        sections = {}
-        for key in [k for k in data if k in plugins]:
-            try:
-                sections[key] = plugins[key].options.model_validate(data[key] or {})
-            except ValidationError as e:
-                error = e.errors()[0]
-                where = ".".join(str(p) for p in (key, *error["loc"]))
-                raise ValueError(f"{where}: {error['msg'].removeprefix('Value error, ')}") from None
-        self = handler({k: v for k, v in data.items() if k not in plugins})
-        for stage in self.composition.stages:
-            if stage.section in plugins and stage.section not in sections:
-                sections[stage.section] = stage.options()
-        self._plugin_sections = sections
+        rest, sections = split_sections(data)
+        if "weights" not in rest and isinstance(rest.get("method"), str | list | tuple):
+            fixed = _fixed_scheme(rest["method"])
+            rest = rest if fixed is None else {**rest, "weights": fixed}
+        self = handler(rest)
+        self._sections = sections
+        for method in methods.registered_methods().values():
+            if method.resolve is not None:
+                self._sections[method.section] = method.resolve(self.section(method), self)
+        check_sections(self)
         return self
 
     @model_serializer(mode="wrap")
-    def _dump_plugin_sections(self, handler):
+    def _dump_sections(self, handler):
         data = handler(self)
         if isinstance(data, dict):
-            data.update({k: v.model_dump() for k, v in self._plugin_sections.items()})
+            data.update({key: self.section(key).model_dump() for key in methods.sections()})
         return data
 
     @model_validator(mode="after")
     def _consistent(self):
-        composition = self.composition
-        fixed = composition.fixed_weights
-        if fixed is not None and self.weights != fixed:
-            raise ValueError(
-                f"{self.method} quantizes weights to {_fixed_words(fixed)} (bits {fixed.bits}, "
-                f"group_size {fixed.group_size}, {'symmetric' if fixed.symmetric else 'asymmetric'}"
-                f"{'' if fixed.type == 'int' else ', type ' + fixed.type}): leave the weight scheme at that"
-            )
-        weight_type = composition.weights.weight_type if composition.weights is not None else "int"
-        if fixed is None and self.weights.type != weight_type:
-            registered = methods.registered_methods().values()
-            writes = {m.name: (m.weight_type, getattr(m.fixed_weights, "type", None)) for m in registered}
-            writers = [name for name, types in writes.items() if self.weights.type in types]
-            raise ValueError(
-                f"method {self.method} writes weights.type {weight_type}, not {self.weights.type}"
-                f"{' (written by method ' + ' or '.join(writers) + ')' if writers else ''}: "
-                f"set weights.type {weight_type} or change the method"
-            )
-        for stage in composition.stages:
-            if stage.bits is not None and self.weights.bits not in stage.bits:
-                raise ValueError(
-                    f"{stage.name} quantizes to {', '.join(map(str, stage.bits))} bits, not {self.weights.bits}"
-                )
-        # GPTQ settings left unset take the format's defaults (GGUF Q4_0: act-order, static groups and
-        # llama.cpp's scale rule), else the plain ones; what is recorded is what ran
-        defaults = get_format(self.format).gptq_defaults(self.weights) if composition.uses("gptq") else None
-        object.__setattr__(self, "gptq", self.gptq.resolved(defaults))
-        for method in methods.registered_methods().values():
-            if method.unused is not None and not composition.uses(method.name):
-                problem = method.unused(self.section(method))
-                if problem:
-                    raise ValueError(problem)
+        check_scheme(self)
         return self
 
     @property
-    def composition(self) -> methods.Composition:
-        return methods.resolve(self.method)
+    def composition(self) -> Composition:
+        return resolve(self.method)
 
-    def section(self, method: methods.Method) -> BaseModel | None:
-        """The options of `method` (its recipe section)."""
-        if method.section is None:
+    def section(self, method: methods.Method | str) -> BaseModel | None:
+        """The options of `method` (or of the section so named): its recipe section, or its defaults."""
+        method = methods.sections().get(method) if isinstance(method, str) else method
+        if method is None or method.section is None:
             return None
-        if method.section in type(self).model_fields:
-            return getattr(self, method.section)
-        return self._plugin_sections.get(method.section) or method.options()
+        return self._sections.get(method.section) or method.options()
 
     @property
     def activations(self) -> str | None:
-        """None for weight-only methods; "dynamic" or "static" int8 activations for W8A8."""
-        for stage in self.composition.stages:
-            if stage.activations is not None:
-                return stage.activations(self)
-        return None
+        """None for weight-only methods; "dynamic" or "static" quantized activations for W8A8."""
+        owner = self.composition.activation_stage
+        return None if owner is None else owner.activations(self.section(owner))
 
     @property
     def act_order(self) -> bool | str:
@@ -180,10 +137,12 @@ class QuantizeOptions(BaseModel):
         return False
 
 
-def _fixed_words(scheme: WeightScheme) -> str:
-    """How a fixed scheme reads in an error: "int8 per output channel", "fp8 e4m3 per output channel"."""
-    kind = {"int": f"int{scheme.bits}", "float": "fp8 e4m3", "nf4": "nf4"}[scheme.type]
-    return f"{kind} per output channel" if scheme.group_size == -1 else f"{kind} in blocks of {scheme.group_size}"
+def _fixed_scheme(method) -> WeightScheme | None:
+    """The scheme a method always writes, or None (also for a name that `method` will reject)."""
+    try:
+        return resolve(method).fixed_weights
+    except ValueError:
+        return None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -192,19 +151,40 @@ def resolve_device(device: str) -> torch.device:
 
 
 def quantize_model(
-    model: str | Path,
-    out: Path,
-    options: QuantizeOptions,
-    *,
-    overwrite: bool = False,
-    device: str = "auto",
-    _staging: bool = False,
+    model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool = False, device: str = "auto"
 ) -> dict:
-    """Quantize `model` into `out` and return the manifest written there."""
-    if get_format(options.format).SUFFIX is not None and not _staging:
-        return _quantize_to_file(model, Path(out), options, overwrite=overwrite, device=device)
-    start = time.perf_counter()
-    check_output_dir(out, overwrite)
+    """Quantize `model` into `out` and return the manifest written there.
+
+    One-file formats (GGUF): the artifact is staged in a hidden directory beside `out` (removed
+    afterwards, on failure too), then the format writes `out` from it (temporary name, renamed)."""
+    fmt = get_format(options.format)
+    if getattr(fmt, "SUFFIX", None) is None:  # an artifact directory
+        return _quantize_to_dir(model, Path(out), options, overwrite=overwrite, device=device)
+    out = Path(out)
+    if out.suffix != fmt.SUFFIX or out.is_dir():
+        raise OptkitError(f"--format {fmt.NAME} writes one file: give --out NAME{fmt.SUFFIX}")
+    if out.is_symlink():
+        raise OptkitError(f"--out {out} is a symlink: optkit never replaces one; choose another --out")
+    if out.exists() and not overwrite:
+        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another --out")
+    with scratch_dir(out) as scratch:
+        manifest = _quantize_to_dir(model, scratch / "stage", options, overwrite=True, device=device)
+        fmt.write_file(scratch / "stage", out, manifest)
+    return manifest
+
+
+@dataclass
+class _Model:
+    """The base model as quantize_model reads it, checked against the options before any work."""
+
+    base: Path
+    config: dict
+    hf_config: object
+    targets: list[LinearTarget]
+    ignored: list[str]
+
+
+def _checked_model(model: str | Path, options: QuantizeOptions, fmt) -> _Model:
     base = resolve_model_dir(model)
     verify_weights(base)
     config_dict = read_config(base)
@@ -218,7 +198,6 @@ def quantize_model(
     )
     for target in targets:
         options.weights.check_layer(target.name, target.in_features)
-    fmt = get_format(options.format)
     fmt.check(
         options.weights,
         options.act_order,
@@ -231,21 +210,32 @@ def quantize_model(
                 f"--method {stage.name} cannot be written as --format {options.format}: "
                 f"use --format {' or '.join(stage.formats)}"
             )
-    fmt.check_model(config_dict, base)  # what the format cannot hold, before calibrating
-    work = options.model_copy(update={"weights": fmt.constrain(options.weights)})  # GGUF: its fp16 blocks' scales
+    if getattr(fmt, "check_model", None) is not None:  # what the format cannot hold, before calibrating
+        fmt.check_model(config_dict, base)
+    return _Model(base, config_dict, hf_config, targets, ignored)
+
+
+def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool, device: str) -> dict:
+    start = time.perf_counter()
+    check_output_dir(out, overwrite)
+    fmt = get_format(options.format)
+    checked = _checked_model(model, options, fmt)
+    base, config_dict, hf_config = checked.base, checked.config, checked.hf_config
+    constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
+    work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
 
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         with PeakMemory() as peak:
-            calibration, layer_results = _quantize_weights(base, targets, work, device)
+            calibration, layer_results = _quantize_weights(base, checked.targets, work, device)
             if calibration["name"] is not None:
                 calibration |= moe_calibration_record(hf_config.model_type, options.calibration.moe_calibration)
             stats = _write_weights(base, tmp, fmt, work, layer_results)
-        layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in targets]
+        layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in checked.targets]
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights,
             options.act_order,
-            ignored
+            checked.ignored
             + full_precision_gates(hf_config, quantize_router=options.quantize_router)
             + outside_decoder_linears(hf_config),
             options.activations,
@@ -260,28 +250,12 @@ def quantize_model(
                 "format": options.format,
                 "base_model": {"path": str(base.resolve()), "sha256": content_sha256(base)},
                 "calibration": calibration,
-                "ignored_layers": ignored,
+                "ignored_layers": checked.ignored,
                 "layers": layers,
                 "peak_memory": peak.to_json(),
                 "wall_time_s": round(time.perf_counter() - start, 3),
             },
         )
-    return manifest
-
-
-def _quantize_to_file(model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool, device: str) -> dict:
-    """One-file formats (GGUF): the artifact is staged in a hidden directory beside `out` (removed
-    afterwards, on failure too), then the format writes `out` from it (temporary name, renamed)."""
-    fmt = get_format(options.format)
-    if out.suffix != fmt.SUFFIX or out.is_dir():
-        raise OptkitError(f"--format {fmt.NAME} writes one file: give --out NAME{fmt.SUFFIX}")
-    if out.is_symlink():
-        raise OptkitError(f"--out {out} is a symlink: optkit never replaces one; choose another --out")
-    if out.exists() and not overwrite:
-        raise OptkitError(f"output {out} already exists: pass --overwrite or choose another --out")
-    with scratch_dir(out) as scratch:
-        manifest = quantize_model(model, scratch / "stage", options, overwrite=True, device=device, _staging=True)
-        fmt.write_file(scratch / "stage", out, manifest)
     return manifest
 
 
@@ -361,13 +335,8 @@ def _quantize_weights(
     return calibration, layers
 
 
-def _scale_dtype(weight: torch.Tensor) -> torch.dtype:
-    """Scales are stored in the checkpoint's half dtype (bf16 for fp32 checkpoints)."""
-    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-
-
 def _quantize_data_free(
-    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme, composition: methods.Composition
+    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme, composition: Composition
 ) -> Iterator[LayerResult]:
     """One result per linear: RTN (or another data-free method) needs no calibration, so each
     weight is read, quantized and let go."""
@@ -380,8 +349,8 @@ def _quantize_data_free(
                 raise OptkitError(
                     f"{target.name}: the weight contains NaN or inf: repair the checkpoint before quantizing"
                 )
-            qw = quantize_weight(weight, scheme, scale_dtype=_scale_dtype(weight))
-            stats = rtn.weight_error(weight, qw.dequantize())
+            qw = quantize_weight(weight, scheme, scale_dtype=scheme.scale_dtype_for(weight.dtype))
+            stats = weight_error(weight, qw.dequantize())
             bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
             yield LayerResult(target.name, {target.name: (qw, stats)}, {})
 

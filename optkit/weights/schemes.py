@@ -26,6 +26,8 @@ class WeightScheme(BaseModel):
     symmetric: bool = True
     type: Literal["int", "float", "nf4"] = Field("int", exclude_if=lambda t: t == "int")
     double_quant: bool = Field(False, exclude_if=lambda d: not d)  # nf4: block scales stored in 8 bits
+    # the dtype scales are rounded to and stored in; "auto": `scale_dtype_for`'s rule
+    scale_dtype: Literal["auto", "float16", "bfloat16"] = Field("auto", exclude_if=lambda d: d == "auto")
 
     @field_validator("bits")
     @classmethod
@@ -58,6 +60,17 @@ class WeightScheme(BaseModel):
     @property
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
+
+    def scale_dtype_for(self, weight_dtype):
+        """The dtype of the scales of a weight quantized in `weight_dtype` (a torch.dtype): the
+        scheme's `scale_dtype`, or for "auto" the weight's own half dtype, bfloat16 for any other.
+        A data-free method reads the checkpoint's weights (fp16 scales for an fp16 checkpoint); a
+        calibrated one quantizes the fp32 copy it calibrated, so its scales are bfloat16."""
+        import torch
+
+        if self.scale_dtype != "auto":
+            return getattr(torch, self.scale_dtype)
+        return weight_dtype if weight_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def group_size_for(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size

@@ -3,7 +3,7 @@ what will be written (GGUF's blocks: an fp16 scale `d`, and for Q4_1 an fp16 min
 
 The variant changes two things every quantizer reads through `rtn.minmax_qparams` and
 `rtn.round_to_grid`:
-- scales are rounded to `scale_dtype` (not the checkpoint's half dtype) before any integer is chosen;
+- scales are rounded to `scale_dtype`, fp16 (WeightScheme.scale_dtype_for), before any integer is chosen;
 - with `float_zero`, an asymmetric group keeps its minimum m, rounded to `scale_dtype`, instead of an
   integer zero point: Ŵ = (q − qmin)·s + m, with q in [qmin, qmax] as usual. m need not lie on the
   grid of s, which an integer zero point would force (llama.cpp's Q4_1: x = q_u·d + m, q_u = q − qmin).
@@ -12,19 +12,12 @@ A format hands it to the methods through its `constrain(scheme)`; nothing else b
 
 from typing import Literal
 
-import torch
-
 from optkit.weights.schemes import WeightScheme
 
 
 class StoredScheme(WeightScheme):
     scale_dtype: Literal["float16"] = "float16"
     float_zero: bool = False
-
-
-def scale_dtype_for(scheme: WeightScheme, default: torch.dtype) -> torch.dtype:
-    """The dtype a scheme's scales are rounded to: the stored one if the format fixes it."""
-    return getattr(torch, scheme.scale_dtype) if isinstance(scheme, StoredScheme) else default
 
 
 def has_float_zero(scheme: WeightScheme) -> bool:

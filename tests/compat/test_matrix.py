@@ -16,13 +16,12 @@ import pytest
 from optkit.compat import matrix
 from optkit.compat.transformers_load import check_transformers_load
 from optkit.compat.vllm_spec import check_vllm_spec
-from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.kind import ArtifactKind
-from optkit.quant.fp8 import FP8_PER_CHANNEL
+from optkit.quant.methods.awq.options import AWQOptions
+from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant import W8_PER_CHANNEL
-from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme
 from tests.tiny_families import FAMILIES
 
@@ -56,7 +55,7 @@ def _quantize(model_dir: Path, out: Path, method: str, fmt: str, bits: int, symm
             method=method,
             weights=W8_PER_CHANNEL if method == "smoothquant" else FP8_PER_CHANNEL,
             calibration=CALIB,
-            smoothquant=SmoothQuantOptions(activations=activations),
+            **{method: {"activations": activations}},  # quantize.smoothquant or quantize.fp8
         )
     elif method == "nf4":
         pytest.importorskip("bitsandbytes")  # transformers reads NF4 through it (the bnb extra)

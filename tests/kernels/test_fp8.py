@@ -13,7 +13,7 @@ from optkit.kernels.fp8 import (
     quantize_activations,
     scaled_mm_supported,
 )
-from optkit.quant.fp8 import fp8_quantize
+from optkit.quant.methods.fp8.math import fp8_quantize
 
 
 def _layer(out: int, inp: int, seed: int = 0):

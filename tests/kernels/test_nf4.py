@@ -12,7 +12,7 @@ from tests.kernels.triton_devices import DEVICES
 
 from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.triton import w4a16 as kernels
-from optkit.quant.nf4 import nf4_quantize
+from optkit.quant.methods.nf4.math import nf4_quantize
 from optkit.weights.schemes import WeightScheme
 
 

@@ -8,8 +8,8 @@ from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.fusion import fuse_projections
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
@@ -80,6 +80,6 @@ def test_layers_of_different_layouts_stay_separate(tmp_path, draft_dir):
 
 def _requantized(layer: PackedIntLinear, bits: int):
     """The layer's dequantized weight, quantized again per channel at `bits`."""
-    from optkit.quant.rtn import rtn_quantize
+    from optkit.quant.methods.rtn.math import rtn_quantize
 
     return rtn_quantize(layer.dequantized_weight(), WeightScheme(bits=bits, group_size=-1))

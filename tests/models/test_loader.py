@@ -12,10 +12,9 @@ from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.gptq.options import GPTQOptions
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant import W8_PER_CHANNEL
-from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
@@ -55,7 +54,7 @@ ARTIFACTS = {
             method="w8a8",
             weights=W8_PER_CHANNEL,
             calibration=FAST_CALIB,
-            smoothquant=SmoothQuantOptions(activations="static"),
+            w8a8={"activations": "static"},  # W8A8 reads its own section
         ),
         W8A8Linear,
     ),

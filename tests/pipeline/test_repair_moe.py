@@ -47,8 +47,8 @@ def test_a_raised_expert_is_read_with_its_own_scheme(mixtral, mixtral_w4, tmp_pa
     an 8-bit expert with the artifact's 4-bit scheme because transformers calls its block `mlp`."""
     from optkit.modeldir import TensorReader
     from optkit.quant.formats.load import load_model
+    from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.quant.mixed_artifact import write_mixed_artifact
-    from optkit.quant.rtn import rtn_quantize
     from optkit.weights.schemes import WeightScheme
 
     full = "model.layers.1.block_sparse_moe.experts.0.w1"

@@ -2,17 +2,17 @@ import pytest
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families.llama import LLAMA
 from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.modeldir import read_tensors
-from optkit.quant import awq
-from optkit.quant.awq_layer import AWQ_GROUPS
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats import awq as awq_format
 from optkit.quant.formats.load import load_model
-from optkit.quant.procedures import fold_scale
+from optkit.quant.layer_step import fold_scale
+from optkit.quant.methods.awq import math as awq
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.rtn import rtn_quantize
 from optkit.weights.schemes import WeightScheme
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
@@ -26,7 +26,7 @@ def test_folding_scales_leaves_the_full_precision_model_unchanged(draft_dir):
     with torch.inference_mode():
         expected = model(tokens).logits
         for layer in model.model.layers:
-            for previous, linears, _ in AWQ_GROUPS:
+            for previous, linears, _ in LLAMA.smoothing_groups:
                 width = layer.get_submodule(linears[0]).in_features
                 prev = layer.get_submodule(previous)
                 if (prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.numel()) != width:

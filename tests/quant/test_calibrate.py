@@ -8,13 +8,13 @@ from optkit.modeldir import load_tokenizer
 from optkit.quant.calibrate import (
     LayerStream,
     LayerWork,
-    capture_hessians,
     capture_inputs,
     run_layer,
     sequential_groups,
 )
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats.load import load_model
+from optkit.quant.methods.gptq.step import capture_hessians
 
 
 def test_layer_by_layer_forward_reproduces_the_model(draft_dir):
@@ -106,8 +106,9 @@ def test_each_layer_is_handed_over_before_the_next_is_loaded(draft_dir, monkeypa
     from transformers import AutoConfig
 
     from optkit.quant.calibrate import calibrate_layerwise
-    from optkit.quant.gptq import GPTQOptions
-    from optkit.quant.procedures import gptq_procedure
+    from optkit.quant.layer_step import layer_procedure
+    from optkit.quant.methods.gptq.options import GPTQOptions
+    from optkit.quant.methods.gptq.step import gptq_step
     from optkit.quant.targets import decoder_linears
     from optkit.weights.schemes import WeightScheme
 
@@ -117,7 +118,11 @@ def test_each_layer_is_handed_over_before_the_next_is_loaded(draft_dir, monkeypa
     targets = {t.name for t in decoder_linears(AutoConfig.from_pretrained(draft_dir))}
     tokens = torch.randint(0, 100, (2, 16))
     layers = calibrate_layerwise(
-        draft_dir, tokens, targets, gptq_procedure(WeightScheme(bits=4), GPTQOptions()), device=torch.device("cpu")
+        draft_dir,
+        tokens,
+        targets,
+        layer_procedure(None, gptq_step(WeightScheme(bits=4), GPTQOptions()), None),
+        device=torch.device("cpu"),
     )
     first = next(layers)
     assert loaded == [0]

@@ -4,7 +4,7 @@ from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig
 
 from optkit.quant.formats import compressed_tensors as ct
-from optkit.quant.rtn import rtn_quantize
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.weights.schemes import WeightScheme
 
 

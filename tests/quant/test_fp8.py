@@ -15,10 +15,10 @@ from optkit.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
-from optkit.quant.fp8 import FP8_PER_CHANNEL, fp8_quantize
+from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL, fp8_quantize
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant import W8_PER_CHANNEL
-from optkit.quant.smoothquant_layer import SmoothQuantOptions
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 DOWN = "model.layers.0.mlp.down_proj"
@@ -41,7 +41,7 @@ def test_fp8_artifact_is_float_quantized_and_runs_as_fp8(tmp_path, draft_dir, ac
         method="fp8",
         weights=FP8_PER_CHANNEL,
         calibration=FAST_CALIB,
-        smoothquant=SmoothQuantOptions(activations=activations),
+        fp8={"activations": activations},  # FP8 reads its own section
     )
     quantize_model(draft_dir, tmp_path / "q", options)
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]

@@ -12,8 +12,8 @@ from optkit.modeldir import BUNDLED_DIR, read_tensors
 from optkit.quant.formats import gguf as gguf_format
 from optkit.quant.formats.gguf_metadata import gguf_name
 from optkit.quant.formats.gguf_read import read_file, write_model_dir
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.rtn import rtn_quantize
 from optkit.weights.schemes import WeightScheme
 from tests.tiny_families import FAMILIES, save_tiny_family
 
@@ -157,7 +157,7 @@ def test_what_gguf_cannot_hold_is_refused_in_one_line_before_any_work(run_cli, t
 def test_gptq_left_unset_takes_gguf_q4_0_defaults_and_explicit_settings_win():
     """GGUF Q4_0: act-order, static groups, llama.cpp's scale rule; other types and formats the plain ones."""
     q4_0, q4_1 = WeightScheme(bits=4, group_size=32), WeightScheme(bits=4, group_size=32, symmetric=False)
-    gptq = QuantizeOptions(method="gptq", format="gguf", weights=q4_0).gptq
+    gptq = QuantizeOptions(method="gptq", format="gguf", weights=q4_0).section("gptq")
     assert (gptq.act_order, gptq.static_groups, gptq.scale) == (True, True, "signed_max")
     plain = (False, False, "minmax")
     for options in (
@@ -165,6 +165,8 @@ def test_gptq_left_unset_takes_gguf_q4_0_defaults_and_explicit_settings_win():
         QuantizeOptions(method="gptq", weights=q4_0),
         QuantizeOptions(method="rtn", format="gguf", weights=q4_0),
     ):
-        assert (options.gptq.act_order, options.gptq.static_groups, options.gptq.scale) == plain
+        gptq = options.section("gptq")
+        assert (gptq.act_order, gptq.static_groups, gptq.scale) == plain
     chosen = QuantizeOptions(method="gptq", format="gguf", weights=q4_0, gptq={"act_order": False, "scale": "minmax"})
-    assert (chosen.gptq.act_order, chosen.gptq.static_groups, chosen.gptq.scale) == (False, True, "minmax")
+    gptq = chosen.section("gptq")
+    assert (gptq.act_order, gptq.static_groups, gptq.scale) == (False, True, "minmax")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from optkit.errors import OptkitError
-from optkit.quant.gptq import (
+from optkit.quant.methods.gptq.math import (
     GPTQOptions,
     accumulate_hessian,
     all_finite,
@@ -11,7 +11,7 @@ from optkit.quant.gptq import (
     inverse_hessian_factor,
     output_error,
 )
-from optkit.quant.rtn import rtn_quantize
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.weights.schemes import WeightScheme
 
 

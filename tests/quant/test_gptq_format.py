@@ -10,7 +10,8 @@ from optkit.modeldir import read_tensors
 from optkit.quant import formats
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats import gptq as gptq_format
-from optkit.quant.gptq import GPTQOptions, accumulate_hessian, empty_hessian, gptq_quantize
+from optkit.quant.methods.gptq.math import accumulate_hessian, empty_hessian, gptq_quantize
+from optkit.quant.methods.gptq.options import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 

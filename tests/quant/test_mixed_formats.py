@@ -33,7 +33,7 @@ def mixed(request, tmp_path_factory, draft_dir):
 
 def test_raised_layers_hold_their_precision_and_the_rest_is_untouched(mixed, draft_dir):
     from optkit.quant.formats.load import load_model
-    from optkit.quant.rtn import rtn_quantize
+    from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.weights.schemes import WeightScheme
 
     name, root = mixed
@@ -78,7 +78,7 @@ def test_a_finer_group_is_a_rung_of_its_own(mixed, draft_dir):
     """4-bit g32 and 4-bit per channel beside the artifact's 4-bit g128, 8 bits and full precision:
     each layer holds RTN on its rung, the config names each scheme, earlier moves are kept."""
     from optkit.quant.formats.load import load_model
-    from optkit.quant.rtn import rtn_quantize
+    from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.weights.schemes import WeightScheme
 
     name, root = mixed
@@ -145,7 +145,7 @@ def from_two_bits(request, tmp_path_factory, draft_dir):
 def test_a_2_bit_artifact_raised_along_the_ladder_holds_each_rung(from_two_bits, draft_dir):
     from optkit.quant.formats.load import load_model
     from optkit.quant.ladder import parse_rung
-    from optkit.quant.rtn import rtn_quantize
+    from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.weights.schemes import WeightScheme
 
     name, root = from_two_bits

@@ -111,7 +111,7 @@ def test_routed_calibration_falls_back_to_rtn_for_experts_with_too_few_tokens(tm
         weights=WeightScheme(bits=4, group_size=64),
         calibration=CalibrationOptions(num_samples=4, seq_len=64, moe_calibration="routed"),
     )
-    with caplog.at_level(logging.WARNING, logger="optkit.quant.procedures"):
+    with caplog.at_level(logging.WARNING, logger="optkit.quant.layer_step"):
         manifest = quantize_model(moe_model("qwen3_moe"), tmp_path / "routed", options)
     experts = [layer for layer in manifest["layers"] if ".experts." in layer["name"]]
     # 256 tokens, 2 of 4 experts each: every expert gets fewer than 2 × 128 = 256 tokens
@@ -153,7 +153,8 @@ class _MoELayer(torch.nn.Module):
 
 
 def _expert_hessians(mode: str, top_k: int, x: torch.Tensor) -> tuple[_MoELayer, dict[str, torch.Tensor]]:
-    from optkit.quant.calibrate import LayerWork, capture_hessians
+    from optkit.quant.calibrate import LayerWork
+    from optkit.quant.methods.gptq.step import capture_hessians
 
     torch.manual_seed(1)
     layer = _MoELayer(mode, top_k)

@@ -14,7 +14,7 @@ from optkit.gate.options import GateOptions
 from optkit.kernels.nf4 import NF4Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats import bitsandbytes as bnb_format
-from optkit.quant.nf4 import NF4_BLOCK64, nf4_quantize
+from optkit.quant.methods.nf4.math import NF4_BLOCK64, nf4_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.codebooks import NF4_VALUES
 from optkit.weights.schemes import WeightScheme

@@ -10,9 +10,9 @@ import torch
 from optkit.compat.transformers_load import check_transformers_load, sample_sequences
 from optkit.families import family_for
 from optkit.gate.metrics import full_kld
-from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.awq.options import AWQOptions
+from optkit.quant.methods.gptq.options import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import prompts, run_paged, whole_prefills
@@ -119,10 +119,10 @@ def mean_kld(base, outliers):
 
 
 def test_phi3_is_registered_with_its_fused_linears():
-    from optkit.models.config import MODEL_TYPES
+    from optkit.families import model_types
 
     family = family_for("phi3")
-    assert family.name == "phi3" and "phi3" in MODEL_TYPES
+    assert family.name == "phi3" and "phi3" in model_types(runtime=True)
     assert family.sequential_groups[0] == ("self_attn.qkv_proj",)
     assert [g[:2] for g in family.norm_groups] == [
         ("input_layernorm", ("self_attn.qkv_proj",)),

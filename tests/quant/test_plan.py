@@ -7,10 +7,10 @@ import json
 import pytest
 
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.gptq.options import GPTQOptions
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.plan import plan_quantization
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant import W8_PER_CHANNEL
 from optkit.weights.schemes import WeightScheme
 from tests.tiny_families import TINY, save_tiny_family
 
@@ -113,7 +113,11 @@ def test_quantize_router_flag_plans_the_router_first_and_warns_transformers_cann
 def test_gptq_holds_one_hessian_per_distinct_input_of_a_group_plus_one_factor():
     """q/k/v share the attention's input and an expert's w1/w3 share theirs (one [in, in] each);
     distinct experts have their own; the factor of (H + λI)⁻¹ adds one of the widest."""
-    from optkit.quant.plan import _gptq_hessians
+    from optkit.quant.methods import Workload
+    from optkit.quant.methods.gptq.method import hessian_elements
+
+    def _gptq_hessians(linears, layers):
+        return hessian_elements(Workload(linears, layers, hidden_size=0, num_samples=0, seq_len=0))
 
     prefix = "model.layers.0"
     attention = {"self_attn.q_proj": (64, 32), "self_attn.k_proj": (16, 32), "self_attn.v_proj": (16, 32)}

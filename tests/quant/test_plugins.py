@@ -9,7 +9,7 @@ import torch
 from optkit.kernels.packed_int import PackedIntLinear
 from optkit.quant import methods
 from optkit.quant.formats import format_names, reader_for, registered_format
-from optkit.quant.rtn import minmax_qparams, quantize
+from optkit.quant.methods.rtn.math import minmax_qparams, quantize
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills

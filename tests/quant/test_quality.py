@@ -4,7 +4,7 @@ import pytest
 
 from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
-from optkit.quant.gptq import GPTQOptions
+from optkit.quant.methods.gptq.options import GPTQOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 

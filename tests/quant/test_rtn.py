@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from optkit.quant.rtn import minmax_qparams, quantize, rtn_quantize, signed_max_qparams, weight_error
+from optkit.quant.methods.rtn.math import minmax_qparams, quantize, rtn_quantize, signed_max_qparams, weight_error
 from optkit.weights.quantized import dequantize
 from optkit.weights.schemes import WeightScheme
 

@@ -4,15 +4,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from optkit.families.llama import LLAMA
 from optkit.gate.evaluate import evaluate
 from optkit.gate.options import GateOptions
 from optkit.kernels.w8a8 import W8A8Linear
-from optkit.quant import smoothquant as sq
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
-from optkit.quant.procedures import fold_scale
+from optkit.quant.layer_step import fold_scale
+from optkit.quant.methods.smoothquant import math as sq
+from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
+from optkit.quant.methods.smoothquant.step import search_folds
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant_layer import SMOOTHING_GROUPS, SmoothQuantOptions, search_folds
 from optkit.zoo.outliers import add_activation_outliers
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
@@ -69,7 +71,7 @@ def test_smoothing_leaves_the_full_precision_model_unchanged(draft_dir):
     with torch.inference_mode():
         expected = model(tokens).logits
         for layer in model.model.layers:
-            for previous, linears, _ in SMOOTHING_GROUPS:
+            for previous, linears, _ in LLAMA.norm_groups:
                 weights = [layer.get_submodule(n).weight for n in linears]
                 act = torch.rand(weights[0].shape[1]) * 50 + 0.1
                 fold_scale(layer, previous, linears, sq.smoothing_scales(act, weights, 0.5))

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from optkit.quant.gptq import gptq_quantize
-from optkit.quant.rtn import rtn_quantize
+from optkit.quant.methods.gptq.math import gptq_quantize
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.weights import gguf_blocks
 from optkit.weights.stored import StoredScheme
 
@@ -82,7 +82,7 @@ def test_pack_refuses_integers_outside_the_block_type():
 def test_awq_searches_onto_the_q4_1_grid_the_blocks_hold():
     """AWQ's clipping search and its fake quantization round onto fp16 scales and minima: what it
     measures is what Q4_1 blocks store."""
-    from optkit.quant import awq
+    from optkit.quant.methods.awq import math as awq
 
     torch.manual_seed(3)
     w, x = torch.randn(4, 64), torch.randn(128, 64)

@@ -1,16 +1,17 @@
-"""Quantization methods, found by name: each is one `Method` registered from its own module.
+"""Quantization methods, found by name: each is one folder, `quant/methods/NAME/`, whose `method.py`
+registers one `Method` (its math in math.py, its per-layer step in step.py, its options in
+options.py), or, from outside optkit, one `register_method` call.
 
 A method is either a *weights* stage (it turns each target linear into a `QuantizedWeight`: rtn,
-gptq, awq, w8a8) or a *smoothing* stage (it rewrites the weights before one weights stage
-quantizes them: smoothquant). A quantize run is a composition of stages, written as a list in
-recipes (`stages: [smoothquant, gptq]`) and as its canonical name elsewhere (`smoothquant+gptq`,
-the name recorded in optkit.json). Adding a method: one module that calls `register_method`, and
-its import in `_BUILTIN` below (or, from outside optkit, a call to `register_method`).
+gptq, awq, w8a8, fp8, nf4) or a *smoothing* stage (it rewrites the weights before one weights stage
+quantizes them: smoothquant). A quantize run is a composition of stages (composition.py), written
+as a list in recipes (`stages: [smoothquant, gptq]`) and as its canonical name elsewhere
+(`smoothquant+gptq`, the name recorded in optkit.json).
 """
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -18,62 +19,108 @@ from pydantic import BaseModel
 from optkit.plugins import import_once
 from optkit.weights.schemes import WeightScheme
 
-# options (the whole QuantizeOptions), the stage that follows a smoothing stage (or None) -> procedure
-ProcedureFactory = Callable[[Any, "Method | None"], Callable]
-# full-precision weight, scheme, scale dtype -> QuantizedWeight (methods that need no calibration)
+# full-precision weight, scheme, scale dtype -> QuantizedWeight
 WeightQuantizer = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `optkit quantize` option, setting `field` of its method's section. Methods may share a
+    flag (`--act-quant`): it sets the field of each of them that the run uses."""
+
+    name: str  # "--damp"; a bool takes "--act-order/--no-act-order"
+    field: str
+    help: str
+    type: type = str  # what click parses the text as (bool: an on/off switch)
+    parse: Callable[[Any], Any] | None = None  # then the value for the field (SmoothQuant's number or auto)
+
+    @property
+    def parameter(self) -> str:
+        """The flag's Python name (click's): "--act-order/--no-act-order" -> "act_order"."""
+        return self.name.split("/")[0].removeprefix("--").replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a method's memory estimate reads (quant/plan.py fills it from config.json and the
+    safetensors headers): the linears, each layer's true-sequential groups, the calibration size."""
+
+    linears: dict[str, tuple[int, int]]  # full name -> (out_features, in_features)
+    layers: list[tuple[str, list[list[str]]]]  # (prefix, groups of local names)
+    hidden_size: int
+    num_samples: int
+    seq_len: int
 
 
 @dataclass(frozen=True)
 class Method:
     """One quantization method: what a recipe or `--method` names.
 
-    options: the pydantic model of its settings (extra="forbid", every validation rule in it);
-    its recipe section is `quantize.<section>` (default: the method's name). Built-in sections are
-    declared on `QuantizeOptions`; a plug-in's section is validated by this model.
-    procedure: calibrated methods, the layer procedure factory (calibrate.py runs it per layer).
-    quantize_weight: data-free methods, one weight at a time (no calibration data is loaded).
+    options: the pydantic model of its settings (extra="forbid", every validation rule in it),
+    read from the recipe section `quantize.<section>` (default: the method's name); `flags` set its
+    fields from `optkit quantize`. A weights stage has `quantize_weight` (one weight at a time: with
+    no `step`, the method is data-free and no calibration data is loaded) and/or `step(section,
+    scheme)`, its calibrated layer step (quant/layer_step.py: WeightsStep); a smoothing stage has
+    `smooth(section, scheme)`: a function that folds scales into one layer and returns each
+    smoothed linear's stats (None: nothing to smooth with these options).
+    memory(section, workload): the bytes its step holds beyond one decoder layer's (quant/plan.py).
     fixed_weights: the weight scheme the method always writes (W8A8: int8 per output channel),
-    and with it int8 activations (`activations`); None for weight-only methods.
+    and with it quantized activations: `activations(section)` is "dynamic" or "static".
     formats / bits: what it can be written as (None: any). For smoothing stages, `then` lists the
-    weights stages that may follow and `implies` those it already amounts to on its own.
+    weights stages that may follow and `implies` those it already amounts to on its own (the first
+    is the weights stage that runs then).
     act_order(section) tells the format how columns are ordered (False, "group" or "weight");
-    unused(section) is the error to raise when the section asks for something while the method is
-    not part of the run (GPTQ's act_order with --method rtn). weight_type: the WeightScheme.type the
-    method writes when its scheme is not fixed (nf4: any block size, optional double quantization)."""
+    unused(section, composition) is the error to raise when the section asks for something the
+    run does not do (GPTQ's act_order with --method rtn). resolve(section, options) fills what
+    the section left unset (GPTQ: the format's defaults). weight_type: the WeightScheme.type the
+    method writes when its scheme is not fixed (nf4)."""
 
     name: str
     summary: str
     stage: Literal["weights", "smoothing"] = "weights"
     options: type[BaseModel] | None = None
     section: str | None = None
-    procedure: ProcedureFactory | None = None
+    flags: tuple[Flag, ...] = ()
     quantize_weight: WeightQuantizer | None = None
+    step: Callable[[Any, WeightScheme], Callable] | None = None
+    smooth: Callable[[Any, WeightScheme], Callable | None] | None = None
+    memory: Callable[[Any, Workload], int] | None = None
     fixed_weights: WeightScheme | None = None
-    activations: Callable[[Any], str] | None = None  # options -> "dynamic" | "static" (W8A8)
+    activations: Callable[[Any], str] | None = None  # section -> "dynamic" | "static" (W8A8)
     formats: tuple[str, ...] | None = None
     bits: tuple[int, ...] | None = None
     then: tuple[str, ...] = ()
     implies: tuple[str, ...] = ()
     act_order: Callable[[Any], bool | str] | None = None
-    unused: Callable[[Any], str | None] | None = None
+    unused: Callable[[Any, Any], str | None] | None = None
+    resolve: Callable[[Any, Any], Any] | None = None
     weight_type: str = "int"  # the scheme type it writes (WeightScheme.type): "nf4" for the NF4 method
 
     def __post_init__(self):
-        assert (self.procedure is None) != (self.quantize_weight is None) or self.stage == "smoothing", self.name
+        if self.stage == "smoothing":
+            assert self.smooth is not None and self.implies, self.name
+        else:
+            assert self.step is not None or self.quantize_weight is not None, self.name
         if self.options is not None and self.section is None:
             object.__setattr__(self, "section", self.name)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.step is not None or self.stage == "smoothing"
 
 
 _REGISTRY: dict[str, Method] = {}
 _BUILTIN = ("rtn", "gptq", "awq", "w8a8", "fp8", "nf4", "smoothquant")  # registration order is --help's order
-_load_builtin = import_once(__name__, _BUILTIN)
+_load_builtin = import_once(__name__, tuple(f"{name}.method" for name in _BUILTIN))
 
 
 def register_method(method: Method) -> Method:
     _load_builtin()
     if method.name in _REGISTRY or "+" in method.name:
         raise ValueError(f"method name {method.name!r} is taken or contains '+'")
+    sections = {m.section for m in _REGISTRY.values() if m.section is not None}
+    if method.section in sections:
+        raise ValueError(f"method {method.name!r}: recipe section {method.section!r} is taken")
     _REGISTRY[method.name] = method
     return method
 
@@ -106,88 +153,15 @@ def method_names() -> list[str]:
     return names
 
 
-@dataclass(frozen=True)
-class Composition:
-    """The stages of one run, smoothing first; `name` is the canonical method name."""
-
-    stages: tuple[Method, ...]
-    name: str = field(init=False)
-
-    def __post_init__(self):
-        smoothing = [s for s in self.stages if s.stage == "smoothing"]
-        weights = [s for s in self.stages if s.stage == "weights"]
-        implied = smoothing and weights and weights[0].name in smoothing[0].implies
-        parts = [s.name for s in smoothing] + ([] if implied else [w.name for w in weights])
-        object.__setattr__(self, "name", "+".join(parts))
-
-    @property
-    def smoothing(self) -> Method | None:
-        return next((s for s in self.stages if s.stage == "smoothing"), None)
-
-    @property
-    def weights(self) -> Method | None:
-        """The weights stage; None when a smoothing stage quantizes the weights itself."""
-        stage = next((s for s in self.stages if s.stage == "weights"), None)
-        smoothing = self.smoothing
-        return None if stage is not None and smoothing and stage.name in smoothing.implies else stage
-
-    @property
-    def fixed_weights(self) -> WeightScheme | None:
-        """The weights stage's fixed scheme (smoothquant+fp8: FP8), else the smoothing stage's."""
-        return next((s.fixed_weights for s in reversed(self.stages) if s.fixed_weights is not None), None)
-
-    def uses(self, name: str) -> bool:
-        return any(s.name == name for s in self.stages)
-
-    def procedure(self, options) -> Callable | None:
-        """The layer procedure, or None when no stage needs calibration (see `quantize_weight`)."""
-        if self.smoothing is not None:
-            return self.smoothing.procedure(options, self.weights)
-        return None if self.weights.procedure is None else self.weights.procedure(options, None)
-
-    @property
-    def quantize_weight(self) -> WeightQuantizer | None:
-        return self.weights.quantize_weight if self.smoothing is None else None
+def sections() -> dict[str, Method]:
+    """Recipe section name -> the method whose options it holds."""
+    return {m.section: m for m in registered_methods().values() if m.section is not None}
 
 
-def compose(stages: Iterable[str]) -> Composition:
-    """The composition of a list of stage names, or a ValueError naming the stage to change.
-
-    A smoothing stage rewrites the weights (it folds scales into them), so it comes before the
-    one stage that quantizes the weights; two weights stages cannot both quantize the same weights."""
-    stages = list(stages)
-    methods = registered_methods()
-    if not stages:
-        raise ValueError("stages is empty: list at least one of " + ", ".join(methods))
-    for index, stage in enumerate(stages, 1):
-        if stage not in methods:
-            raise ValueError(f"stage {index} {stage!r} is unknown: choose from {', '.join(methods)}")
-    found = [methods[s] for s in stages]
-    weights = [m.name for m in found if m.stage == "weights"]
-    smoothing = [m for m in found if m.stage == "smoothing"]
-    if len(weights) > 1:
-        raise ValueError(f"stages {weights} both quantize the weights: keep one")
-    if len(smoothing) > 1:
-        raise ValueError(f"stages {[m.name for m in smoothing]} both smooth the weights: keep one")
-    if smoothing:
-        first = smoothing[0]
-        if weights and stages.index(first.name) > stages.index(weights[0]):
-            raise ValueError(
-                f"stage {stages.index(first.name) + 1} {first.name!r} cannot follow the weight-only stage "
-                f"{weights[0]!r}: smoothing rewrites the weights, so it must come first"
-            )
-        if weights and weights[0] not in first.then + first.implies:
-            raise ValueError(
-                f"stage {weights[0]!r} cannot follow {first.name!r}: "
-                f"use {' or '.join(first.then)} for the 8-bit weights"
-            )
-    return Composition(tuple(sorted(found, key=lambda m: m.stage != "smoothing")))
-
-
-def resolve(method: str | list[str]) -> Composition:
-    """A `--method` name (`gptq`, `smoothquant+gptq`) or a list of stages, as a composition."""
-    if isinstance(method, str):
-        if method not in method_names():
-            raise ValueError(f"unknown method {method!r}: choose one of {', '.join(method_names())}")
-        method = method.split("+")
-    return compose(method)
+def flags() -> dict[str, list[tuple[Method, Flag]]]:
+    """Every `optkit quantize` flag a method declares: name -> the (method, flag) pairs it sets."""
+    found: dict[str, list[tuple[Method, Flag]]] = {}
+    for method in registered_methods().values():
+        for flag in method.flags:
+            found.setdefault(flag.name, []).append((method, flag))
+    return found

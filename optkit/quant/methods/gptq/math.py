@@ -12,53 +12,17 @@ Pure tensor functions: no modules, hooks or I/O.
 
 import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
 
 from optkit.errors import OptkitError
-from optkit.quant.rtn import from_grid, minmax_qparams, round_to_grid, signed_max_qparams
+from optkit.quant.methods.gptq.options import GPTQOptions
+from optkit.quant.methods.rtn.math import from_grid, minmax_qparams, round_to_grid, signed_max_qparams
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
-from optkit.weights.stored import has_float_zero, scale_dtype_for
+from optkit.weights.stored import has_float_zero
 
 QPARAMS = {"minmax": minmax_qparams, "signed_max": signed_max_qparams}
-
-
-class GPTQOptions(BaseModel):
-    """GPTQ settings; the field names are the recipe keys. act_order, static_groups and scale left
-    unset (None) take the output format's defaults (`resolved`): off and minmax, except where the
-    format names others (formats/gguf.py: Q4_0)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    block_size: int = 128
-    damp: float = 0.01  # fraction of the mean diagonal of H added to it
-    act_order: bool | None = None  # quantize columns by descending H_ii (the most sensitive first)
-    static_groups: bool | None = None  # group parameters from the unpermuted W: contiguous g_idx
-    # how a group's symmetric scale is chosen: max|w| / 7.5 (for 4 bits), or llama.cpp's signed m / −8
-    scale: Literal["minmax", "signed_max"] | None = None
-    max_damp_retries: int = 6  # each retry multiplies the dampening by 10
-
-    def resolved(self, defaults: dict | None = None) -> "GPTQOptions":
-        """These options with each unset setting taken from `defaults` (a format's), else the plain default."""
-        plain = {"act_order": False, "static_groups": False, "scale": "minmax"} | (defaults or {})
-        return self.model_copy(update={k: v for k, v in plain.items() if getattr(self, k) is None})
-
-    @field_validator("damp")
-    @classmethod
-    def _damp_not_negative(cls, value: float) -> float:
-        if not value >= 0:
-            raise ValueError("must be ≥ 0")
-        return value
-
-    @field_validator("block_size")
-    @classmethod
-    def _block_size_positive(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be ≥ 1")
-        return value
 
 
 @dataclass
@@ -155,10 +119,11 @@ def gptq_quantize(
     scheme: WeightScheme,
     options: GPTQOptions = GPTQOptions(),
     *,
-    scale_dtype: torch.dtype = torch.bfloat16,
+    scale_dtype: torch.dtype | None = None,
     name: str = "layer",
 ) -> GPTQResult:
-    """Quantize W ([out, in]) with H ([in, in]); returns integers, scales, zero points, g_idx, loss."""
+    """Quantize W ([out, in]) with H ([in, in]); returns integers, scales, zero points, g_idx, loss.
+    Scales are rounded to `scale_dtype` (None: the scheme's rule for W's dtype)."""
     if not all_finite(w):
         raise OptkitError(f"{name}: the weight contains NaN or inf: repair the checkpoint before quantizing")
     if not all_finite(hessian):
@@ -166,6 +131,7 @@ def gptq_quantize(
     out_features, in_features = w.shape
     group_size = scheme.group_size_for(in_features)
     num_groups = in_features // group_size
+    scale_dtype = scheme.scale_dtype_for(w.dtype) if scale_dtype is None else scale_dtype
     w_orig = w.float().to(hessian.device)
     W = w_orig.clone()
 
@@ -192,37 +158,18 @@ def gptq_quantize(
         group_of_position = perm // group_size
     else:
         group_of_position = torch.arange(in_features, device=W.device) // group_size
-    scale_dtype = scale_dtype_for(scheme, scale_dtype)  # a format may fix how scales are stored
     zero_dtype = scale_dtype if has_float_zero(scheme) else torch.int8
     scale = torch.empty(out_features, num_groups, dtype=scale_dtype, device=W.device)
     zero_point = torch.zeros(out_features, num_groups, dtype=zero_dtype, device=W.device)
     if fixed_params is not None:
         scale[:], zero_point[:] = fixed_params
-    Q = torch.zeros_like(W, dtype=torch.int8)
-
     # Blocks never straddle a group, so each group's parameters come from up-to-date weights.
     block_size = max(options.block_size, group_size) if fixed_params is None else options.block_size
     if fixed_params is None and block_size % group_size:
         block_size = group_size * max(1, block_size // group_size)
-    for i1 in range(0, in_features, block_size):
-        i2 = min(i1 + block_size, in_features)
-        W1 = W[:, i1:i2].clone()  # [out, B]
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
-        for i in range(i2 - i1):
-            column = i1 + i
-            g = group_of_position[column]
-            if fixed_params is None and column % group_size == 0:
-                s, z = qparams(W1[:, i : i + group_size], scheme, scale_dtype)
-                scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
-            s, z = scale[:, g], zero_point[:, g]
-            q = round_to_grid(W1[:, i], s, z, scheme)
-            Q[:, column] = q.to(torch.int8)
-            err = (W1[:, i] - from_grid(q, s, z, scheme)) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # eq. 3 within the block
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's deferred update of all later columns
-    del W, W1, Err1, Hinv, Hinv1  # free the factor and the working weights before the loss below
+    columns = _Columns(scheme, qparams, scale_dtype, group_size, group_of_position, fixed_params is None)
+    Q = columns.quantize(W, Hinv, scale, zero_point, block_size)
+    del W, Hinv  # free the factor and the working weights before the loss below
 
     inverse = torch.argsort(perm)
     q_int = Q[:, inverse]
@@ -231,3 +178,44 @@ def gptq_quantize(
     contiguous = torch.equal(g_idx, torch.arange(in_features, device=g_idx.device, dtype=torch.int32) // group_size)
     result = QuantizedWeight(q_int.cpu(), scale.cpu(), zero_point.cpu(), scheme, None if contiguous else g_idx.cpu())
     return GPTQResult(result, output_error(w_orig, result.dequantize().to(hessian.device), hessian), damp)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """GPTQ's column loop over one weight: how each column is rounded and where its group's
+    parameters come from (chosen at the group's first column unless fixed up front)."""
+
+    scheme: WeightScheme
+    qparams: object
+    scale_dtype: torch.dtype
+    group_size: int
+    group_of_position: torch.Tensor
+    groups_as_they_come: bool
+
+    def quantize(
+        self, W: torch.Tensor, Hinv: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """The integers of W ([out, in], columns in processing order, updated in place), block by
+        block with the upper factor Hinv of (H + λI)⁻¹; fills `scale` and `zero_point` as it goes."""
+        scheme, group_size = self.scheme, self.group_size
+        Q = torch.zeros_like(W, dtype=torch.int8)
+        in_features = W.shape[1]
+        for i1 in range(0, in_features, block_size):
+            i2 = min(i1 + block_size, in_features)
+            W1 = W[:, i1:i2].clone()  # [out, B]
+            Err1 = torch.zeros_like(W1)
+            Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
+            for i in range(i2 - i1):
+                column = i1 + i
+                g = self.group_of_position[column]
+                if self.groups_as_they_come and column % group_size == 0:
+                    s, z = self.qparams(W1[:, i : i + group_size], scheme, self.scale_dtype)
+                    scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
+                s, z = scale[:, g], zero_point[:, g]
+                q = round_to_grid(W1[:, i], s, z, scheme)
+                Q[:, column] = q.to(torch.int8)
+                err = (W1[:, i] - from_grid(q, s, z, scheme)) / Hinv1[i, i]
+                W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)  # eq. 3 within the block
+                Err1[:, i] = err
+            W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # the block's deferred update of all later columns
+        return Q

@@ -1,9 +1,9 @@
 """NF4: 4-bit NormalFloat weights with blockwise absmax (block 64 by default), no calibration, written
 in bitsandbytes' serialization (`--format bitsandbytes`); `--double-quant` stores the block scales in
-8 bits (QLoRA's double quantization). The math is in quant/nf4.py."""
+8 bits (QLoRA's double quantization). The math is in math.py."""
 
 from optkit.quant.methods import Method, register_method
-from optkit.quant.nf4 import nf4_quantize
+from optkit.quant.methods.nf4.math import nf4_quantize
 
 NF4 = register_method(
     Method(

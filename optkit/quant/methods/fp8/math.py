@@ -2,7 +2,7 @@
 
 sw[o] = max_i |W[o, i]| / 448 (rounded to the stored scale dtype first, so q is computed with exactly
 the scale a loader reads back), q = fp8(W / sw) (kernels/fp8.py), Ŵ = q · sw. Activations are
-quantized at run time (per token) or with a calibrated per-tensor scale (smoothquant_layer.py).
+quantized at run time (per token) or with a calibrated per-tensor scale (quant/activation_observer.py).
 """
 
 import torch
@@ -15,10 +15,12 @@ FP8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True, type="floa
 
 
 def fp8_quantize(
-    w: torch.Tensor, scheme: WeightScheme = FP8_PER_CHANNEL, scale_dtype: torch.dtype = torch.bfloat16
+    w: torch.Tensor, scheme: WeightScheme = FP8_PER_CHANNEL, scale_dtype: torch.dtype | None = None
 ) -> QuantizedWeight:
-    """W [out, in] -> float8_e4m3fn q [out, in] and scale [out, 1]."""
+    """W [out, in] -> float8_e4m3fn q [out, in] and scale [out, 1] (in `scale_dtype`; None: the
+    scheme's rule for W's dtype)."""
     assert scheme == FP8_PER_CHANNEL, scheme
+    scale_dtype = scheme.scale_dtype_for(w.dtype) if scale_dtype is None else scale_dtype
     w = w.float()
     amax = w.abs().amax(dim=1, keepdim=True)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)

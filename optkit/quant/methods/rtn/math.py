@@ -9,7 +9,7 @@ import torch
 
 from optkit.weights.quantized import QuantizedWeight, grouped
 from optkit.weights.schemes import WeightScheme
-from optkit.weights.stored import has_float_zero, scale_dtype_for
+from optkit.weights.stored import has_float_zero
 
 
 def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,17 +23,17 @@ def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, tor
 
 
 def minmax_qparams(
-    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16
+    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point of each group from its range (which always includes 0).
 
     Symmetric: s = max|w| / ((2^b - 1) / 2), z = 0. Asymmetric: s = (max - min) / (2^b - 1),
     z = qmin - round(min / s). The scale is rounded to `scale_dtype` first, so q is computed
-    with exactly the scale a loader will read back. A scheme whose format fixes the stored dtype
-    (weights/stored.py) overrides `scale_dtype`; with a float zero point the group's own range is
-    used (no need to contain 0) and z is its minimum m, rounded like the scale.
+    with exactly the scale a loader will read back (None: the scheme's rule for w's dtype,
+    WeightScheme.scale_dtype_for). With a float zero point (weights/stored.py) the group's own
+    range is used (no need to contain 0) and z is its minimum m, rounded like the scale.
     """
-    scale_dtype = scale_dtype_for(scheme, scale_dtype)
+    scale_dtype = scheme.scale_dtype_for(w.dtype) if scale_dtype is None else scale_dtype
     g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
     levels = (1 << scheme.bits) - 1
     if has_float_zero(scheme):
@@ -56,13 +56,13 @@ def minmax_qparams(
 
 
 def signed_max_qparams(
-    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16
+    w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric scales by llama.cpp's Q4_0 rule (quantize_row_q4_0_ref): d = m / qmin, m the group's
     value of largest magnitude with its sign, so m lands exactly on qmin (−8) and the other side of
     the grid reaches qmax·|d| (7/8 of |m|). d is negative when m is positive; Ŵ = q·d either way.
     minmax_qparams' s = max|w| / 7.5 instead rounds ±max|w| to a level 0.5·s away on one side."""
-    scale_dtype = scale_dtype_for(scheme, scale_dtype)
+    scale_dtype = scheme.scale_dtype_for(w.dtype) if scale_dtype is None else scale_dtype
     g = grouped(w.float(), scheme.group_size_for(w.shape[1]))
     m = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
     scale = m / scheme.qmin
@@ -93,7 +93,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, sch
     return q.reshape(w.shape).to(torch.int8)
 
 
-def rtn_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> QuantizedWeight:
+def rtn_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
     scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
     return QuantizedWeight(quantize(w, scale, zero_point, scheme), scale, zero_point, scheme)
 

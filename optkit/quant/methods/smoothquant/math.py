@@ -4,13 +4,13 @@ Per input channel j of a smoothing group (a norm feeding linears W_1..W_m):
     s_j = max|X_j|^α / max_i,o |W_i[o, j]|^(1−α)                          (paper, eq. 4)
 and X ← X diag(s)⁻¹ (folded into the norm), W ← W diag(s): the product is unchanged, while the
 activation's channel ranges shrink toward each other and int8 per-token quantization loses less.
-Pure tensor functions; the per-layer walk is in smoothquant_layer.py.
+Pure tensor functions; the per-layer walk is in step.py.
 """
 
 import torch
 
 from optkit.kernels.w8a8 import quantize_activations
-from optkit.quant.rtn import rtn_quantize
+from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.weights.schemes import WeightScheme
 
 W8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True)

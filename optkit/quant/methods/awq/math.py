@@ -9,17 +9,17 @@ s = mean|x|^α (or, "duo scaling", mean|x|^α / mean|ŵ|^(1−α) with ŵ the gr
 magnitudes), with α chosen on a grid to minimise the block's output error after quantization.
 Then each linear's per-group clipping range is shrunk where that lowers its output error (for
 asymmetric integers each end of the range on its own).
-Pure tensor functions; the search loop that runs modules is in procedures.py.
+Pure tensor functions; the search loop that runs modules is in step.py.
 """
 
 import torch
 
-from optkit.quant.rtn import minmax_qparams, quantize, quantized_range
+from optkit.quant.methods.rtn.math import minmax_qparams, quantize, quantized_range
 from optkit.weights.quantized import dequantize, grouped
 from optkit.weights.schemes import WeightScheme
 
 
-def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Quantize and dequantize W ([out, in]) with min/max group parameters."""
     scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
     return dequantize(quantize(w, scale, zero_point, scheme), scale, zero_point, qmin=scheme.qmin)
@@ -70,7 +70,7 @@ def search_clip(
     max_shrink: float = 0.5,
     steps: int = 20,
     independent_ends: bool = True,
-    scale_dtype: torch.dtype = torch.bfloat16,
+    scale_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Per (output row, group) clipping range that minimises ‖x wᵀ − x Q(clip(w))ᵀ‖² within the group.
 

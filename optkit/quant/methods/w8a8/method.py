@@ -1,0 +1,22 @@
+"""Plain W8A8: int8 weights per output channel, rounded to nearest, and int8 activations (dynamic,
+or static: `quantize.w8a8.activations`, `--act-quant`), without smoothing: the baseline SmoothQuant
+improves on."""
+
+from optkit.quant.activation_observer import ACT_QUANT, ActivationOptions
+from optkit.quant.layer_step import per_weight_step
+from optkit.quant.methods import Method, register_method
+from optkit.quant.methods.rtn.math import rtn_quantize
+from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+
+W8A8 = register_method(
+    Method(
+        name="w8a8",
+        summary="int8 weights and activations, no smoothing",
+        options=ActivationOptions,
+        flags=(ACT_QUANT,),
+        quantize_weight=rtn_quantize,
+        step=per_weight_step(rtn_quantize),
+        fixed_weights=W8_PER_CHANNEL,
+        activations=lambda options: options.activations,
+    )
+)
