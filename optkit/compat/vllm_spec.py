@@ -33,6 +33,7 @@ import math
 import torch
 
 from optkit.compat.matrix import kind_from_quant_config, vllm_path
+from optkit.families import family_for
 from optkit.quant.formats.kind import ArtifactKind
 
 Spec = dict[str, tuple[torch.dtype | None, tuple[int, ...]]]  # suffix -> (dtype or None: any float, shape)
@@ -113,36 +114,46 @@ def layer_spec(kind: ArtifactKind, quant_config: dict, out: int, inp: int) -> Sp
 
 # Mixture-of-experts checkpoints: vLLM's models/mixtral.py, qwen2_moe.py and qwen3_moe.py `load_weights`
 # read each expert's linears through FusedMoE.make_expert_params_mapping(ckpt_gate_proj_name,
-# ckpt_down_proj_name, ckpt_up_proj_name) as `{block}.experts.{N}.{name}.<tensor>`, each with the
-# tensors of a dense linear of its method (the spec above); the router `{block}.gate` is unquantized
-# (ReplicatedLinear with quant_config=None), as is Qwen2-MoE's shared_expert_gate.
-MOE_EXPERTS = {
-    "mixtral": ("block_sparse_moe", ("w1", "w2", "w3")),
-    "qwen2_moe": ("mlp", ("gate_proj", "down_proj", "up_proj")),
-    "qwen3_moe": ("mlp", ("gate_proj", "down_proj", "up_proj")),
-}
-
-
+# ckpt_down_proj_name, ckpt_up_proj_name) as `{block}.experts.{N}.{name}.<tensor>` under the
+# checkpoint's names (the family's MoE layout and checkpoint renames: Mixtral's block_sparse_moe),
+# each with the tensors of a dense linear of its method (the spec above); the router `{block}.gate`
+# is unquantized (ReplicatedLinear with quant_config=None), as is Qwen2-MoE's shared_expert_gate.
 def moe_problems(config: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Experts missing under the names vLLM reads, or a quantized router."""
-    if config.get("model_type") not in MOE_EXPERTS:
+    model_type = config.get("model_type")
+    family = family_for(model_type)
+    layout = family.moe
+    if layout is None or model_type not in family.model_types:
         return []
-    block, names = MOE_EXPERTS[config["model_type"]]
-    num_experts = config.get("num_local_experts") or config.get("num_experts")
     problems = []
     for index in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{index}.{block}"
-        router = tensors.get(f"{prefix}.gate.weight")
-        if router is None:  # a dense layer (Qwen's mlp_only_layers)
+        router = family.checkpoint_name(f"model.layers.{index}.{layout.router_name}")
+        prefix = router.removesuffix(f".{layout.router}")
+        weight = tensors.get(f"{router}.weight")
+        if weight is None:  # a dense layer (Qwen's mlp_only_layers)
             continue
-        if not router.is_floating_point() or f"{prefix}.gate.weight_scale" in tensors:
-            problems.append(f"{prefix}.gate is quantized: vLLM reads the router in full precision")
+        if not weight.is_floating_point() or f"{router}.weight_scale" in tensors:
+            problems.append(f"{router} is quantized: vLLM reads the router in full precision")
         present = {key.rsplit(".", 1)[0] for key in tensors if key.startswith(f"{prefix}.experts.")}
-        for expert in range(num_experts):
-            for name in names:
+        for expert in range(layout.num_experts(config)):
+            for name in layout.expert_linears:
                 if f"{prefix}.experts.{expert}.{name}" not in present:
                     problems.append(f"{prefix}.experts.{expert}.{name} missing: vLLM reads each expert by that name")
     return problems
+
+
+def architecture_problems(config: dict) -> list[str]:
+    """vLLM picks its model class by config.json's `architectures`: the one the model's family names."""
+    model_type = config.get("model_type")
+    if model_type is None:  # a bare quantization_config: the layer specs alone
+        return []
+    vllm = family_for(model_type).model_type(model_type).vllm
+    if vllm is None:
+        return [f"vLLM has no model for model_type {model_type!r}: its family names none"]
+    named = config.get("architectures") or []
+    if vllm not in named:
+        return [f"config.json's architectures {named} lack {vllm}, the class vLLM runs {model_type} with"]
+    return []
 
 
 def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]]) -> list[str]:
@@ -158,7 +169,7 @@ def check_vllm_spec(config: dict, tensors: dict[str, torch.Tensor], shapes: dict
     if kind.format not in REQUIRED_KEYS:  # a plug-in format that names a vLLM loader whose layout is not written here
         return [f"{path}: optkit/compat/vllm_spec.py has no spec of what vLLM reads for {kind.format}: not checked"]
     problems = [f"quantization_config lacks {key!r}" for key in REQUIRED_KEYS[kind.format] if key not in quant_config]
-    problems += moe_problems(config, tensors)
+    problems += architecture_problems(config) + moe_problems(config, tensors)
     if kind.format == "compressed-tensors" and not kind.w8a8:
         strategy = next(iter(quant_config["config_groups"].values()))["weights"].get("strategy")
         if strategy not in ("group", "channel"):

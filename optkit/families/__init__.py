@@ -1,15 +1,19 @@
 """Model families, found by `model_type`: what quantization needs to know of a decoder layer
-(the linears in true-sequential order, the smoothing groups) and which runtime module runs it.
+(the linears in true-sequential order, the smoothing groups), which runtime module runs it, how the
+runtime reads its config.json, and what llama.cpp and vLLM call it.
 
-Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family`, imported in
-`_BUILTIN` below. A model_type no family claims is calibrated with Llama's names (only the names
-its layers have count; other linears go last, one at a time), and the runtime refuses it.
+Adding a family (a MoE, Gemma, Phi-3...): one module that calls `register_family`. Every module of
+this package is imported the first time the registry is asked (from outside optkit: import yours
+before). A model_type no family claims is calibrated with Llama's names (only the names its layers
+have count; other linears go last, one at a time), and the runtime refuses it.
 """
 
 import fnmatch
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from optkit.plugins import import_once
 
@@ -53,6 +57,61 @@ class MoELayout:
     def expert_patterns(self) -> tuple[str, ...]:
         return tuple(f"{self.block}.experts.*.{n}" for n in self.expert_linears)
 
+    def dims(self, config: dict) -> tuple[int, int, int]:
+        """(number of experts, experts per token, expert intermediate size) from config.json."""
+        return self.num_experts(config), config["num_experts_per_tok"], config[self.intermediate_key]
+
+
+def _no_fields(config: dict) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class ConfigReading:
+    """How the runtime (models/config.py) reads one model_type's config.json, beyond what every
+    family shares (the sizes, rms_norm_eps, tie_word_embeddings, eos_token_id and RoPE).
+
+    defaults: transformers' config-class defaults of the keys a config.json may leave out, applied
+    where a key is absent (not where it is null). max_position_embeddings needs one, or config.json
+    must give it. fields: the family's `ModelConfig` fields (models/config.py names them: qkv_bias,
+    qk_norm, sliding_window...) from config.json with its defaults; a family that sets hidden_act
+    checks it itself (otherwise it must be silu). head_dim: the head width where config.json gives
+    none (None: hidden_size / num_attention_heads). language_model: a multimodal config.json ->
+    its language model's (Gemma 3's text_config). rope_sources: ModelConfig's RoPE field
+    (rope_parameters, local_rope_parameters) -> the config.json view its RoPE is read from (None:
+    rope_parameters from config.json). rope_type_aliases: old rope_type names the config class reads
+    as another (Phi-3's "su" as "longrope")."""
+
+    defaults: Mapping[str, object] = field(default_factory=dict)
+    fields: Callable[[dict], dict] = _no_fields
+    head_dim: int | None = None
+    language_model: Callable[[dict], dict] | None = None
+    rope_sources: Callable[[dict], dict[str, dict]] | None = None
+    rope_type_aliases: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GgufArchitecture:
+    """How llama.cpp's converter (convert_hf_to_gguf.py) writes a model_type: its architecture
+    (general.architecture, the prefix of its keys), and whether it is LlamaModel's kind, whose q/k
+    rows go to GGML's interleaved RoPE order and which also writes vocab_size and
+    rope.dimension_count (the others run NEOX RoPE on Hugging Face's order)."""
+
+    name: str
+    llama_rope: bool = False
+    attention_bias: bool = True  # its graph in llama.cpp adds attention biases (Qwen3's has none)
+
+
+@dataclass(frozen=True)
+class ModelType:
+    """What one model_type of a family is to the runtime, llama.cpp and vLLM. gguf: None where
+    --format gguf does not write it; vllm: the model class vLLM's registry runs it with (config.json's
+    `architectures`), None where vLLM has none."""
+
+    config: ConfigReading = field(default_factory=ConfigReading)
+    gguf: GgufArchitecture | None = None
+    vllm: str | None = None
+
 
 @dataclass(frozen=True)
 class Family:
@@ -82,6 +141,12 @@ class Family:
     # (checkpoint infix, module infix): a checkpoint's names where they differ from the modules',
     # e.g. Mixtral's ".block_sparse_moe." for transformers' and the runtime's ".mlp."
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # model_type -> what it is to the runtime, llama.cpp and vLLM; one left out reads as a plain
+    # Llama config.json (no biases, silu, full attention) and neither tool runs it
+    types: Mapping[str, ModelType] = field(default_factory=dict)
+
+    def model_type(self, name: str | None) -> ModelType:
+        return self.types.get(name) or ModelType()
 
     def module_name(self, checkpoint_name: str) -> str:
         """A checkpoint key (full, or local to a decoder layer) as the modules name it."""
@@ -135,7 +200,7 @@ def log_unsmoothable(family: Family, method: str) -> None:
 
 _FALLBACK = "llama"
 _REGISTRY: dict[str, Family] = {}
-_BUILTIN = ("llama", "granite", "olmo2", "phi3", "gemma", "mixtral", "qwen_moe")
+_BUILTIN = tuple(sorted(m.name for m in pkgutil.iter_modules(__path__)))  # one module per family
 _load_builtin = import_once(__name__, _BUILTIN)
 
 
@@ -154,6 +219,16 @@ def unregister_family(family: Family) -> None:
             del _REGISTRY[model_type]
 
 
+@contextmanager
+def registered_family(family: Family) -> Iterator[Family]:
+    """`register_family` for the duration of a block (tests)."""
+    register_family(family)
+    try:
+        yield family
+    finally:
+        unregister_family(family)
+
+
 def family_for(model_type: str | None) -> Family:
     _load_builtin()
     return _REGISTRY.get(model_type) or _REGISTRY[_FALLBACK]
@@ -163,3 +238,11 @@ def model_types(runtime: bool = False) -> tuple[str, ...]:
     """Every registered model_type (with `runtime`, those the optkit runtime runs)."""
     _load_builtin()
     return tuple(t for t, f in _REGISTRY.items() if f.runtime or not runtime)
+
+
+def gguf_architectures() -> dict[str, GgufArchitecture]:
+    """model_type -> its llama.cpp architecture, for every model_type --format gguf writes
+    (registration order: a GGUF file reads back as the first model_type of its architecture)."""
+    _load_builtin()
+    found = {t: f.model_type(t).gguf for t, f in _REGISTRY.items()}
+    return {t: arch for t, arch in found.items() if arch is not None}

@@ -18,8 +18,9 @@ quantizes and serves the language model only; the vision tower and projector are
 artifact in full precision and the runtime leaves them out (text in, text out).
 """
 
-from optkit.families import Family, register_family
-from optkit.families.llama import LLAMA_LAYOUT
+from optkit.errors import OptkitError
+from optkit.families import ConfigReading, Family, ModelType, register_family
+from optkit.families.llama import LLAMA_LAYOUT, attention_bias
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
@@ -35,6 +36,98 @@ def embedding_scale(config) -> float:
     return torch.tensor(config.hidden_size**0.5, dtype=dtype).item()
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+# transformers' config defaults for the keys a config.json may leave out (Gemma2Config, Gemma3TextConfig)
+_SHARED_DEFAULTS = dict(
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    tie_word_embeddings=True,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+)
+GEMMA2_DEFAULTS = dict(
+    _SHARED_DEFAULTS,
+    vocab_size=256000,
+    max_position_embeddings=8192,
+    final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0,
+)
+GEMMA3_DEFAULTS = dict(_SHARED_DEFAULTS, vocab_size=262208, max_position_embeddings=131072)
+
+
+def _layer_types(config: dict) -> tuple[str, ...]:
+    layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:  # as the config classes derive them
+        pattern = 2 if config["model_type"] == "gemma2" else config.get("sliding_window_pattern", 6)
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    if len(layer_types) != layers or set(layer_types) - {SLIDING, FULL}:
+        raise OptkitError(f"layer_types {layer_types} does not name {layers} sliding/full layers: fix config.json")
+    return tuple(layer_types)
+
+
+def _gemma_fields(config: dict) -> dict:
+    """The runtime's fields of Gemma 2 and 3 (their modeling files in transformers): norms that scale
+    by (1 + weight) in float32, sandwich norms, √hidden_size rounded to the model dtype, GeGLU-tanh,
+    the soft-caps, the sliding layers."""
+    model_type = config["model_type"]
+    if config.get("use_bidirectional_attention"):
+        raise OptkitError(f"{model_type} with use_bidirectional_attention: the runtime runs causal language models")
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise OptkitError(f"hidden_activation {act!r} is not supported: the runtime runs Gemma with gelu_pytorch_tanh")
+    layer_types = _layer_types(config)
+    window = config.get("sliding_window")
+    return dict(
+        attention_bias(config),
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        norm_weight_in_float32=True,
+        embedding_multiplier=config["hidden_size"] ** 0.5,
+        round_embedding_multiplier=True,
+        attention_multiplier=config["query_pre_attn_scalar"] ** -0.5,
+        hidden_act="gelu_pytorch_tanh",
+        # Gemma 3's attention in transformers passes no softcap: its attn_logit_softcapping is unused
+        attn_logit_softcapping=config.get("attn_logit_softcapping") if model_type == "gemma2" else None,
+        # Gemma3ForConditionalGeneration's head applies no final soft-cap (Gemma3ForCausalLM's does)
+        final_logit_softcapping=config.get("final_logit_softcapping") if model_type != "gemma3" else None,
+        sliding_window=window if window and SLIDING in layer_types else None,
+        layer_types=layer_types,
+        qk_norm=None if model_type == "gemma2" else "head",
+    )
+
+
+def _gemma3_rope(config: dict) -> dict[str, dict]:
+    """Gemma 3 rotates its sliding layers with a local base (rope_local_base_freq, or transformers 5's
+    rope_parameters per layer type); `rope_scaling` applies to the full layers only."""
+    rope = config.get("rope_parameters") or {}
+    if FULL in rope or SLIDING in rope:
+        full, local = (
+            {"rope_parameters": dict(rope.get(FULL) or {})},
+            {"rope_parameters": dict(rope.get(SLIDING) or {})},
+        )
+        full["rope_parameters"].setdefault("rope_theta", 1_000_000.0)
+        local["rope_parameters"].setdefault("rope_theta", 10_000.0)
+    else:
+        full = {"rope_scaling": config.get("rope_scaling"), "rope_parameters": rope or None}
+        full["rope_theta"] = config.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    return {"rope_parameters": full, "local_rope_parameters": local}
+
+
+def _language_model(config: dict) -> dict:
+    """Gemma3ForConditionalGeneration's config.json: the runtime runs its language model."""
+    text = config.get("text_config") or {}
+    eos = config.get("eos_token_id", text.get("eos_token_id", 1))
+    return {**text, "model_type": "gemma3", "eos_token_id": eos}
+
+
+GEMMA2_READING = ConfigReading(defaults=GEMMA2_DEFAULTS, fields=_gemma_fields)
+GEMMA3_READING = ConfigReading(defaults=GEMMA3_DEFAULTS, fields=_gemma_fields, rope_sources=_gemma3_rope)
 GEMMA_LAYOUT = Family(
     name="gemma2",
     model_types=("gemma2",),
@@ -48,10 +141,18 @@ GEMMA_LAYOUT = Family(
     runtime="optkit.models.llama:CausalLM",
     embedding_scale=embedding_scale,
     norm_weight_offset=1.0,
+    types={"gemma2": ModelType(GEMMA2_READING, vllm="Gemma2ForCausalLM")},
 )
 GEMMA2 = register_family(GEMMA_LAYOUT)
 GEMMA3 = register_family(
-    Family(**{**GEMMA_LAYOUT.__dict__, "name": "gemma3", "model_types": ("gemma3_text",)}),
+    Family(
+        **{
+            **GEMMA_LAYOUT.__dict__,
+            "name": "gemma3",
+            "model_types": ("gemma3_text",),
+            "types": {"gemma3_text": ModelType(GEMMA3_READING, vllm="Gemma3ForCausalLM")},
+        }
+    ),
 )
 GEMMA3_MULTIMODAL = register_family(
     Family(
@@ -67,6 +168,12 @@ GEMMA3_MULTIMODAL = register_family(
                 "the vision tower and its projector stay in full precision in the artifact; "
                 "the optkit runtime serves the language model (text only)",
             ),
+            "types": {
+                "gemma3": ModelType(
+                    ConfigReading(**{**GEMMA3_READING.__dict__, "language_model": _language_model}),
+                    vllm="Gemma3ForConditionalGeneration",
+                )
+            },
         }
     ),
 )

@@ -1,10 +1,24 @@
 """IBM Granite 3: Llama's decoder layer names, with embedding, residual, attention and logit
-multipliers (config fields; the runtime reads them in models/config.py)."""
+multipliers (config fields, which the runtime reads as GraniteConfig does)."""
 
 from dataclasses import replace
 
-from optkit.families import register_family
-from optkit.families.llama import LLAMA_LAYOUT
+from optkit.families import ConfigReading, ModelType, register_family
+from optkit.families.llama import LLAMA_LAYOUT, LLAMA_READING
+
+
+def _number(config: dict, key: str) -> float:
+    """A multiplier of config.json (hf_config checked it is finite); 1 when absent or null."""
+    value = config.get(key)
+    return 1.0 if value is None else float(value)
+
+
+def _multipliers(config: dict) -> dict:
+    """h = embed·embedding_multiplier; h += sublayer·residual_multiplier; attention scores scaled
+    by attention_multiplier; logits / logits_scaling."""
+    keys = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+    return {**LLAMA_READING.fields(config), **{key: _number(config, key) for key in keys}}
+
 
 GRANITE = register_family(
     replace(
@@ -12,5 +26,11 @@ GRANITE = register_family(
         name="granite",
         model_types=("granite",),
         embedding_scale=lambda config: config.embedding_multiplier,
+        types={
+            "granite": ModelType(
+                ConfigReading(defaults={"max_position_embeddings": 2048}, fields=_multipliers),
+                vllm="GraniteForCausalLM",
+            )
+        },
     )
 )

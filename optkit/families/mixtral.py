@@ -8,8 +8,8 @@ so a scale there would change the routing unless folded into the router too, and
 have to serve every expert. Each expert's up -> down pair folds as in a dense MLP.
 """
 
-from optkit.families import Family, MoELayout, register_family
-from optkit.families.llama import LLAMA_LAYOUT
+from optkit.families import Family, ModelType, MoELayout, register_family
+from optkit.families.llama import LLAMA_LAYOUT, MISTRAL_READING
 
 ROUTED_NORM = "the router reads post_attention_layernorm's output too, and one scale would serve every expert"
 _ATTENTION_GROUPS = LLAMA_LAYOUT.sequential_groups[:2]
@@ -36,5 +36,6 @@ MIXTRAL = register_family(
             renormalize=lambda config: True,
         ),
         checkpoint_renames=((".block_sparse_moe.", ".mlp."),),
+        types={"mixtral": ModelType(MISTRAL_READING, vllm="MixtralForCausalLM")},  # Mistral's config keys
     )
 )

@@ -6,10 +6,17 @@ linears (post_attention_layernorm normalizes the attention's output, not the MLP
 up → down remain (v → o only where v's width equals o's input, without grouped-query attention).
 """
 
-from optkit.families import Family, register_family
-from optkit.families.llama import LLAMA_LAYOUT
+from optkit.families import ConfigReading, Family, ModelType, register_family
+from optkit.families.llama import LLAMA_LAYOUT, attention_bias
 
 _NO_NORM = "OLMo 2 has no norm on the sublayer's input to fold a scale into"
+
+
+def _olmo2(config: dict) -> dict:
+    """Norms after each sublayer (none before it), their weight multiplied in float32, and one
+    RMSNorm over all of q's (k's) heads at once."""
+    return {**attention_bias(config), "qk_norm": "full", "post_norms": True, "norm_weight_in_float32": True}
+
 
 OLMO2 = register_family(
     Family(
@@ -25,5 +32,10 @@ OLMO2 = register_family(
             (("mlp.gate_proj", "mlp.up_proj"), _NO_NORM),
         ),
         runtime="optkit.models.llama:CausalLM",
+        types={
+            "olmo2": ModelType(
+                ConfigReading(defaults={"max_position_embeddings": 2048}, fields=_olmo2), vllm="Olmo2ForCausalLM"
+            )
+        },
     )
 )

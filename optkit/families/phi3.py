@@ -10,7 +10,8 @@ whole output (fold_scale); without grouped-query attention the v rows and o's in
 with it (Phi-3 medium, Phi-4 mini) they do not.
 """
 
-from optkit.families import Family, register_family
+from optkit.families import ConfigReading, Family, ModelType, register_family
+from optkit.families.llama import every_layer_slides
 
 _FUSED = "its input comes from the {} rows of the fused {}, which take no scale of their own"
 
@@ -33,5 +34,15 @@ PHI3 = register_family(
             (("mlp.down_proj",), _FUSED.format("up", "gate_up_proj")),
         ),
         runtime="optkit.models.phi3:CausalLM",
+        types={
+            "phi3": ModelType(
+                ConfigReading(
+                    defaults={"max_position_embeddings": 4096},
+                    fields=every_layer_slides,  # only where config.json sets a window (Phi3Config)
+                    rope_type_aliases={"su": "longrope", "yarn": "longrope"},  # Phi3Config's reading of old configs
+                ),
+                vllm="Phi3ForCausalLM",
+            )
+        },
     )
 )

@@ -8,8 +8,8 @@ dense MLP (`mlp.gate_proj/up_proj/down_proj`), quantized and smoothed as Llama's
 
 from dataclasses import replace
 
-from optkit.families import Family, MoELayout, register_family
-from optkit.families.llama import LLAMA_LAYOUT
+from optkit.families import Family, ModelType, MoELayout, register_family
+from optkit.families.llama import LLAMA_LAYOUT, QWEN2_READING, QWEN3_READING
 from optkit.families.mixtral import ROUTED_NORM
 
 
@@ -17,6 +17,11 @@ def _is_sparse(config: dict, index: int) -> bool:
     step = config.get("decoder_sparse_step", 1)
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     return index not in (config.get("mlp_only_layers") or []) and experts > 0 and (index + 1) % step == 0
+
+
+def _qwen2_moe(config: dict) -> dict:
+    """Qwen2's fields, but the q/k/v biases follow `qkv_bias` (Qwen2MoeConfig; Qwen2 always has them)."""
+    return {**QWEN2_READING.fields(config), "qkv_bias": bool(config.get("qkv_bias", True))}
 
 
 _EXPERT = "mlp.experts.*"
@@ -51,6 +56,7 @@ QWEN2_MOE_LAYOUT = Family(
         shared_expert_gate="shared_expert_gate",
         shared_intermediate_key="shared_expert_intermediate_size",
     ),
+    types={"qwen2_moe": ModelType(replace(QWEN2_READING, fields=_qwen2_moe), vllm="Qwen2MoeForCausalLM")},
 )
 QWEN2_MOE = register_family(QWEN2_MOE_LAYOUT)
 QWEN3_MOE = register_family(
@@ -59,5 +65,7 @@ QWEN3_MOE = register_family(
         name="qwen3_moe",
         model_types=("qwen3_moe",),
         moe=replace(QWEN2_MOE_LAYOUT.moe, shared_expert=None, shared_expert_gate=None, shared_intermediate_key=None),
+        # Qwen3's config keys; the head width is hidden_size / num_attention_heads unless config.json says
+        types={"qwen3_moe": ModelType(replace(QWEN3_READING, head_dim=None), vllm="Qwen3MoeForCausalLM")},
     )
 )

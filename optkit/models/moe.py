@@ -1,6 +1,6 @@
 """The runtime's mixture-of-experts block (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks the top k
-of E SwiGLU experts per token, their softmax weights renormalized as the family does (quant/moe.py
-`route`), and the block returns the weighted sum of the chosen experts' outputs (plus, in Qwen2-MoE,
+of E SwiGLU experts per token, their softmax weights renormalized as the family does
+(kernels/moe_routing.py), and the block returns the weighted sum of the chosen experts' outputs (plus, in Qwen2-MoE,
 a shared expert scaled by sigmoid(shared_expert_gate(x))).
 
 Each expert's matrices are separate linears named as checkpoints and vLLM name them
@@ -14,10 +14,11 @@ one by one like any other linear. Two paths compute the same sum:
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from optkit.families import family_for
-from optkit.quant.moe import SwiGLUExpert, moe_dims, route
+from optkit.families import MoELayout
+from optkit.kernels.moe_routing import route
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,9 @@ class MoEConfig:
     shared_intermediate_size: int = 0
 
 
-def moe_config(config: dict) -> MoEConfig | None:
-    """The MoE fields of config.json, as the model type's family (families/) reads them."""
-    layout = family_for(config.get("model_type")).moe
-    if layout is None:
-        return None
-    num_experts, top_k, inner = moe_dims(layout, config)
+def moe_config(layout: MoELayout, config: dict) -> MoEConfig:
+    """The MoE fields of config.json, as the family's layout (families/) reads them."""
+    num_experts, top_k, inner = layout.dims(config)
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
@@ -54,6 +52,20 @@ def moe_config(config: dict) -> MoEConfig | None:
     )
 
 
+class Expert(nn.Module):
+    """One SwiGLU expert, down(silu(gate(x)) · up(x)), its linears under the family's names."""
+
+    def __init__(self, hidden: int, inner: int, names: tuple[str, str, str]):
+        super().__init__()
+        self.names = names
+        for name, (inp, out) in zip(names, ((hidden, inner), (hidden, inner), (inner, hidden)), strict=True):
+            self.add_module(name, nn.Linear(inp, out, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
 class SparseMoE(nn.Module):
     """x [T, hidden] -> [T, hidden]. `grouped` None chooses: grouped unless a CUDA graph is being
     captured (data-dependent shapes) or there are fewer tokens than experts (decode)."""
@@ -63,11 +75,11 @@ class SparseMoE(nn.Module):
         self.moe = moe
         self.add_module(moe.router, nn.Linear(hidden_size, moe.num_experts, bias=False))
         self.experts = nn.ModuleList(
-            SwiGLUExpert(hidden_size, moe.intermediate_size, moe.expert_linears) for _ in range(moe.num_experts)
+            Expert(hidden_size, moe.intermediate_size, moe.expert_linears) for _ in range(moe.num_experts)
         )
         if moe.shared_expert:
             names = ("gate_proj", "up_proj", "down_proj")
-            self.add_module(moe.shared_expert, SwiGLUExpert(hidden_size, moe.shared_intermediate_size, names))
+            self.add_module(moe.shared_expert, Expert(hidden_size, moe.shared_intermediate_size, names))
             self.add_module(moe.shared_expert_gate, nn.Linear(hidden_size, 1, bias=False))
 
     def forward(self, x: torch.Tensor, grouped: bool | None = None) -> torch.Tensor:
@@ -104,22 +116,3 @@ class SparseMoE(nn.Module):
                 out.index_add_(0, rows, y)
             start += count
         return out.to(x.dtype)
-
-
-# the dense model type whose attention, norms and config keys each MoE family shares
-DENSE_TWINS = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-
-
-def dense_twin(config: dict) -> dict:
-    """config.json as its dense twin's (ModelConfig reads that, then adds `moe_fields`)."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads  # MoE configs default to hidden / heads
-    return {**config, "model_type": DENSE_TWINS[config["model_type"]], "head_dim": head_dim}
-
-
-def moe_fields(config: dict) -> dict:
-    """The ModelConfig fields an MoE family sets over its dense twin's."""
-    fields = {"model_type": config["model_type"], "moe": moe_config(config)}
-    if config["model_type"] == "qwen2_moe":  # q/k/v biases by a config key (qwen2: always)
-        fields["qkv_bias"] = bool(config.get("qkv_bias", True))
-    return fields

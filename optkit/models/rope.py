@@ -3,6 +3,7 @@ positions rotate exactly as in the transformers model: default, linear, dynamic 
 max_position_embeddings), Llama 3.1, YaRN and LongRoPE."""
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -12,9 +13,10 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DEFAULT_THETA = 10000.0
 
 
-def standardize_rope(config: dict, max_positions: int) -> dict:
+def standardize_rope(config: dict, max_positions: int, aliases: Mapping[str, str]) -> dict:
     """RoPE parameters in transformers 5's `rope_parameters` form, from either that key or the
-    older `rope_theta` + `rope_scaling` pair (as transformers does, `rope_scaling` wins)."""
+    older `rope_theta` + `rope_scaling` pair (as transformers does, `rope_scaling` wins). `aliases`:
+    old rope_type names the family's config class reads as another (families/: ConfigReading)."""
     rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     rope.setdefault("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", config.get("rope_theta", DEFAULT_THETA))
@@ -23,8 +25,8 @@ def standardize_rope(config: dict, max_positions: int) -> dict:
         raise OptkitError(f"partial_rotary_factor {partial} is not in (0, 1]: fix config.json")
     if partial != 1.0:  # Phi-4 mini: RoPE on the first head_dim · partial dimensions (ModelConfig.rotary_dim)
         rope["partial_rotary_factor"] = partial
-    if config.get("model_type") == "phi3" and rope["rope_type"] in ("su", "yarn"):
-        rope["rope_type"] = "longrope"  # Phi3Config's reading of older Phi-3 configs
+    if isinstance(rope["rope_type"], str) and rope["rope_type"] in aliases:
+        rope["rope_type"] = aliases[rope["rope_type"]]
     if rope["rope_type"] not in ROPE_TYPES:
         raise OptkitError(
             f"rope_type {rope['rope_type']!r} is not supported: the runtime implements {', '.join(ROPE_TYPES)}"

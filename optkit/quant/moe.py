@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.families import Family, MoELayout, expand_group, family_for
+from optkit.kernels.moe_routing import route
 
 MOE_CALIBRATION = ("all", "routed")
 # what the manifest's calibration record says of each mode's token weights (expert_token_weights)
@@ -23,16 +24,6 @@ TOKEN_WEIGHTS = {
     "all": "every token, c_te = (p_te / sum of the top-k p_t)^2 (p: router softmax; without renormalization p_te^2)",
     "routed": "the routed tokens only, c_te = 1",
 }
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights float32 [T, k], expert indices [T, k]): softmax over all
-    experts in float32, the top k kept, divided by their sum when `renormalize`."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, experts
 
 
 def expert_token_weights(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -77,11 +68,6 @@ class SwiGLUExpert(nn.Module):
         return down(F.silu(gate(x)) * up(x))
 
 
-def moe_dims(layout: MoELayout, config: dict) -> tuple[int, int, int]:
-    """(number of experts, experts per token, expert intermediate size) from config.json."""
-    return layout.num_experts(config), config["num_experts_per_tok"], config[layout.intermediate_key]
-
-
 class CalibrationMoE(nn.Module):
     """A sparse MoE block with per-expert linears; x [B, L, H] -> [B, L, H].
 
@@ -91,7 +77,7 @@ class CalibrationMoE(nn.Module):
     def __init__(self, layout: MoELayout, config: dict, mode: str = "all"):
         super().__init__()
         hidden = config["hidden_size"]
-        num_experts, self.top_k, inner = moe_dims(layout, config)
+        num_experts, self.top_k, inner = layout.dims(config)
         self.renormalize = layout.renormalize(config)
         self.mode = mode
         self.add_module(layout.router, nn.Linear(hidden, num_experts, bias=False))

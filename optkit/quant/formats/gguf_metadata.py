@@ -1,6 +1,7 @@
 """What llama.cpp's converter (convert_hf_to_gguf.py: TextModel, LlamaModel, Qwen2Model, Qwen3Model)
-writes besides the tensors, for the families both support: the architecture's hyperparameters, the
-tensor names, Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat
+writes besides the tensors, for the families both support (each family names its llama.cpp
+architecture: `GgufArchitecture`, families/): the architecture's hyperparameters, the tensor
+names, Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat
 template. Read from config.json and the tokenizer files (JSON only; nothing is executed)."""
 
 import math
@@ -9,10 +10,8 @@ from pathlib import Path
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families import GgufArchitecture, family_for, gguf_architectures
 from optkit.json_strict import read_object
-
-# model_type -> GGUF architecture (Mistral converts as Llama)
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # HF tensor name (after "model.layers.N.") -> GGUF name (after "blk.N."); the same table reads files back
 LAYER_TENSORS = {
@@ -43,14 +42,26 @@ _QWEN2_REGEX = (
 PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
-def architecture(config: dict) -> str:
+def gguf_architecture(config: dict) -> GgufArchitecture:
+    """What llama.cpp calls the model's type (its family says, families/), or one line refusing it."""
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES:
+    arch = family_for(model_type).model_type(model_type).gguf
+    if arch is None:
         raise OptkitError(
-            f"--format gguf writes {', '.join(sorted(ARCHITECTURES))} models, not {model_type!r}: "
+            f"--format gguf writes {', '.join(sorted(gguf_architectures()))} models, not {model_type!r}: "
             "use --format compressed-tensors"
         )
-    return ARCHITECTURES[model_type]
+    if not arch.attention_bias and config.get("attention_bias"):
+        raise OptkitError(
+            f"--format gguf: llama.cpp's {arch.name.capitalize()} has no attention biases (this config sets "
+            "attention_bias): use --format compressed-tensors"
+        )
+    return arch
+
+
+def architecture(config: dict) -> str:
+    """general.architecture of the model's GGUF file (Mistral converts as Llama)."""
+    return gguf_architecture(config).name
 
 
 def gguf_name(hf_name: str) -> str:
@@ -92,7 +103,7 @@ def unpermute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 def qk_heads(config: dict, hf: str) -> int | None:
     """The head count Llama's permutation uses for this tensor, or None (no permutation)."""
-    if architecture(config) != "llama":
+    if not gguf_architecture(config).llama_rope:
         return None  # Qwen2/3 run NEOX RoPE in llama.cpp: Hugging Face's order as it is
     if ".self_attn.q_proj." in hf:
         return config["num_attention_heads"]
@@ -145,7 +156,7 @@ def add_hyperparameters(writer, config: dict) -> None:
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    if architecture(config) == "llama":
+    if gguf_architecture(config).llama_rope:  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(config["vocab_size"])
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(head_dim)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families import family_for, gguf_architectures
 from optkit.quant.formats import gguf_metadata as meta
 from optkit.quant.formats.gguf_check import open_for_loading
 from optkit.quant.formats.gguf_header import Header
@@ -20,8 +21,6 @@ from optkit.text_safety import printable
 from optkit.weights import gguf_blocks
 
 MAGIC = b"GGUF"
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -40,9 +39,14 @@ def read_config(path: str | Path) -> dict:
 
 def _config(header: Header) -> dict:
     path, arch = header.path, architecture(header)
-    if arch not in _MODEL_TYPES:
+    readable = {}  # llama.cpp architecture -> the model_type it reads back as (the first of its families)
+    for model_type, gguf in reversed(gguf_architectures().items()):
+        readable[gguf.name] = model_type
+    if arch not in readable:
         shown = printable(arch)[:40] if arch is not None else None
-        raise OptkitError(f"{path}: GGUF architecture {shown!r} is not one optkit runs (llama, qwen2, qwen3)")
+        runs = ", ".join(sorted(readable))
+        raise OptkitError(f"{path}: GGUF architecture {shown!r} is not one optkit runs ({runs})")
+    model_type = readable[arch]
     sizes = {}
     for key in ("feed_forward_length", "attention.head_count", "attention.head_count_kv"):
         values = layer_values(header, f"{arch}.{key}")
@@ -52,8 +56,8 @@ def _config(header: Header) -> dict:
     heads, hidden = sizes["attention.head_count"], header.value(f"{arch}.embedding_length")
     names = {t.name for t in header.tensors}
     config = {
-        "model_type": _MODEL_TYPES[arch],
-        "architectures": [_CLASSES[arch]],
+        "model_type": model_type,
+        "architectures": [family_for(model_type).model_type(model_type).vllm],
         "num_hidden_layers": header.value(f"{arch}.block_count"),
         "max_position_embeddings": header.value(f"{arch}.context_length"),
         "hidden_size": hidden,
