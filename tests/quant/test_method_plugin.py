@@ -63,5 +63,5 @@ def test_a_plugin_section_error_names_its_recipe_key(toyclip, tmp_path, draft_di
     from optkit.pipeline.recipe import parse_recipe
 
     data = {"model": "draft", "quantize": {"method": "toyclip", "toyclip": {"clipp": 0.5}}, "output": "x"}
-    with pytest.raises(OptkitError, match=r"recipe key quantize\.toyclip\.clipp is unknown: did you mean 'clip'"):
+    with pytest.raises(OptkitError, match=r"recipe key 'quantize\.toyclip\.clipp' is unknown: did you mean 'clip'"):
         parse_recipe(data, "r.yaml")
