@@ -44,6 +44,7 @@ def _mean_kld(base, artifact) -> float:
 
 
 def test_the_families_are_registered_for_quantization_and_the_runtime():
+
     assert family_for("granite").name == "granite" and family_for("olmo2").name == "olmo2"
     assert {"granite", "olmo2"} <= set(model_types(runtime=True))
     # OLMo 2 has no pre-norm: only the linear-fed groups are left to AWQ, none to SmoothQuant
@@ -84,7 +85,7 @@ def test_calibration_feeds_the_first_layer_what_the_model_does(family_model, fam
 
 
 def test_olmo2_awq_says_which_groups_it_cannot_smooth(tmp_path, family_model, caplog):
-    from optkit.quant.awq_layer import AWQOptions
+    from optkit.quant.methods.awq.options import AWQOptions
 
     options = QuantizeOptions(
         method="awq",

@@ -10,10 +10,10 @@ import torch
 
 from optkit.families import family_for
 from optkit.gate.metrics import full_kld
-from optkit.quant.awq_layer import AWQOptions
 from optkit.quant.calibration_data import CalibrationOptions
+from optkit.quant.methods.awq.options import AWQOptions
+from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.quant.smoothquant_layer import SmoothQuantOptions
 from optkit.weights.schemes import WeightScheme
 from tests.models.paged import run_paged, whole_prefills
 from tests.quant.paired_kld import assert_no_worse, heldout_windows, window_klds
@@ -95,8 +95,11 @@ def test_the_families_are_registered_with_their_norms():
 
     for model_type in ("gemma2", "gemma3_text", "gemma3"):
         family = family_for(model_type)
-        assert family.name.startswith("gemma") and model_type in model_types(runtime=True)
-        assert family.norm_weight_offset == 1.0
+        assert (
+            family.name.startswith("gemma")
+            and model_type in model_types(runtime=True)
+            and family.norm_weight_offset == 1.0
+        )
         # the norms that feed linears: not post_attention_layernorm, which normalizes the attention's output
         assert [g[0] for g in family.norm_groups] == ["input_layernorm", "pre_feedforward_layernorm"]
 
@@ -106,7 +109,7 @@ def test_a_smoothing_scale_folds_into_a_gemma_norm_without_changing_the_layer(fa
     """w ← (1 + w)/s − 1 keeps the decoder layer's function; the plain fold w ← w/s (offset 0,
     Llama's) does not: the check can fail."""
     from optkit.quant.calibrate import LayerStream
-    from optkit.quant.procedures import fold_scale
+    from optkit.quant.layer_step import fold_scale
 
     stream = LayerStream(family_model("gemma2"), torch.device("cpu"))
     layer = stream.load_layer(0)
