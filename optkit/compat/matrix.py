@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from optkit.families import family_for
 from optkit.quant.formats import get_format, reader_for
 from optkit.quant.formats.kind import ArtifactKind
 
@@ -99,7 +100,6 @@ BREAKAGES = (CT_ASYM_TRANSFORMERS_5_23,)
 # ends up in bf16 inside an fp32 model, and int8 (W8A8) experts fail the weight conversion.
 # optkit's runtime and its gate (quant/formats/load.py: per-expert linears holding the artifact's
 # dequantized tensors) read them; vLLM reads them by spec (compat/vllm_spec.py).
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 MOE_TRANSFORMERS = Breakage(
     loader=TRANSFORMERS,
     broken={"transformers": ">=5.0.0"},
@@ -138,7 +138,7 @@ def family_breakages(
 ) -> list:
     """Breakages of a whole model family in `loader` (MoE in transformers), for artifacts of
     format `fmt` (None: any format)."""
-    if model_type not in MOE_MODEL_TYPES:
+    if family_for(model_type).moe is None:  # the MoE families (families/: a MoELayout)
         return []
     return [
         b
@@ -196,6 +196,11 @@ def vllm_path(kind: ArtifactKind) -> str | None:
     return get_format(kind.format).vllm_loader(kind)
 
 
+def vllm_runs(model_type: str | None) -> bool:
+    """Whether vLLM has a model class for `model_type` (its family names one; None: any model)."""
+    return model_type is None or family_for(model_type).model_type(model_type).vllm is not None
+
+
 def expected_status(
     kind: ArtifactKind, loader: str, versions: dict[str, str | None] | None = None, model_type: str | None = None
 ) -> str:
@@ -205,7 +210,7 @@ def expected_status(
     if loader not in LOADERS:
         raise ValueError(loader)
     needs = get_format(kind.format).LOADERS.get(LOADER_NAMES.get(loader))
-    if (vllm_path(kind) is None) if loader == VLLM else (needs is None):
+    if (vllm_path(kind) is None or not vllm_runs(model_type)) if loader == VLLM else (needs is None):
         return "no"
     if family_breakages(model_type, loader, versions, kind.format):
         return "fails"
@@ -238,5 +243,7 @@ def where_it_loads(
             status = f"by spec ({vllm_path(kind)}; not run here)"
         elif status == "untested" and loader == GPTQMODEL:
             status = "untested here (manual check, docs/compatibility.md)"
+        elif status == "no" and loader == VLLM and not vllm_runs(model_type):
+            status = f"no (vLLM has no model for {model_type}: its family names none)"
         rows.append((loader, status))
     return rows

@@ -3,10 +3,12 @@
 import pytest
 
 from optkit.compat import matrix
+from optkit.families import family_for, model_types
 from optkit.quant.formats.kind import ArtifactKind
 
 ASYM = ArtifactKind("compressed-tensors", 4, False)
 BROKEN = {"transformers": "5.24.0", "compressed-tensors": "0.20.1"}
+MOE_MODEL_TYPES = [t for t in model_types() if family_for(t).moe is not None]
 
 
 @pytest.mark.parametrize("breakage", matrix.BREAKAGES, ids=lambda b: b.summary[:30])
@@ -68,7 +70,7 @@ def test_where_it_loads_names_every_loader_and_the_remedy():
     assert dict(matrix.where_it_loads(ASYM, {**BROKEN, "transformers": "5.22.2"}))[matrix.TRANSFORMERS] == "loads"
 
 
-@pytest.mark.parametrize("model_type", matrix.MOE_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
 def test_quantizing_a_moe_model_into_a_format_transformers_reads_warns_that_it_cannot_load_it(model_type):
     for kind in (ArtifactKind("compressed-tensors", 4, True), ArtifactKind("compressed-tensors", 8, True, w8a8=True)):
         warning = matrix.check_installed_versions(kind, BROKEN, model_type)
@@ -86,7 +88,7 @@ def test_quantizing_a_moe_model_into_a_format_transformers_reads_warns_that_it_c
     assert matrix.check_installed_versions(ArtifactKind("compressed-tensors", 4, True), BROKEN, "llama") is None
 
 
-@pytest.mark.parametrize("model_type", matrix.MOE_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
 def test_an_nf4_moe_artifact_is_expected_to_fail_in_transformers_with_its_own_reason(model_type):
     nf4 = ArtifactKind("bitsandbytes", 4, True, type="nf4")
     assert matrix.expected_status(nf4, matrix.TRANSFORMERS, BROKEN, model_type) == "fails"

@@ -63,7 +63,7 @@ def test_quantize_inspect_verify_eval_and_generate(toy_model, run_cli, tmp_path)
     assert code == 0, err
     assert json.loads((artifact / "config.json").read_text())["model_type"] == MODEL_TYPE
     code, out, err = run_cli("inspect", artifact)
-    assert code == 0 and MODEL_TYPE in out, err
+    assert code == 0 and MODEL_TYPE in out and "vLLM has no model for toyllama" in out, err
     code, out, err = run_cli("verify", artifact)
     assert code == 0, out + err
     gate = ("--max-windows", "4", "--seq-len", "64", "--max-kld", "0.01")
@@ -91,13 +91,15 @@ def test_the_server_answers_with_what_generate_gives(toy_artifact, run_cli):
 
 
 def test_the_matrix_and_vllm_spec_ask_the_family(toy_artifact):
-    from optkit.compat.matrix import OPTKIT, kind_from_quant_config, where_it_loads
+    from optkit.compat.matrix import OPTKIT, VLLM, expected_status, kind_from_quant_config, where_it_loads
     from optkit.compat.vllm_spec import check_vllm_spec
     from optkit.modeldir import read_config, read_tensors
 
     config = read_config(toy_artifact)
     kind = kind_from_quant_config(config["quantization_config"])
-    assert dict(where_it_loads(kind, model_type=MODEL_TYPE))[OPTKIT] == "loads"
+    rows = dict(where_it_loads(kind, model_type=MODEL_TYPE))
+    assert rows[OPTKIT] == "loads" and rows[VLLM] == "no (vLLM has no model for toyllama: its family names none)"
+    assert expected_status(kind, VLLM, model_type="llama") == "by spec"  # a family vLLM runs
     problems = check_vllm_spec(config, read_tensors(toy_artifact), {})
     assert problems == ["vLLM has no model for model_type 'toyllama': its family names none"]
 

@@ -79,12 +79,7 @@ def check(
 
 def check_model(config: dict, model_dir: Path) -> None:
     """Before any calibration: what the file could not hold (architecture, RoPE, tokenizer)."""
-    meta.architecture(config)
-    if config.get("model_type") == "qwen3" and config.get("attention_bias"):
-        raise OptkitError(
-            "--format gguf: llama.cpp's Qwen3 has no attention biases (this config sets attention_bias): "
-            "use --format compressed-tensors"
-        )
+    meta.architecture(config)  # the family's llama.cpp architecture, and the biases it has
     rope_type = meta.rope_parameters(config).get("rope_type", "default")
     if rope_type not in ("default", "linear", "llama3"):
         raise OptkitError(
