@@ -144,14 +144,14 @@ def _quantize_options(method, bits, group_size, symmetric, ignore, format, doubl
     the format (the method's own when it has one) and each method's section from its flags."""
     from optkit.errors import OptkitError
     from optkit.quant.formats import format_names
+    from optkit.quant.methods import method_names
     from optkit.quant.methods.composition import resolve
     from optkit.quant.quantize import QuantizeOptions
     from optkit.weights.schemes import SUPPORTED_BITS, WeightScheme
 
-    try:
-        composition = resolve(method)
-    except ValueError as e:
-        raise OptkitError(f"--method: {e}") from None
+    if method not in method_names():
+        raise OptkitError(f"unknown --method {method!r}: choose one of {', '.join(method_names())}")
+    composition = resolve(method)
     fixed = composition.fixed_weights
     if fixed is not None and (
         bits not in (None, fixed.bits) or group_size not in (None, fixed.group_size) or symmetric != fixed.symmetric
