@@ -19,9 +19,9 @@ the refusal), and there the GPU spec check (compat/vllm_spec.py) is the result.
 from dataclasses import dataclass
 from pathlib import Path
 
-from optkit.compat.matrix import MOE_MODEL_TYPES
 from optkit.compat.transformers_load import ATOL, RTOL
 from optkit.errors import OptkitError
+from optkit.families import family_for
 
 GAP_FACTOR = 2.0  # bf16 and 8-bit-cache cells: within twice optkit's own gap on the same artifact
 
@@ -76,7 +76,7 @@ def vllm_cpu_refusal(config: dict) -> Refusal | None:
     if method == "bitsandbytes":
         return NO_BNB
     weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
-    if config.get("model_type") in MOE_MODEL_TYPES:
+    if family_for(config.get("model_type")).moe is not None:  # a mixture of experts (families/)
         if weight_only:
             return NO_CPU_MOE["wna16"]
         return NO_CPU_MOE["fp8" if quant_config.get("format") == "float-quantized" else "int8"]
