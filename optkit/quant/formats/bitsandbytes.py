@@ -33,7 +33,7 @@ from optkit.quant.formats.defaults import quant_method_is
 from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
 from optkit.quant.formats.defaults import write_file as write_file
 from optkit.quant.formats.kind import ArtifactKind
-from optkit.quant.nf4 import NESTED_BLOCKSIZE, double_dequantize, double_quantize
+from optkit.quant.methods.nf4.math import NESTED_BLOCKSIZE, double_dequantize, double_quantize
 from optkit.weights.codebooks import dynamic_code, nf4_code
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
