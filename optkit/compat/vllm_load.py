@@ -119,18 +119,20 @@ def sample_windows(vocab_size: int, count: int = 2, length: int = 32, seed: int 
     return torch.randint(0, vocab_size, (count, length), generator=torch.Generator().manual_seed(seed))
 
 
-def runtime_prompt_logprobs(path: Path, windows, dtype, kv_cache_dtype: str = "auto"):
-    """(log p(token t+1 | tokens <= t) [N, T-1] fp32, max |logits|) from optkit's runtime on `path`:
-    each window one prefill through the paged KV cache, packed integers through the reference kernel."""
+def runtime_prompt_logprobs(path: Path, windows, dtype, max_model_len: int, kv_cache_dtype: str = "auto"):
+    """(log p(token t+1 | tokens <= t) [N, T-1] fp32, max |logits|) from optkit's runtime on `path`
+    set up for `max_model_len` tokens: each window one prefill through the paged KV cache, packed
+    integers through the reference kernel."""
     import torch
 
     from optkit.kernels import cpu_int4
     from optkit.models.loader import load_runtime_model
     from optkit.models.paged_lm import PagedLM
 
+    model = load_runtime_model(path, dtype=dtype)
+    model.set_context_limit(max_model_len)  # LongRoPE's factors, chosen by it as vLLM does
     with cpu_int4.reference_only():
-        lm = PagedLM(load_runtime_model(path, dtype=dtype), kv_cache_dtype=kv_cache_dtype)
-        logits = lm(windows).logits.float()  # [N, T, V]
+        logits = PagedLM(model, kv_cache_dtype=kv_cache_dtype)(windows).logits.float()  # [N, T, V]
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, windows[:, 1:, None]).squeeze(-1)
     return logp, logits.abs().max().item()
 
@@ -148,19 +150,20 @@ def check_vllm_load(worker, path: Path, windows=None, kv_cache_dtype: str = "aut
     dtype = vllm_dtype(config.get("quantization_config"))
     if windows is None:
         windows = sample_windows(config.get("vocab_size") or config["text_config"]["vocab_size"])
+    max_model_len = windows.shape[1] + 1
     try:
         info = worker.load(
-            path, dtype=dtype, max_model_len=windows.shape[1] + 1, kv_cache_dtype=kv_cache_dtype, enforce_eager=True
+            path, dtype=dtype, max_model_len=max_model_len, kv_cache_dtype=kv_cache_dtype, enforce_eager=True
         )
     except OptkitError as e:
         if "vLLM refused" not in str(e):
             raise  # the worker died or timed out: not a finding about the artifact
         return VllmCheck(False, dtype, problem=str(e))
     got = worker.prompt_logprobs(windows, k=1)["target_logp"]
-    reference, scale = runtime_prompt_logprobs(path, windows, torch.float32)
+    reference, scale = runtime_prompt_logprobs(path, windows, torch.float32, max_model_len)
     gap = None
     if dtype == "bfloat16" or kv_cache_dtype != "auto":
-        own, _ = runtime_prompt_logprobs(path, windows, getattr(torch, dtype), kv_cache_dtype)
+        own, _ = runtime_prompt_logprobs(path, windows, getattr(torch, dtype), max_model_len, kv_cache_dtype)
         gap = (own - reference).abs().max().item()
         tolerance = GAP_FACTOR * gap
     else:
