@@ -225,8 +225,7 @@ def _peak_bytes(headers, hf_config, linears, layers, options) -> dict[str, int]:
     """The pipeline's peak memory, part by part: the live tensors at the worst moment, in bytes.
     What the process adds beyond them (bench/plan_memory.py, docs/results.md): once per process
     ~5-30 MB of modules, tokenizer and torch's set-up, whatever the model; and on glibc's default
-    settings the heap pages it keeps after freeing weight-sized tensors (measured on a 1024-wide
-    Llama: the peak RSS 1.1-1.25x the live one with calibration, 2.5x for RTN).
+    settings the heap pages it keeps after freeing weight-sized tensors (how much: docs/results.md).
 
     Calibrated methods (quant/calibrate.py): the cached inputs of the layer being calibrated
     (fp32, CPU), one decoder layer in fp32, and the working set of its worst group. Data-free

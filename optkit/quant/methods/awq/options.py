@@ -13,8 +13,8 @@ class AWQOptions(BaseModel):
     grid: int = 20  # α ∈ {0, 1/grid, ..., (grid-1)/grid}
     duo_scaling: Literal["both", "on", "off"] = "both"  # search s = |x|^α, s = |x|^α / |w|^(1-α), or both
     clip: bool = True
-    # AutoAWQ shrinks ±max|w| as one bound and skips q/k; on `small` both changes lower the KLD
-    # (docs/results.md): asymmetric integers get each end of a group's range shrunk on its own, and q/k are clipped
+    # AutoAWQ shrinks ±max|w| as one bound and skips q/k; here asymmetric integers get each end of a
+    # group's range shrunk on its own, and q/k are clipped (why: docs/results.md)
     clip_ends: Literal["independent", "shared"] = "independent"
     clip_qk: bool = True
     max_shrink: float = 0.5  # clipping search: shrink each group's range by up to this fraction

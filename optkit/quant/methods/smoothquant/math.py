@@ -37,10 +37,8 @@ def gain_holds(smoothed: torch.Tensor, plain: torch.Tensor) -> bool:
     d = smoothed − plain (one sample: any gain).
 
     The α search picks the lowest of ~20 noisy errors; without activation outliers its winner's edge
-    over no smoothing is mostly that noise (selection bias) and can turn into a loss on other text.
-    On the tiny Gemma 2, Gemma 3 and Phi-3, the α chosen on one half gains 98-99.6% on the other with
-    outliers (t from −6.4 to −54) and −15% to +19% without (t ≥ −3.15, with n = 4 or 16: the tiny
-    Gemma 2's −3.15 on 4 samples, short of Student's 3.18, served 1.007× plain W8A8's KLD)."""
+    over no smoothing is mostly that noise (selection bias) and can turn into a loss on other text;
+    with outliers the gain holds on the other half by a wide margin (docs/results.md)."""
     diff = smoothed.double() - plain.double()
     n = len(diff)
     if n < 2:

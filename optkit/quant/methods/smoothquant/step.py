@@ -47,10 +47,8 @@ def search_folds(num_search: int, num_samples: int) -> list[tuple[slice, torch.T
 class AlphaSearch:
     """The α whose smoothing + W8A8 (emulated, unfolded) gives the block output closest to float on
     the first half of the search samples; None when plain W8A8 (no smoothing, s = 1) is closer
-    there, or when that α does not also beat it on the second half (smoothquant.gain_holds).
-
-    The tiny Phi-3 without outliers, calibrated on 8 samples, shows why: the α chosen on all of
-    them (and checked by nothing) served 1.027x plain W8A8's KLD on 400 held-out windows."""
+    there, or when that α does not also beat it on the second half (smoothquant.gain_holds): an α
+    chosen and checked on the same samples can lose to plain W8A8 on other text (docs/results.md)."""
 
     def __init__(self, options: SmoothQuantOptions, scheme: WeightScheme):
         self.options = options
