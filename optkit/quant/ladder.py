@@ -6,10 +6,10 @@ mixed artifact sits on one rung; a finer group is a move up just as more bits ar
 number type stay the artifact's.
 
 The default ladder starts at 2 bits: `start: smallest` quantizes every linear on 2-bit g128 and
-raises from there, so a model whose uniform 3-bit artifact already passes still gets a mixed artifact smaller than it. Both formats with per-layer schemes store every rung
-(compressed-tensors packs 1-8 bits, GPTQ 2, 3, 4 and 8); which bit widths vLLM reads depends on its
-version (docs/compatibility.md, docs/gate.md).
-"""
+raises from there, so a model whose uniform 3-bit artifact already passes still gets a mixed
+artifact smaller than it. Both formats with per-layer schemes store every rung (compressed-tensors
+packs 1-8 bits, GPTQ 2, 3, 4 and 8); which bit widths vLLM reads depends on its version
+(docs/compatibility.md, docs/gate.md). """
 
 import re
 from dataclasses import dataclass
