@@ -9,7 +9,8 @@ The default ladder starts at 2 bits: `start: smallest` quantizes every linear on
 raises from there, so a model whose uniform 3-bit artifact already passes still gets a mixed
 artifact smaller than it. Both formats with per-layer schemes store every rung (compressed-tensors
 packs 1-8 bits, GPTQ 2, 3, 4 and 8); which bit widths vLLM reads depends on its version
-(docs/compatibility.md, docs/gate.md). """
+(docs/compatibility.md, docs/gate.md).
+"""
 
 import re
 from dataclasses import dataclass
