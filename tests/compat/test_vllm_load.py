@@ -42,6 +42,7 @@ def test_other_weight_only_widths_and_quantized_moe_have_no_cpu_kernel_and_bitsa
     assert vllm_load.vllm_cpu_refusal(_ct((4, False)) | moe) is vllm_load.NO_CPU_MOE["wna16"]
     assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized") | moe) is vllm_load.NO_CPU_MOE["int8"]
     assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized") | moe) is vllm_load.NO_CPU_MOE["fp8"]
+    assert vllm_load.vllm_cpu_refusal(_ct((4, False)) | {"model_type": "gemma3"}) is vllm_load.NO_TORCHVISION
     refusal = vllm_load.vllm_cpu_refusal(_model({"quant_method": "bitsandbytes", "load_in_4bit": True}))
     assert refusal.status == "fails" and "bitsandbytes" in refusal.message
 
