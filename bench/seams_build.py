@@ -6,7 +6,10 @@ the tree that PYTHONPATH points at, and write each cell's digest (see seams_iden
     PYTHONPATH=TREE python bench/seams_build.py TREE --cells F --inputs F --out DIR [--keep-artifacts]
 
 Cells are listed from a tree's tests/compat/test_matrix.py (`_cells`, `_family_cells`) and are built by
-its `_quantize`, the function the matrix itself builds them with; the recipe cell runs
+its `_quantize`, the function the matrix itself builds them with; the GGUF cells are
+tests/compat/test_llama_cpp_column.py's kinds (each on draft, Q8_0 on the families llama.cpp shares),
+written by `quantize_model(..., format="gguf")` as that test does, and compared by their tensors and
+the layer records of the manifest they embed (the file's own sha256 changes with its timings); the recipe cell runs
 `python -m optkit.cli.main run TREE/recipes/small-gptq-w4.yaml --out ...` in that tree.
 """
 
@@ -42,16 +45,35 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _layer_records(manifest: dict) -> list[dict]:
+    return [{k: v for k, v in r.items() if _kept(k)} for r in manifest.get("layers", [])]
+
+
+def _gguf_digest(path: Path) -> tuple[str, list[dict]]:
+    """sha256 over every tensor's name, type, shape and bytes, and the embedded manifest's layer records."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    h = hashlib.sha256()
+    for tensor in reader.tensors:
+        h.update(f"{tensor.name}|{tensor.tensor_type.name}|{list(tensor.shape)}|".encode())
+        h.update(tensor.data.tobytes())
+    field = reader.get_field("optkit.manifest")
+    manifest = json.loads(bytes(field.parts[field.data[0]]).decode()) if field is not None else {}
+    return h.hexdigest(), _layer_records(manifest)
+
+
 def digest(root: Path) -> dict:
     """sha256 of every tensor file under `root`, and every manifest's layer records (dropped keys out)."""
     files, layers = {}, {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = str(path.relative_to(root))
-        if path.name.endswith(TENSOR_SUFFIXES):
+        if path.name.endswith(".gguf"):
+            files[rel], layers[rel] = _gguf_digest(path)
+        elif path.name.endswith(TENSOR_SUFFIXES):
             files[rel] = _sha256(path)
         elif path.name == MANIFEST:
-            records = json.loads(path.read_text()).get("layers", [])
-            layers[rel] = [{k: v for k, v in r.items() if _kept(k)} for r in records]
+            layers[rel] = _layer_records(json.loads(path.read_text()))
     return {"files": files, "layers": layers}
 
 
@@ -71,8 +93,25 @@ def list_cells() -> list[dict]:
         family, method, fmt, bits, symmetric = p.values
         activations = "dynamic" if method in ("smoothquant", "fp8") else "none"  # as the family test does
         cells.append({"id": p.id, "model": family, "args": [method, fmt, bits, symmetric, activations]})
+    from tests.compat.test_llama_cpp_column import KINDS
+
+    cells += [{"id": f"gguf-draft-{qtype}", "model": "draft", "gguf": qtype} for qtype in KINDS]
+    cells += [{"id": f"gguf-{row}-Q8_0", "model": row, "gguf": "Q8_0"} for row in ("llama", "mistral", "qwen2")]
     cells.append({"id": "recipe-small-gptq-w4", "recipe": RECIPE})
     return cells
+
+
+def _build_gguf(model: Path, qtype: str, out: Path) -> None:
+    """As tests/compat/test_llama_cpp_column.py writes each GGUF kind (group size 32)."""
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+    from tests.compat.test_llama_cpp_column import CALIB, KINDS
+
+    method, bits, symmetric = KINDS[qtype]
+    scheme = WeightScheme(bits=bits, group_size=32, symmetric=symmetric)
+    out.mkdir(parents=True, exist_ok=True)
+    options = QuantizeOptions(method=method, format="gguf", weights=scheme, calibration=CALIB)
+    quantize_model(model, out / "model.gguf", options)
 
 
 def build_families(out: Path, names: list[str]) -> dict[str, str]:
@@ -95,6 +134,9 @@ def build(tree: Path, cell: dict, inputs: dict, out: Path) -> dict:
         if done.returncode not in (0, 1, 4):  # released, rejected, inconclusive: all write a release
             raise RuntimeError(f"optkit run exited {done.returncode}")
         return {"exit": done.returncode}
+    if "gguf" in cell:
+        _build_gguf(Path(inputs[cell["model"]]), cell["gguf"], out / "artifact")
+        return {}
     from tests.compat.test_matrix import _quantize
 
     _quantize(Path(inputs[cell["model"]]), out / "artifact", *cell["args"])
