@@ -25,6 +25,16 @@ import traceback
 from pathlib import Path
 
 RECIPE = "recipes/small-gptq-w4.yaml"
+# compositions and activation settings the matrix has no cell for, through `optkit quantize draft`
+COMPOSITIONS = {
+    "smoothquant+gptq": ["--method", "smoothquant+gptq"],
+    "smoothquant+gptq-static": ["--method", "smoothquant+gptq", "--act-quant", "static"],
+    "smoothquant+fp8-static": ["--method", "smoothquant+fp8", "--act-quant", "static"],
+    "smoothquant-alpha-0.5": ["--method", "smoothquant", "--alpha", "0.5"],
+    "w8a8-static": ["--method", "w8a8", "--act-quant", "static"],
+    "gptq-act-order": ["--method", "gptq", "--group-size", "32", "--act-order", "--format", "gptq"],
+    "gptq-static-groups": ["--method", "gptq", "--group-size", "32", "--act-order", "--static-groups"],
+}
 # every file holding tensors: artifacts are directories of safetensors, GGUF is one file
 TENSOR_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth", ".npy", ".npz")
 MANIFEST = "optkit.json"
@@ -97,6 +107,7 @@ def list_cells() -> list[dict]:
 
     cells += [{"id": f"gguf-draft-{qtype}", "model": "draft", "gguf": qtype} for qtype in KINDS]
     cells += [{"id": f"gguf-{row}-Q8_0", "model": row, "gguf": "Q8_0"} for row in ("llama", "mistral", "qwen2")]
+    cells += [{"id": f"cli-draft-{name}", "cli": args} for name, args in COMPOSITIONS.items()]
     cells.append({"id": "recipe-small-gptq-w4", "recipe": RECIPE})
     return cells
 
@@ -134,6 +145,11 @@ def build(tree: Path, cell: dict, inputs: dict, out: Path) -> dict:
         if done.returncode not in (0, 1, 4):  # released, rejected, inconclusive: all write a release
             raise RuntimeError(f"optkit run exited {done.returncode}")
         return {"exit": done.returncode}
+    if "cli" in cell:
+        command = [sys.executable, "-m", "optkit.cli.main", "quantize", "draft", *cell["cli"], "--device", "cpu"]
+        command += ["--num-samples", "8", "--seq-len", "64", "--out", str(out / "artifact")]
+        subprocess.run(command, cwd=tree, check=True)
+        return {}
     if "gguf" in cell:
         _build_gguf(Path(inputs[cell["model"]]), cell["gguf"], out / "artifact")
         return {}
@@ -171,6 +187,7 @@ def build_cells(tree: Path, cells: list[dict], inputs: dict, out: Path, keep: bo
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
         result["seconds"] = round(time.perf_counter() - start, 1)
         result["input"] = inputs["fingerprints"].get(cell.get("model"))
+        result["cell"] = cell
         (out / f"{cell['id']}.json").write_text(json.dumps(result, sort_keys=True, indent=1))
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

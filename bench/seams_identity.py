@@ -12,9 +12,12 @@ Compared per cell: the sha256 of every tensor file written (*.safetensors, *.ggu
 *.pth, *.npy, *.npz) and the `layers` records of every optkit.json, whose keys that may legitimately
 change are dropped: created, time, seconds, duration, path, version(s), commit, and any ending in
 _s, _seconds, _time or _version (the manifest's other fields, timestamps, versions, paths and wall
-times, are not compared at all). A cell that raised in either tree counts as differing.
+times, are not compared at all); a GGUF file by its tensors and the manifest it embeds. The working
+tree's records may add keys (it says which), never change or drop one. A cell that raised in either
+tree counts as differing.
 
-The cells are the base revision's (tests/compat/test_matrix.py's `_cells` and `_family_cells`, and
+The cells are the base revision's (tests/compat/test_matrix.py's `_cells` and `_family_cells`, the
+llama.cpp column's GGUF kinds, the compositions `optkit quantize` runs that the matrix lacks, and
 the recipe), and each tree builds them with its own test_matrix `_quantize`, as the matrix does.
 Each tree runs in its own interpreter (the shared .venv) with PYTHONPATH at that tree (bench/seams_build.py
 checks optkit.__file__), CPU only, with --threads threads (OMP/MKL and torch.set_num_threads). The
@@ -69,11 +72,12 @@ def _fingerprint(directory: str) -> str:
 
 
 def _cached(cache: Path, meta: dict, cell: dict, fingerprints: dict) -> bool:
-    """A base digest made from the same revision, thread count and input model."""
+    """A base digest made from the same revision, thread count, cell and input model."""
     digest, meta_file = cache / f"{cell['id']}.json", cache / "meta.json"
     if not digest.exists() or not meta_file.exists() or json.loads(meta_file.read_text()) != meta:
         return False
-    return json.loads(digest.read_text()).get("input") == fingerprints.get(cell.get("model"))
+    made = json.loads(digest.read_text())
+    return made.get("cell") == cell and made.get("input") == fingerprints.get(cell.get("model"))
 
 
 def _reset_stale(cache: Path, meta: dict) -> None:
@@ -93,13 +97,34 @@ def _compare(cell: str, base: dict, tree: dict) -> dict:
     if "skipped" in base and "skipped" in tree:
         return {"cell": cell, "files": 0, "layers": 0, "status": "skipped", "detail": tree["skipped"]}
     differences = [k for k in ("exit", "skipped") if base.get(k) != tree.get(k)]
-    for key in ("files", "layers"):
-        a, b = base.get(key, {}), tree.get(key, {})
-        differences += [f"{key}: {name}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    a, b = base.get("files", {}), tree.get("files", {})
+    differences += [f"files: {name}" for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    a, b = base.get("layers", {}), tree.get("layers", {})
+    added: set[str] = set()
+    for name in sorted(set(a) | set(b)):
+        extra = _added_keys(a.get(name), b.get(name))
+        if extra is None:
+            differences.append(f"layers: {name}")
+        added |= extra or set()
     files = len(set(base.get("files", {})) | set(tree.get("files", {})))
     layers = sum(len(records) for records in tree.get("layers", {}).values())
     status = "different" if differences else "identical"
-    return {"cell": cell, "files": files, "layers": layers, "status": status, "detail": "; ".join(differences)}
+    detail = differences or ([f"records add {', '.join(sorted(added))}"] if added else [])
+    return {"cell": cell, "files": files, "layers": layers, "status": status, "detail": "; ".join(detail)}
+
+
+def _added_keys(base: list[dict] | None, tree: list[dict] | None) -> set[str] | None:
+    """The keys the tree's layer records add to the base's, every base key equal (None: they differ).
+    A refactor may record more about a layer (smoothquant+gptq through GPTQ's own step: rtn_loss,
+    damp); it may not change or drop what was recorded."""
+    if base is None or tree is None or len(base) != len(tree):
+        return None if base != tree else set()
+    added: set[str] = set()
+    for old, new in zip(base, tree, strict=True):
+        if any(k not in new or json.dumps(new[k]) != json.dumps(v) for k, v in old.items()):
+            return None
+        added |= set(new) - set(old)
+    return added
 
 
 def _print_table(rows: list[dict], base_rev: str, seconds: float) -> None:
