@@ -39,7 +39,7 @@ def vllm_python(given: str | Path | None) -> Path:
     value = given or os.environ.get(ENV_PYTHON)
     if not value:
         raise OptkitError(
-            f"--engine vllm runs vLLM's python: give --vllm-python PATH or set {ENV_PYTHON}; {INSTALL_HINT}"
+            f"vLLM runs in a venv of its own: give --vllm-python PATH or set {ENV_PYTHON}; {INSTALL_HINT}"
         )
     path = Path(os.path.abspath(Path(value).expanduser()))  # the worker runs elsewhere; a venv's link kept
     source = "--vllm-python" if given else ENV_PYTHON

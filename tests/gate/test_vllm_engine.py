@@ -69,7 +69,7 @@ def test_the_vllm_python_comes_from_the_environment_and_the_table_names_the_engi
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--engine", "vllm"], "--engine vllm runs vLLM's python: give --vllm-python PATH or set OPTKIT_VLLM_PYTHON"),
+        (["--engine", "vllm"], "vLLM runs in a venv of its own: give --vllm-python PATH or set OPTKIT_VLLM_PYTHON"),
         (["--engine", "vllm", "--vllm-python", "/nonexistent/python"], "--vllm-python /nonexistent/python is not an"),
         (["--engine", "vllm", "--task", "next_line"], "--engine vllm scores perplexity and KLD only: drop --task"),
         (["--engine", "vllm", "--kv-cache-dtype", "int8"], "vLLM has no int8 KV cache: give --kv-cache-dtype fp8"),
