@@ -50,7 +50,7 @@ def inspect(
         ("options", manifest["options"]),
         ("format", manifest["format"]),
         ("base model", f"{manifest['base_model']['path']} (sha256 {manifest['base_model']['sha256'][:12]})"),
-        ("calibration", manifest["calibration"]["name"] or "none"),
+        ("calibration", manifest["calibration"].get("name") or "none"),
         ("ignored layers", ", ".join(manifest["ignored_layers"]) or "none"),
         ("files", ", ".join(manifest["files"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())),
@@ -125,9 +125,15 @@ def where_it_loads_table(path):
     from rich.table import Table
 
     from optkit.compat.matrix import kind_from_quant_config, where_it_loads
+    from optkit.errors import OptkitError
     from optkit.modeldir import read_config
 
     config = read_config(path)
+    if not isinstance(config.get("quantization_config"), dict):
+        raise OptkitError(
+            f"{path / 'config.json'} has no quantization_config, yet optkit.json is a quantized artifact's "
+            "manifest: re-create or re-download the artifact"
+        )
     kind = kind_from_quant_config(config["quantization_config"], str(path / "config.json"))  # as its format says
     table = Table(title=f"where it loads ({kind.describe()}; docs/compatibility.md)", show_header=False)
     for loader, status in where_it_loads(kind, model_type=config.get("model_type")):

@@ -108,3 +108,31 @@ def test_a_device_file_is_refused(run_cli, artifact):
 def test_an_optkit_json_that_is_not_a_manifest_is_one_line(run_cli, artifact, command, content):
     (artifact / "optkit.json").write_bytes(content.encode("latin-1"))
     assert_user_error(run_cli(command[0], artifact, *command[1:]), str(artifact / "optkit.json"), "re-create")
+
+
+def _inspectable(artifact, **fields):
+    """The fixture's manifest with the fields `optkit inspect` shows, and `fields` over them."""
+    manifest = json.loads((artifact / "optkit.json").read_text())
+    manifest.update(method="rtn", format="compressed-tensors", options={}, calibration={"name": "c"})
+    manifest.update(ignored_layers=[], base_model={"path": "b", "sha256": "0" * 64}, versions={}, created="now")
+    manifest.update(wall_time_s=1.0, layers=[], **fields)
+    (artifact / "optkit.json").write_text(json.dumps(manifest))
+
+
+def test_a_manifest_beside_an_unquantized_config_is_one_line_for_inspect(run_cli, artifact):
+    """optkit.json says artifact, config.json has no quantization_config (was a KeyError, exit 3)."""
+    _inspectable(artifact)
+    assert_user_error(run_cli("inspect", artifact), "has no quantization_config", "re-create")
+
+
+def test_inspect_shows_an_unnamed_calibration_as_none(run_cli, artifact, tmp_path, small_dir):
+    """A manifest whose calibration has no name (the fuzzer's find: KeyError, exit 3) reads as none."""
+    quantized = tmp_path / "w8"
+    assert run_cli("quantize", small_dir, "--method", "rtn", "--bits", "8", "--out", quantized)[0] == 0
+    manifest = json.loads((quantized / "optkit.json").read_text())
+    manifest["calibration"] = {}
+    (quantized / "optkit.json").write_text(json.dumps(manifest))
+    code, out, err = run_cli("inspect", quantized)
+    assert code == 0, err
+    cells = [[c.strip() for c in line.split("│") if c.strip()] for line in out.splitlines()]
+    assert ["calibration", "none"] in cells, out
