@@ -67,9 +67,8 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
 
     from optkit.modeldir import resolve_model_dir
     from optkit.quant.calibration_data import CalibrationOptions
-    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.weights.schemes import WeightScheme
+    from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 
     root = cache_dir() / shape
     paths = {"base": root / "base", "w4a16": root / f"w4a16-g{group_size}", "w8a8": root / "w8a8"}

@@ -86,9 +86,9 @@ def options_for(method: str, num_samples: int, seq_len: int, grid: int):
     reruns a block on the same captured inputs, so it costs time and no memory."""
     from optkit.quant.calibration_data import CalibrationOptions
     from optkit.quant.methods.awq.options import AWQOptions
-    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
     from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
     from optkit.quant.quantize import QuantizeOptions
+    from optkit.weights.schemes import W8_PER_CHANNEL
 
     weights = {"weights": W8_PER_CHANNEL} if method == "smoothquant" else {}
     return QuantizeOptions(

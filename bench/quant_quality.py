@@ -150,9 +150,8 @@ W8A8_METHODS = (
 
 def w8a8_rows(model: str, tmp: Path, eval_set: str, only: list[str] | None = None) -> list[dict]:
     """W8A8 methods (int8 and FP8) on the model and on a copy with activation outliers (same function)."""
-    from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL
-    from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
     from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
+    from optkit.weights.schemes import FP8_PER_CHANNEL, W8_PER_CHANNEL
     from optkit.zoo.outliers import add_activation_outliers
 
     rows = []

@@ -18,3 +18,16 @@ def import_once(package: str, modules: tuple[str, ...]) -> Callable[[], None]:
                 importlib.import_module(f"{package}.{name}")
 
     return load
+
+
+def lazy(target: str) -> Callable:
+    """The function `module:name`, imported when first called: a registry entry that names its
+    torch code this way is declared without importing torch (`optkit quantize` reads every
+    method's flags before it checks the model, and a refusal stays instant)."""
+    module, name = target.split(":")
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call

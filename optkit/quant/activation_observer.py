@@ -3,27 +3,11 @@ or one calibrated per-tensor scale ("static"): max |x| over the calibration inpu
 divided by the activation type's largest value (int8's 127, FP8 E4M3's 448). The observer attaches
 that `input_scale` to whatever weights step quantizes the linear (quant/layer_step.py)."""
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from optkit.kernels.fp8 import FP8_MAX
 from optkit.kernels.w8a8 import INT8_MAX
-from optkit.quant.methods import Flag
 from optkit.weights.schemes import WeightScheme
-
-Activations = Literal["dynamic", "static"]
-# the flag of every method with an `activations` setting (smoothquant, w8a8, fp8)
-ACT_QUANT = Flag("--act-quant", "activations", "W8A8 activations: dynamic (per token) or static (default dynamic).")
-
-
-class ActivationOptions(BaseModel):
-    """The section of a W8A8 method without other settings (w8a8, fp8); the field is the recipe key."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    activations: Activations = "dynamic"  # per-token at run time, or one calibrated scale
 
 
 class StaticInputScale:

@@ -91,3 +91,9 @@ class WeightScheme(BaseModel):
         if self.type == "nf4":
             return f"nf4 {group}{' double-quant' if self.double_quant else ''}"
         return f"w{self.bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+# the fixed weight schemes of the W8A8 methods: int8 (smoothquant, w8a8) and FP8 E4M3 (fp8), per
+# output channel
+W8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True)
+FP8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True, type="float")

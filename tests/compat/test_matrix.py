@@ -19,10 +19,8 @@ from optkit.compat.vllm_spec import check_vllm_spec
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.kind import ArtifactKind
 from optkit.quant.methods.awq.options import AWQOptions
-from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.weights.schemes import WeightScheme
+from optkit.weights.schemes import FP8_PER_CHANNEL, W8_PER_CHANNEL, WeightScheme
 from tests.tiny_families import FAMILIES
 
 CALIB = CalibrationOptions(num_samples=8, seq_len=64)

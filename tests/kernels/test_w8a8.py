@@ -3,7 +3,7 @@ import torch
 from optkit.kernels import w8a8
 from optkit.kernels.w8a8 import W8A8Linear, int8_linear, int8_linear_reference, quantize_activations
 from optkit.quant.methods.rtn.math import rtn_quantize
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+from optkit.weights.schemes import W8_PER_CHANNEL
 
 
 def make_layer(out_features=48, in_features=64, static=False):

@@ -8,9 +8,8 @@ from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.fusion import fuse_projections
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.weights.schemes import WeightScheme
+from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
 LENGTHS = [5, 37, 120]  # prefills under and over cpu_int4.MAX_KERNEL_ROWS, chunks of up to 40, decodes

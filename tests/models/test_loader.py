@@ -13,9 +13,8 @@ from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.methods.gptq.options import GPTQOptions
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.weights.schemes import WeightScheme
+from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 from tests.models.paged import chunked_then_decode, prompts, run_paged, whole_prefills
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)

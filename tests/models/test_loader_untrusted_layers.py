@@ -24,9 +24,9 @@ STATE = f"{Q}.weight.quant_state.bitsandbytes__nf4"
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory, draft_dir):
     """RTN 4-bit artifacts of `draft` in the weight-only formats, and an FP8 one (quantized once)."""
-    from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL
     from optkit.quant.methods.nf4.math import NF4_BLOCK64
     from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import FP8_PER_CHANNEL
 
     options = {
         "compressed-tensors": QuantizeOptions(),

@@ -15,10 +15,10 @@ from optkit.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.formats.load import load_model
-from optkit.quant.methods.fp8.math import FP8_PER_CHANNEL, fp8_quantize
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+from optkit.quant.methods.fp8.math import fp8_quantize
 from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
 from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.weights.schemes import FP8_PER_CHANNEL, W8_PER_CHANNEL
 
 FAST_CALIB = CalibrationOptions(num_samples=8, seq_len=64)
 DOWN = "model.layers.0.mlp.down_proj"

@@ -8,10 +8,9 @@ import pytest
 
 from optkit.quant.calibration_data import CalibrationOptions
 from optkit.quant.methods.gptq.options import GPTQOptions
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.plan import plan_quantization
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.weights.schemes import WeightScheme
+from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 from tests.tiny_families import TINY, save_tiny_family
 
 CALIB = CalibrationOptions(num_samples=4, seq_len=32)

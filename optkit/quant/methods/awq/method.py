@@ -1,9 +1,11 @@
 """AWQ: activation-aware scales and clipping, calibrated (the math is in math.py, the layer step
 in step.py)."""
 
+from optkit.plugins import lazy
 from optkit.quant.methods import Method, Workload, register_method
 from optkit.quant.methods.awq.options import AWQOptions
-from optkit.quant.methods.awq.step import awq_step
+
+awq_step = lazy("optkit.quant.methods.awq.step:awq_step")
 
 
 def search_bytes(options: AWQOptions, workload: Workload) -> int:

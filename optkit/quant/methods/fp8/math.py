@@ -9,9 +9,7 @@ import torch
 
 from optkit.kernels.fp8 import FP8_MAX, to_fp8
 from optkit.weights.quantized import QuantizedWeight
-from optkit.weights.schemes import WeightScheme
-
-FP8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True, type="float")
+from optkit.weights.schemes import FP8_PER_CHANNEL, WeightScheme
 
 
 def fp8_quantize(

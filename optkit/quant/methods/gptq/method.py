@@ -1,9 +1,11 @@
 """GPTQ: error-compensating rounding from the layer's Hessian (the math is in math.py, the layer
 step in step.py)."""
 
+from optkit.plugins import lazy
 from optkit.quant.methods import Flag, Method, Workload, register_method
 from optkit.quant.methods.gptq.options import GPTQOptions
-from optkit.quant.methods.gptq.step import gptq_step
+
+gptq_step = lazy("optkit.quant.methods.gptq.step:gptq_step")
 
 
 def _act_order(options: GPTQOptions) -> bool | str:

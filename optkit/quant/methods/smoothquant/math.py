@@ -11,9 +11,7 @@ import torch
 
 from optkit.kernels.w8a8 import quantize_activations
 from optkit.quant.methods.rtn.math import rtn_quantize
-from optkit.weights.schemes import WeightScheme
-
-W8_PER_CHANNEL = WeightScheme(bits=8, group_size=-1, symmetric=True)
+from optkit.weights.schemes import W8_PER_CHANNEL
 
 
 def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:

@@ -2,11 +2,11 @@
 that follows quantizes them with the composition's scheme: int8 per channel, rounded (alone, or
 `[smoothquant, rtn]`) or GPTQ-quantized (`[smoothquant, gptq]`), or FP8 (`[smoothquant, fp8]`)."""
 
-from optkit.quant.activation_observer import ACT_QUANT
+from optkit.plugins import lazy
+from optkit.quant.activation_options import ACT_QUANT
 from optkit.quant.methods import Flag, Method, Workload, register_method
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
 from optkit.quant.methods.smoothquant.options import SmoothQuantOptions
-from optkit.quant.methods.smoothquant.step import smoothing_stage
+from optkit.weights.schemes import W8_PER_CHANNEL
 
 
 def _alpha(text: str) -> float | str:
@@ -42,7 +42,7 @@ SMOOTHQUANT = register_method(
         stage="smoothing",
         options=SmoothQuantOptions,
         flags=(Flag("--alpha", "alpha", "SmoothQuant migration strength in [0, 1], or auto.", parse=_alpha), ACT_QUANT),
-        smooth=smoothing_stage,
+        smooth=lazy("optkit.quant.methods.smoothquant.step:smoothing_stage"),
         memory=search_bytes,
         fixed_weights=W8_PER_CHANNEL,
         activations=lambda options: options.activations,

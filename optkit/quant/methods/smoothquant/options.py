@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from optkit.quant.activation_observer import Activations
+from optkit.quant.activation_options import Activations
 
 
 class SmoothQuantOptions(BaseModel):

@@ -2,11 +2,10 @@
 or static: `quantize.w8a8.activations`, `--act-quant`), without smoothing: the baseline SmoothQuant
 improves on."""
 
-from optkit.quant.activation_observer import ACT_QUANT, ActivationOptions
-from optkit.quant.layer_step import per_weight_step
+from optkit.plugins import lazy
+from optkit.quant.activation_options import ACT_QUANT, ActivationOptions
 from optkit.quant.methods import Method, register_method
-from optkit.quant.methods.rtn.math import rtn_quantize
-from optkit.quant.methods.smoothquant.math import W8_PER_CHANNEL
+from optkit.weights.schemes import W8_PER_CHANNEL
 
 W8A8 = register_method(
     Method(
@@ -14,8 +13,8 @@ W8A8 = register_method(
         summary="int8 weights and activations, no smoothing",
         options=ActivationOptions,
         flags=(ACT_QUANT,),
-        quantize_weight=rtn_quantize,
-        step=per_weight_step(rtn_quantize),
+        quantize_weight=lazy("optkit.quant.methods.rtn.math:rtn_quantize"),
+        step=lazy("optkit.quant.layer_step:rtn_step"),
         fixed_weights=W8_PER_CHANNEL,
         activations=lambda options: options.activations,
     )
