@@ -44,24 +44,16 @@ def test_the_vllm_engine_gives_the_numbers_of_the_model_it_runs(run_cli, monkeyp
     assert through["eval_set"]["kld"] == plain["eval_set"]["kld"]
 
 
+def vllm_eval(artifact) -> tuple:
+    """`optkit eval` of two 32-token windows through the vLLM engine."""
+    return ("eval", artifact, "--baseline", "small", "--max-windows", "2", "--seq-len", "32", "--engine", "vllm")
+
+
 def test_the_vllm_python_comes_from_the_environment_and_the_table_names_the_engine(
     run_cli, monkeypatch, tmp_path, small_w4
 ):
     monkeypatch.setenv("OPTKIT_VLLM_PYTHON", str(fake_python(tmp_path)))
-    code, out, err = run_cli(
-        "eval",
-        small_w4,
-        "--baseline",
-        "small",
-        "--max-windows",
-        "2",
-        "--seq-len",
-        "32",
-        "--max-kld",
-        "10",
-        "--engine",
-        "vllm",
-    )
+    code, out, err = run_cli(*vllm_eval(small_w4), "--max-kld", "10")
     assert code == 0, err
     assert "engine: vllm 0.32.0, bfloat16" in out
 
@@ -86,20 +78,7 @@ def test_an_engine_that_cannot_run_is_one_line_and_exit_2(run_cli, monkeypatch, 
 
 
 def test_a_worker_that_dies_while_scoring_is_exit_2_with_its_last_words(run_cli, tmp_path, small_w4):
-    code, out, err = run_cli(
-        "eval",
-        small_w4,
-        "--baseline",
-        "small",
-        "--max-windows",
-        "2",
-        "--seq-len",
-        "32",
-        "--engine",
-        "vllm",
-        "--vllm-python",
-        fake_python(tmp_path, "die_on_score"),
-    )
+    code, out, err = run_cli(*vllm_eval(small_w4), "--vllm-python", fake_python(tmp_path, "die_on_score"))
     assert code == 2
     (line,) = [line for line in err.splitlines() if line.startswith("error:")]  # beside the progress bar
     assert "exited with code 139 during prompt_logprobs: Fatal Python error: Segmentation fault" in line
