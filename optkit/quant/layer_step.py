@@ -17,8 +17,7 @@ import torch
 
 from optkit.quant.activation_observer import StaticInputScale
 from optkit.quant.calibrate import LayerProcedure, LayerWork, sequential_groups
-from optkit.quant.methods.fp8.math import fp8_quantize
-from optkit.quant.methods.rtn.math import rtn_quantize, weight_error
+from optkit.quant.methods.rtn.math import weight_error
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
 
@@ -86,17 +85,6 @@ def per_weight_quantizer(quantize_weight: Callable[..., QuantizedWeight], scheme
         return quantize_weight(weight, scheme, scheme.scale_dtype_for(weight.dtype)), {}, weight
 
     return LinearQuantizer(quantize)
-
-
-def rtn_step(options: Any, scheme: WeightScheme) -> WeightsStep:
-    """The `step` of w8a8, a per-weight quantizer calibrated all the same (its static activation
-    scales, and the fp32 layer its scales are rounded from)."""
-    return sequential_step(per_weight_quantizer(rtn_quantize, scheme))
-
-
-def fp8_step(options: Any, scheme: WeightScheme) -> WeightsStep:
-    """The `step` of fp8, as `rtn_step` is w8a8's."""
-    return sequential_step(per_weight_quantizer(fp8_quantize, scheme))
 
 
 def layer_procedure(

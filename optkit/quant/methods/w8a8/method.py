@@ -14,7 +14,7 @@ W8A8 = register_method(
         options=ActivationOptions,
         flags=(ACT_QUANT,),
         quantize_weight=lazy("optkit.quant.methods.rtn.math:rtn_quantize"),
-        step=lazy("optkit.quant.layer_step:rtn_step"),
+        step=lazy("optkit.quant.methods.w8a8.step:w8a8_step"),
         fixed_weights=W8_PER_CHANNEL,
         activations=lambda options: options.activations,
     )
