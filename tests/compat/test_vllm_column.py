@@ -15,21 +15,14 @@ import pytest
 from optkit.compat import matrix, vllm_load
 from tests.compat.test_matrix import AWQ, CALIB, FAMILY_CELLS, _quantize, _versions
 from tests.tiny_families import FAMILIES, save_tiny_family
+from tests.vllm_venv import SKIP_REASON, vllm_python
 
-ROOT = Path(__file__).resolve().parents[2]
 FULL = os.environ.get("OPTKIT_VLLM_COLUMN") == "full"
-
-
-def _vllm_python() -> str | None:
-    given = os.environ.get("OPTKIT_VLLM_PYTHON") or ROOT / ".venv-vllm" / "bin" / "python"
-    return str(given) if Path(given).is_file() else None
 
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        _vllm_python() is None, reason="no vLLM venv: `make vllm` (or set OPTKIT_VLLM_PYTHON to vLLM's python)"
-    ),
+    pytest.mark.skipif(vllm_python() is None, reason=SKIP_REASON),
 ]
 
 
@@ -37,7 +30,7 @@ pytestmark = [
 def worker():
     from optkit.engines.vllm import VllmWorker
 
-    with VllmWorker(_vllm_python()) as w:
+    with VllmWorker(vllm_python()) as w:
         yield w
 
 

