@@ -1,0 +1,121 @@
+"""llama.cpp's file types: optkit picks, per tensor, the ggml type `llama-quantize` picks for the same
+model (llama_model_quantize of the installed llama-cpp-python, run on optkit's full-precision GGUF)."""
+
+from collections import Counter
+
+import gguf
+import pytest
+
+from optkit.gate.llama_cpp import llama_cpp_available
+from optkit.quant.formats import gguf_mix
+from optkit.quant.formats.gguf_mix import FILE_TYPES, Model, Tensor, tensor_types, use_more_bits
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.weights.schemes import WeightScheme
+
+QUANTIZED_MIXES = [name for name, t in FILE_TYPES.items() if t.default not in gguf_mix.FULL_PRECISION]
+needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
+
+
+def _full_precision_gguf(model_dir, out):
+    options = QuantizeOptions(format="gguf", ignore=["*"], weights=WeightScheme(bits=4, group_size=32))
+    quantize_model(model_dir, out, options)
+    return out
+
+
+@pytest.fixture(scope="module")
+def full_precision(tmp_path_factory, small_dir, draft_dir):
+    """small (rows of 256 and 768), draft (rows of 128 and 384: every K type falls back)."""
+    root = tmp_path_factory.mktemp("fp")
+    models = {"small": small_dir, "draft": draft_dir}
+    return {name: _full_precision_gguf(path, root / f"{name}.gguf") for name, path in models.items()}
+
+
+def _llama_quantize(source, out, mix):
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPES[mix].file_type
+    params.nthread = 1
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) == 0
+    return out
+
+
+def _tensors_and_model(path) -> tuple[list[Tensor], Model]:
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+
+    def value(key, default=0):
+        field = reader.fields.get(f"{arch}.{key}")
+        return default if field is None else int(field.contents())
+
+    tensors = [Tensor(t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors]
+    model = Model(value("block_count"), value("attention.head_count"), value("attention.head_count_kv"))
+    return tensors, Model(**{**model.__dict__, "n_expert": value("expert_count")})
+
+
+def _stored_types(path) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("model", ["small", "draft"])
+@pytest.mark.parametrize("mix", QUANTIZED_MIXES)
+def test_every_tensor_gets_the_type_llama_quantize_gives_it(full_precision, tmp_path, model, mix):
+    source = full_precision[model]
+    theirs = _stored_types(_llama_quantize(source, tmp_path / "theirs.gguf", mix))
+    tensors, hparams = _tensors_and_model(source)
+    stored = _stored_types(source)
+    ours = {name: qtype or stored[name] for name, qtype in tensor_types(mix, tensors, hparams).items()}
+    assert ours == theirs
+    assert Counter(ours.values()) == Counter(theirs.values())
+
+
+def test_a_q4_k_m_mix_raises_attn_v_and_ffn_down_on_the_layers_use_more_bits_names():
+    n_layer = 32
+    tensors = [Tensor("token_embd.weight", (4096, 32000)), Tensor("output.weight", (4096, 32000))]
+    for i in range(n_layer):
+        for part, dims in (("attn_v", (4096, 1024)), ("attn_q", (4096, 4096)), ("ffn_down", (11008, 4096))):
+            tensors.append(Tensor(f"blk.{i}.{part}.weight", dims))
+        tensors.append(Tensor(f"blk.{i}.attn_norm.weight", (4096,)))
+    types = tensor_types("Q4_K_M", tensors, Model(n_layer, 32, 8))
+    raised = [i for i in range(n_layer) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"]
+    assert raised == [i for i in range(n_layer) if use_more_bits(i, n_layer)]
+    assert raised == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert all(types[f"blk.{i}.ffn_down.weight"] == ("Q6_K" if i in raised else "Q4_K") for i in range(n_layer))
+    assert {types[f"blk.{i}.attn_q.weight"] for i in range(n_layer)} == {"Q4_K"}
+    assert (types["output.weight"], types["token_embd.weight"]) == ("Q6_K", "Q4_K")
+    assert types["blk.0.attn_norm.weight"] is None
+
+
+def test_rows_no_super_block_divides_fall_back_to_a_legacy_type_of_32_columns():
+    tensors = [Tensor(f"blk.0.{p}.weight", (288, 64)) for p in ("attn_q", "attn_v", "ffn_down")] + [
+        Tensor("token_embd.weight", (288, 100))
+    ]
+    model = Model(1, 4, 4)
+    assert tensor_types("Q4_K_M", tensors, model)["blk.0.attn_q.weight"] == "Q5_0"
+    assert tensor_types("Q5_K_S", tensors, model)["blk.0.attn_q.weight"] == "Q5_1"
+    assert tensor_types("Q6_K", tensors, model)["blk.0.attn_q.weight"] == "Q8_0"
+    assert tensor_types("Q3_K_S", tensors, model)["blk.0.attn_q.weight"] == "Q4_0"
+    assert tensor_types("Q4_K_M", tensors, model)["token_embd.weight"] == "Q8_0"  # tied: the output's rule
+    assert tensor_types("Q4_K_M", [Tensor("blk.0.attn_q.weight", (300, 64))], model)["blk.0.attn_q.weight"] == "F16"
+
+
+def test_an_unknown_file_type_lists_those_optkit_writes():
+    with pytest.raises(ValueError, match="Q4_K_M"):
+        tensor_types("Q4_K_X", [], Model(1, 1, 1))
+
+
+def test_an_eight_expert_model_keeps_attn_v_and_attn_k_in_q8_0_and_counts_ffn_down_by_block_index():
+    tensors = [Tensor("output.weight", (512, 1000))]
+    for i in (0, 1):
+        tensors += [Tensor(f"blk.{i}.{p}.weight", (512, 512)) for p in ("attn_v", "attn_k", "attn_output")]
+    # block 1's experts only: the first ffn_down seen is layer 1 (use_more_bits: the last eighth), not 0
+    tensors.append(Tensor("blk.1.ffn_down_exps.weight", (512, 512, 8)))
+    types = tensor_types("Q4_K_M", tensors, Model(2, 8, 8, n_expert=8))
+    assert {types[f"blk.{i}.attn_v.weight"] for i in (0, 1)} == {types["blk.0.attn_k.weight"]} == {"Q8_0"}
+    assert types["blk.1.attn_output.weight"] == "Q5_K"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    dense = tensor_types("Q4_K_M", tensors, Model(2, 8, 8))  # counted in order without experts
+    assert dense["blk.1.ffn_down_exps.weight"] == "Q4_K"
+    with pytest.raises(ValueError, match="block index"):
+        tensor_types("Q4_K_M", [Tensor("blk.5.ffn_down_exps.weight", (512, 512, 8))], Model(2, 8, 8, n_expert=8))
