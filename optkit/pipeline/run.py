@@ -34,11 +34,12 @@ from optkit.errors import OptkitError
 from optkit.gate.evaluate import GateResult, evaluate
 from optkit.json_strict import dumps
 from optkit.manifest import MANIFEST, read_manifest, verify_files, write_manifest
-from optkit.modeldir import resolve_model_dir
+from optkit.modeldir import read_config, resolve_model_dir
 from optkit.pipeline.gate_engine import gate_engine
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
+from optkit.pipeline.vllm_deploy import vllm_config, write_vllm_deploy
 from optkit.quant.formats import get_format
 from optkit.quant.quantize import quantize_model
 from optkit.runtime.compile_cache import MANIFEST as COMPILE_MANIFEST
@@ -134,6 +135,8 @@ def run_recipe(
     what = "--out" if out else "output"
     work = _prepare_outputs(release, what)
     base = resolve_model_dir(recipe.model)
+    if recipe.deploy is not None:  # a split the model's heads or layers cannot take fails before any work
+        vllm_config(recipe.deploy, read_config(base), release.name)
     result = RunResult(release, "rejected")
     staged = _quantize_stage(recipe, base, work, result, device)
     _gate_stage(recipe, base, staged, work, result)
@@ -225,7 +228,10 @@ def _package_stage(
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(dumps(result.gate, indent=2) + "\n")
-        (tmp / "README.md").write_text(model_card(recipe, manifest, result.gate, result.verdict))
+        card = model_card(recipe, manifest, result.gate, result.verdict)
+        if recipe.deploy is not None:
+            card += write_vllm_deploy(tmp, recipe.deploy, result.release.name)
+        (tmp / "README.md").write_text(card)
         (tmp / "report.html").write_text(render_report(result.release.name, manifest, result.gate, result.verdict))
         fields = {k: v for k, v in manifest.items() if k not in ("files", "optkit_version", "created", "versions")}
         write_manifest(
@@ -257,6 +263,7 @@ def _repair_stage(
     kept = read_manifest(repaired) if repaired.exists() else None
     if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
         result.skipped("repair")
+        engine_gate = done.get("engine_gate")
     else:
         with scratch_dir(work / "repair-steps") as steps:
             if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
@@ -270,11 +277,24 @@ def _repair_stage(
                 record_pass_without_repair(outcome)
             publish(outcome.artifact, repaired)
         kept = read_manifest(repaired)
-        _write_record(work, "repair", {"inputs": inputs})
+        engine_gate = _engine_gate(recipe, base, repaired)
+        _write_record(work, "repair", {"inputs": inputs, "engine_gate": engine_gate})
         result.ran("repair", start)
-    result.gate = kept["gate"]
+    result.gate = engine_gate or kept["gate"]
     result.verdict = release_verdict(result.gate)
     return repaired, kept
+
+
+def _engine_gate(recipe: Recipe, base: Path, repaired: Path) -> dict | None:
+    """Repair searches with the artifact's default engine (one load per candidate); where the recipe
+    names another (`gate.engine: vllm`), the artifact repair chose is gated once more through it, and
+    that is the release's verdict. None where the search already ran on the recipe's engine."""
+    gate = recipe.gate
+    if gate.engine in (None, "transformers", "llama.cpp"):
+        return None
+    with gate_engine(repaired, gate.engine, task=gate.task, seq_len=gate.seq_len) as (model, engine):
+        outcome = evaluate(repaired, base, gate, artifact_model=model, engine=engine)
+    return {**outcome.to_json(), "repair_engine": "transformers"}
 
 
 def _compile_stage(recipe: Recipe, manifest: dict, artifact: Path, work: Path, result: RunResult) -> dict | None:

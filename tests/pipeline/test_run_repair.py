@@ -42,3 +42,30 @@ def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
     path.write_text(yaml.safe_dump(bad))
     code, _, err = run_cli("run", path)
     assert code == 2 and "gate.repair.precisions" in err
+
+
+def test_the_release_verdict_comes_from_the_recipes_engine_after_repair(run_cli, tmp_path, draft_dir):
+    """Repair searches with transformers; with `gate.engine: optkit` the artifact it chose is gated
+    once more on optkit's runtime, and that gate (the numbers `optkit eval --engine optkit` gives) is
+    the release's verdict."""
+    recipe = {
+        "model": str(draft_dir),
+        "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 128}},
+        "gate": {
+            "engine": "optkit",
+            "max_windows": 4,
+            "max_kld": 0.006,
+            "repair": {"max_evaluations": 3, "windows": 4, "start": "smallest"},
+        },
+        "output": str(tmp_path / "release"),
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, out, err = run_cli("run", path, "--json")
+    assert code in (0, 1), err
+    gate = json.loads((tmp_path / "release" / "optkit.json").read_text())["gate"]
+    assert gate["engine"]["name"] == "optkit" and gate["repair_engine"] == "transformers"
+    code, out, err = run_cli(
+        "eval", tmp_path / "release", "--baseline", draft_dir, "--engine", "optkit", "--max-windows", "4", "--json"
+    )
+    assert json.loads(out)["metrics"]["kld_mean"] == gate["metrics"]["kld_mean"]
