@@ -23,6 +23,8 @@ def verify(
     """Recheck the sha256 of every file listed in optkit.json; exit 1 naming any that differ.
     With --load transformers, also exit 1 when transformers loads it with missing, unexpected or
     re-initialised keys, or with logits beyond tolerance of optkit's runtime.
+    A release's vllm.yaml (recipe `deploy:`) must be what its artifact needs (exit 1 naming the key);
+    one that makes vLLM load code (trust-remote-code, a worker extension, ...) is refused (exit 2).
     A .gguf (any, not only optkit's): exit 2 naming each problem when it is truncated, not GGUF, lacks
     metadata or tensors llama.cpp needs for its architecture, or has blocks that decode to NaN/inf, or
     (with llama-cpp-python installed) when llama.cpp cannot load it.
@@ -51,6 +53,10 @@ def verify(
     if load and not (path / "config.json").is_file():
         raise OptkitError(f"--load transformers: {path} has no config.json: verify its .gguf with --load llama.cpp")
     problems = verify_files(path, manifest)
+    if not problems and (path / "config.json").is_file():
+        from optkit.pipeline.vllm_deploy import check_vllm_config
+
+        problems = check_vllm_config(path)  # a release's vllm.yaml: what its artifact needs, nothing that loads code
     if load and not problems:
         from optkit.compat.transformers_load import check_transformers_load
 

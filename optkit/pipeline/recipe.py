@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from optkit.errors import MAX_LINE_CHARS, OptkitError, shorten, shown
 from optkit.gate.options import GateOptions
+from optkit.pipeline.vllm_deploy import DeployOptions
 from optkit.quant import methods
 from optkit.quant.formats import get_format
 from optkit.quant.methods.composition import resolve
@@ -48,6 +49,7 @@ class Recipe(BaseModel):
     output: str  # the release directory
     compile: CompileOptions | None = None  # absent: no compile stage
     serve: ServeOptions = Field(default_factory=ServeOptions)  # how `optkit serve --recipe` serves it
+    deploy: DeployOptions | None = None  # absent: no vllm.yaml in the release (pipeline/vllm_deploy.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -86,6 +88,10 @@ class Recipe(BaseModel):
             raise ValueError(
                 f"compile warms optkit's runtime, and a {self.quantize.format} release runs in {outside}: "
                 "drop the compile section"
+            )
+        if self.deploy is not None and outside is not None:
+            raise ValueError(
+                f"deploy.engine vllm serves artifact directories, not a {self.quantize.format} file: drop deploy"
             )
         if getattr(self.gate, "repair", None) is not None and outside is not None:
             raise ValueError(
