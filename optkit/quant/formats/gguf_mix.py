@@ -14,6 +14,8 @@ Left out, as no model optkit writes as GGUF reaches them: the Falcon, 70B-type a
 import re
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, field_validator
+
 QK_K = 256  # a K type's super-block
 LEGACY_BLOCK = 32
 BLOCK = {"Q2_K": QK_K, "Q3_K": QK_K, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
@@ -73,6 +75,68 @@ class Model:
     @property
     def n_gqa(self) -> int:
         return self.n_head // self.n_head_kv if self.n_head_kv else 0
+
+
+# the weight scheme of the decoder's linears in a file type whose default type is a legacy block
+LEGACY_SCHEMES = {
+    "Q8_0": {"bits": 8, "group_size": LEGACY_BLOCK, "symmetric": True},
+    "Q4_0": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": True},
+    "Q4_1": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": False},
+}
+
+
+class GgufOptions(BaseModel):
+    """The recipe section `quantize.gguf` (`optkit quantize --gguf-type`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: str  # a name of FILE_TYPES: Q4_K_M, Q8_0, F16, ...
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        return file_type(value).name
+
+    @property
+    def full_precision(self) -> bool:
+        return FILE_TYPES[self.type].default in FULL_PRECISION
+
+
+def with_file_type(data: dict) -> dict:
+    """QuantizeOptions' fields as given, with what a file type implies where they are left out:
+    the linears' scheme of a legacy type, and every linear kept (`ignore: ["*"]`) in F16/BF16/F32."""
+    section = data.get("gguf")
+    name = section.type if isinstance(section, GgufOptions) else None
+    if isinstance(section, dict):
+        name = section.get("type")
+    if name not in FILE_TYPES:  # none, or one the section's own validation names
+        return data
+    data, ignore = {**data}, data.get("ignore", [])
+    if FILE_TYPES[name].default in FULL_PRECISION and isinstance(ignore, list) and "*" not in ignore:
+        data["ignore"] = [*ignore, "*"]
+    elif name in LEGACY_SCHEMES and "weights" not in data:
+        data["weights"] = LEGACY_SCHEMES[name]
+    return data
+
+
+def check_file_type(format_name: str, gguf: GgufOptions | None, weights) -> None:
+    """ValueError (one line naming the setting) for a file type the rest of the options contradict."""
+    if gguf is None:
+        return
+    if format_name != "gguf":
+        raise ValueError(f"gguf.type {gguf.type} is a GGUF file type: set format gguf, or drop gguf")
+    if gguf.full_precision:
+        return
+    scheme = LEGACY_SCHEMES.get(gguf.type)
+    if scheme is None:
+        raise ValueError(
+            f"gguf.type {gguf.type}: the K-quant mixes are not written yet; "
+            f"choose one of {', '.join(t for t in FILE_TYPES if t in LEGACY_SCHEMES or t in FULL_PRECISION)}"
+        )
+    given = {key: getattr(weights, key) for key in scheme}
+    if given != scheme or weights.type != "int":
+        words = f"{scheme['bits']}-bit blocks of {scheme['group_size']}, {'' if scheme['symmetric'] else 'a'}symmetric"
+        raise ValueError(f"gguf.type {gguf.type} stores {words}: leave the weight scheme out, or set it so")
 
 
 def file_type(name: str) -> FileType:
