@@ -39,6 +39,11 @@ def serve(
     fallback_threshold: opt.FallbackThreshold = None,
     fallback_window: opt.FallbackWindow = None,
     fallback_recovery: opt.FallbackRecovery = None,
+    backends: opt.Backends = None,
+    backend_key: opt.BackendKey = None,
+    backend_tokenizer: opt.BackendTokenizer = None,
+    backend_concurrency: opt.BackendConcurrency = None,
+    backend_timeout: opt.BackendTimeout = None,
     host: opt.Host = DEFAULT_HOST,
     port: opt.Port = 8000,
     api_key: opt.ApiKey = None,
@@ -70,9 +75,13 @@ def serve(
 
     A recipe's serve: section (--recipe) configures the same; flags win (docs/serving.md).
 
+    --backend NAME=URL serves an OpenAI-compatible upstream (a vLLM server) as NAME beside them.
+
     Example: optkit serve out/small-w4 --port 8000 --served-model-name small-w4
 
     Example: optkit serve --model w4=out/small-w4 --model small=small --shadow w4=small --fallback-threshold kld=0.05
+
+    Example: optkit serve --model small=small --backend big=http://10.0.0.5:8000 --route tiered
     """
     require_supported(model, *(m.partition("=")[2] for m in models or []), runtime=True)
     from optkit.cli.serve_flags import ServeFlags, resolve_options

@@ -10,6 +10,7 @@ import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from optkit.cli.serve_backends import backends_section
 from optkit.errors import OptkitError
 from optkit.pipeline.recipe import parse_recipe
 from optkit.routing.config import FALLBACK_KEYS, ServeOptions, serve_options
@@ -33,6 +34,11 @@ class ServeFlags:
     fallback_threshold: str | None = None  # kld=X,top1=Y
     fallback_window: int | None = None
     fallback_recovery: str | None = None
+    backends: list[str] = field(default_factory=list)  # NAME=URL (cli/serve_backends.py)
+    backend_key: list[str] = field(default_factory=list)  # NAME=ENVVAR
+    backend_tokenizer: list[str] = field(default_factory=list)  # NAME=DIR
+    backend_concurrency: list[str] = field(default_factory=list)  # NAME=N
+    backend_timeout: float | None = None
     engine: dict = field(default_factory=dict)  # the engine flags given (runtime/engine_args.py's keys)
 
     @classmethod
@@ -137,6 +143,10 @@ def apply_flags(data: dict, flags: ServeFlags) -> dict:
         fallback["recovery"] = flags.fallback_recovery
     if fallback:
         data["fallback"] = fallback
+    if "backends" in data:
+        raise OptkitError("serve.backends: an upstream comes only from the command line (--backend NAME=URL)")
+    if flags.backends:
+        data["backends"] = backends_section(flags)
     if flags.engine:
         engine = data.get("engine")
         data["engine"] = {**(engine if isinstance(engine, dict) else {}), **flags.engine}
@@ -155,4 +165,4 @@ def resolve_options(
     elif served_model_name is not None:
         raise OptkitError("--served-model-name names the MODEL argument: with --model, write NAME=PATH")
     data = read_serve_section(recipe) if recipe is not None else {}
-    return serve_options(apply_flags(data, flags))
+    return serve_options(apply_flags(data, flags), command_line=True)

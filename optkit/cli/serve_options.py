@@ -67,6 +67,27 @@ Docs = Annotated[
     bool,
     typer.Option("--docs", help="Serve FastAPI's /docs, /redoc and /openapi.json (behind --api-key when set)."),
 ]
+Backends = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--backend",
+        help="NAME=URL: serve an OpenAI-compatible upstream (vLLM, another optkit) as NAME (repeatable).",
+    ),
+]
+BackendKey = Annotated[
+    list[str] | None,
+    typer.Option(help="NAME=ENVVAR: send the upstream the API key held in ENVVAR (the client's is never sent)."),
+]
+BackendTokenizer = Annotated[
+    list[str] | None,
+    typer.Option(help="NAME=DIR: the upstream model's tokenizer (default: the root its /v1/models names)."),
+]
+BackendConcurrency = Annotated[
+    list[str] | None, typer.Option(help="NAME=N: requests in flight to the upstream at most (16).")
+]
+BackendTimeout = Annotated[
+    float | None, typer.Option(help="Seconds an upstream may take to its first token, or between two (120).")
+]
 Host = Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")]
 Port = Annotated[int, typer.Option(min=0, max=65535, help="TCP port (0: any free one).")]
 ApiKey = Annotated[

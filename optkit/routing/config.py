@@ -133,8 +133,19 @@ class FallbackOptions(_Options):
 ROUTES = ("model", "tiered", "prefix")
 
 
+class BackendSpec(_Options):
+    """An OpenAI-compatible upstream (`--backend NAME=URL`, upstream/engine.py): command line only."""
+
+    url: str
+    tokenizer: str | None = None  # default: the model directory the upstream names as its root
+    key_env: str | None = None  # the environment variable holding the upstream's own API key
+    max_concurrency: int = Field(16, ge=1)  # requests in flight to it
+    timeout_s: float = Field(120.0, gt=0)  # for its first token, and between two chunks
+
+
 class ServeOptions(_Options):
     models: dict[str, ModelSpec] = {}
+    backends: dict[str, BackendSpec] = {}  # upstream servers, from the command line alone
     route: Literal["model", "tiered", "prefix"] = "model"
     tiers: TiersOptions = Field(default_factory=TiersOptions)
     prefix: PrefixOptions = Field(default_factory=PrefixOptions)
@@ -143,6 +154,14 @@ class ServeOptions(_Options):
     fallback: FallbackOptions = Field(default_factory=FallbackOptions)
     engine: EngineArgs = Field(default_factory=EngineArgs)  # what every served model's engine runs with
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _command_line_only(cls, backends, info):
+        """Where optkit sends prompts (and an upstream key) is the command line's to say, never a file's."""
+        if backends and not (info.context or {}).get("command_line"):
+            raise ValueError("an upstream comes only from the command line (optkit serve --backend NAME=URL)")
+        return backends
+
     @field_validator("engine", mode="before")
     @classmethod
     def _no_compile_dir(cls, engine):
@@ -150,10 +169,10 @@ class ServeOptions(_Options):
         return engine
 
 
-def serve_options(data: dict) -> ServeOptions:
-    """Validated options; a user error naming the first bad key."""
+def serve_options(data: dict, *, command_line: bool = False) -> ServeOptions:
+    """Validated options; a user error naming the first bad key. `backends` only `command_line`."""
     try:
-        options = ServeOptions.model_validate(data)
+        options = ServeOptions.model_validate(data, context={"command_line": command_line})
         check_references(options)
     except ValidationError as e:
         raise OptkitError(_describe(e.errors()[0])) from None
@@ -203,16 +222,19 @@ def _options_model(annotation) -> type[BaseModel] | None:
 
 def check_references(options: ServeOptions) -> None:
     """Every model a setting names is served; the budgets add up. Before anything is loaded."""
-    names = list(options.models)
+    names = list(options.models) + list(options.backends)
     if not names:
         raise OptkitError("no model to serve: give MODEL, --model NAME=PATH, or a recipe whose serve: lists models")
 
     def known(name: str, where: str) -> None:
-        if name not in options.models:
+        if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"served: {', '.join(names)}"
             raise OptkitError(f"{where} names model {name!r}, which is not served: {hint}")
 
+    both = set(options.models) & set(options.backends)
+    if both:
+        raise OptkitError(f"{', '.join(sorted(both))}: a name is a --model or a --backend, not both")
     for name in names:
         if not name or any(c in name for c in "=, "):
             raise OptkitError(f"model name {name!r}: use a name without '=', ',' or spaces")
@@ -236,6 +258,11 @@ def check_references(options: ServeOptions) -> None:
         known(full, f"--shadow {quant}={full}")
         if quant == full:
             raise OptkitError(f"--shadow {quant}={full}: shadow a model with another one (QUANT=FULL)")
+        upstream = next((n for n in (quant, full) if n in options.backends), None)
+        if upstream is not None:
+            raise OptkitError(
+                f"--shadow {quant}={full}: {upstream} is an upstream; a replay needs both models in this process"
+            )
     if options.fallback.threshold is not None:
         if not options.shadow.pairs:
             raise OptkitError("--fallback-threshold needs a shadow pair to measure: add --shadow QUANT=FULL")

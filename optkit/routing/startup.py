@@ -96,6 +96,7 @@ def start_router(options: ServeOptions, base) -> Router:
 
     check_tokenizers(options)
     blocks = kv_cache_blocks(options, base)
+    upstreams = start_upstreams(options)  # each asked what it serves before any model loads
     engines = {}
     try:
         for name, spec in options.models.items():
@@ -105,6 +106,7 @@ def start_router(options: ServeOptions, base) -> Router:
         for engine in engines.values():
             engine.shutdown()
         raise
+    engines |= upstreams  # after the models: the first --model stays the default
     pairs = options.shadow.pairs
     fallbacks = {}
     if options.fallback.threshold is not None:
@@ -112,9 +114,30 @@ def start_router(options: ServeOptions, base) -> Router:
     load = LoadTracker(list(engines), options.spill_over.window_s)
     shadow = None
     if pairs:
-        scorer = runtime_scorer(engines, options.shadow.chunk_tokens)
+        scorer = runtime_scorer({n: engines[n] for n in options.models}, options.shadow.chunk_tokens)
         shadow = ShadowService(options.shadow, scorer, load.idle_for, fallbacks)
     return Router(engines, options, shadow=shadow, fallbacks=fallbacks, load=load)
+
+
+def upstream_key(name: str, key_env: str | None) -> str | None:
+    """The upstream's own API key, from the environment variable its --backend-key names."""
+    if key_env is None:
+        return None
+    key = os.environ.get(key_env)
+    if not key:
+        raise OptkitError(f"--backend-key {name}={key_env}: the environment variable {key_env} is not set")
+    return key
+
+
+def start_upstreams(options: ServeOptions) -> dict:
+    """Each --backend's engine (upstream/engine.py), after asking it what it serves."""
+    from optkit.upstream.engine import UpstreamLimits, connect
+
+    engines = {}
+    for name, spec in options.backends.items():
+        limits = UpstreamLimits(max_concurrency=spec.max_concurrency, read_timeout_s=spec.timeout_s)
+        engines[name] = connect(name, spec.url, spec.tokenizer, upstream_key(name, spec.key_env), limits)
+    return engines
 
 
 def log_to_stderr() -> None:

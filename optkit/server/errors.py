@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optkit.routing.errors import RoutingError, UnknownModel, UnknownTier
 from optkit.server.protocol import ErrorDetail, ErrorResponse
+from optkit.upstream.engine import UpstreamError
 
 logger = logging.getLogger("optkit.server")
 SERVER_ERROR = "internal server error: the server's log has the details"
@@ -54,6 +55,12 @@ ROUTING_ERRORS: dict[type[RoutingError], tuple[int, str | None, str | None]] = {
 def routing_error(exc: RoutingError) -> APIError:
     status, param, code = ROUTING_ERRORS.get(type(exc), (400, None, None))
     return APIError(status, str(exc), param=param, code=code)
+
+
+def upstream_error(exc: UpstreamError) -> APIError:
+    """An upstream's failure: its own 4xx message as a client error, else a 502 or 504 naming it."""
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    return APIError(exc.status, str(exc), type=kind, code="upstream_error" if exc.status >= 500 else None)
 
 
 class ClientDisconnected(Exception):
@@ -124,6 +131,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else exc.detail
         return error_response(exc.status_code, str(message), code=str(exc.status_code), headers=exc.headers)
 
+    async def upstream_failed(request: Request, exc: UpstreamError) -> Response:
+        return upstream_error(exc).response()
+
     async def disconnected(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
 
@@ -135,5 +145,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RoutingError, unroutable)
     app.add_exception_handler(RequestValidationError, invalid_request)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(UpstreamError, upstream_failed)
     app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(Exception, server_error)
