@@ -22,6 +22,7 @@ class QuantizedWeight:
     scheme: WeightScheme
     g_idx: torch.Tensor | None = None  # int32 [in]: group of each input column; None = i // group_size
     input_scale: torch.Tensor | None = None  # W8A8 with static activations: one calibrated scale [1]
+    grid: object | None = None  # a K-quant's super-block parameters (weights/kquants.KGrid), for its writer
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if getattr(self.scheme, "type", "int") == "nf4":  # q indexes the NF4 code book, scale is the block's absmax
