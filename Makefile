@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 TRITON ?= triton==3.6.0
 DEMO := out/demo
 
-.PHONY: install demo test models bench lint clean compat-latest vllm
+.PHONY: install demo test models bench lint clean compat-latest vllm llama-tools
 
 install: $(VENV)/.installed
 
@@ -77,6 +77,12 @@ models: install
 
 bench: install
 	$(PY) bench/quant_quality.py
+
+# llama.cpp's llama-quantize, llama-imatrix, llama-perplexity and llama-bench, built from the sources
+# vendored in llama-cpp-python's sdist into .cache/llama.cpp-tools/bin, for bench/gguf_quality.py --kquants
+# (an optional bench step, never in CI; on 2 cores it takes a while)
+llama-tools: install
+	bench/build_llama_cpp_tools.sh
 
 lint: install
 	$(VENV)/bin/ruff check optkit tests bench

@@ -10,7 +10,15 @@ that file, with token_embd and output kept at the base dtype as optkit keeps the
 Usage: python bench/gguf_quality.py [--model small] [--types Q4_0 Q4_1 Q8_0]
 [--methods rtn gptq awq llama.cpp] [--max-windows N] [--threads N] [--json] (the full-precision row comes
 with llama.cpp's, whose input it is; needs the extra: pip install 'optkit[gguf]'). bench/quant_quality.py --gguf
-prints the same table. Threads (torch's for the base, llama.cpp's for the files) default to the cores
+prints the same table.
+
+With --kquants: the K-quant mixes (bench/gguf_kquants.py) against llama.cpp's quantizer's without and
+with an importance matrix, [--kquant-types Q4_K_M Q5_K_M Q3_K_M Q6_K] [--methods gptq] [--decode-runs 3]
+[--work DIR (keep the files; a file already there is reused)] [--optkit-arg=--flag ...]; with the
+command-line tools of bench/build_llama_cpp_tools.sh: [--tools (llama-imatrix and llama-quantize
+instead of the same code in process)] [--perplexity-tool (llama-perplexity's own numbers as well)].
+
+Threads (torch's for the base, llama.cpp's for the files) default to the cores
 no other process keeps busy (optkit/gate/llama_cpp.idle_cores): on shared cores a spinning thread
 that loses its core stalls the rest.
 """
@@ -23,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import gguf_kquants  # bench/gguf_kquants.py and llama_cpp_tools.py, beside this script
+import llama_cpp_tools
 from rich.console import Console
 from rich.table import Table
 
@@ -139,14 +149,23 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--eval-set", default="heldout")
     parser.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
-    parser.add_argument("--methods", nargs="+", choices=[*METHODS, LLAMA_CPP], default=[*METHODS, LLAMA_CPP])
+    parser.add_argument("--methods", nargs="+", choices=[*METHODS, LLAMA_CPP], default=None)
     parser.add_argument("--max-windows", type=int, default=None, help="gate on the first N windows (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the idle cores)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kquants", action="store_true", help="the K-quant mixes against llama.cpp's quantizer's")
+    parser.add_argument("--kquant-types", nargs="+", choices=gguf_kquants.K_MIXES, default=list(gguf_kquants.K_MIXES))
+    parser.add_argument("--decode-runs", type=int, default=3, help="--kquants: alternated decode runs (0: none)")
+    parser.add_argument("--work", type=Path, default=None, help="--kquants: keep the files here, reuse what is")
+    parser.add_argument("--optkit-arg", action="append", help="--kquants: one more optkit quantize argument")
+    parser.add_argument("--perplexity-tool", action="store_true", help="--kquants: llama-perplexity's numbers too")
+    parser.add_argument("--tools", action="store_true", help="--kquants: llama-imatrix and llama-quantize binaries")
     args = parser.parse_args()
     threads = args.threads or idle_cores()
     set_cpu_threads(threads)
     os.environ["OPTKIT_LLAMA_CPP_THREADS"] = str(threads)
+    if args.kquants:
+        return kquants_main(args, threads)
     with tempfile.TemporaryDirectory() as tmp:
         results = rows(args.model, Path(tmp), args.eval_set, args.types, args.max_windows, args.methods)
     if args.json:
@@ -157,6 +176,24 @@ def main() -> None:
         if check:
             print(check)
         print(f"threads: {threads}")
+
+
+def kquants_main(args, threads: int) -> None:
+    if args.methods and LLAMA_CPP in args.methods:
+        raise SystemExit("--kquants: llama.cpp's rows are always measured; --methods names optkit's methods")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        found = gguf_kquants.run(args, threads, work)
+    found |= {"threads": threads, "llama_cpp_tools": llama_cpp_tools.version() if args.tools else None}
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return
+    Console(width=180).print(gguf_kquants.table(args.model, found["rows"]))
+    for line in gguf_kquants.check_lines(found["checks"], found["decode"]):
+        print(line)
+    tools = f"; llama.cpp's tools from llama-cpp-python {found['llama_cpp_tools']}" if args.tools else ""
+    print(f"threads: {threads}{tools}")
 
 
 if __name__ == "__main__":
