@@ -106,12 +106,18 @@ def root_cause(lines: list[str]) -> str | None:
 
 
 class VllmWorker:
-    """One worker process in vLLM's venv; use as a context manager (or call close())."""
+    """One worker process in vLLM's venv; use as a context manager (or call close()).
 
-    def __init__(self, python: str | Path, timeouts: Timeouts = Timeouts()):
+    engine_process: run vLLM's engine core in a process of its own, as `vllm serve` and `LLM()` do
+    by default (the benchmark measures vLLM so). Without it (the gate, the matrix) the engine runs
+    inside the worker (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same kernels and numbers, and each
+    load skips spawning a process that imports torch and vLLM again (docs/vllm.md)."""
+
+    def __init__(self, python: str | Path, timeouts: Timeouts = Timeouts(), *, engine_process: bool = False):
         self.python, self.timeouts = str(python), timeouts
         self.tmp = Path(tempfile.mkdtemp(prefix="optkit-vllm-"))
         env = dict(os.environ, VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         try:
             self.process = subprocess.Popen(
                 [self.python, str(WORKER)],

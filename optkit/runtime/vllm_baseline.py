@@ -36,7 +36,7 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
     largest = max(len(batch) for batch in prompts.values())
     tokens = largest * (config.prompt_len + config.gen_len)
     rows, loads = [], {}
-    with VllmWorker(config.vllm_python) as worker:
+    with VllmWorker(config.vllm_python, engine_process=True) as worker:  # vLLM's default settings
         for name, eager in SETTINGS.items():
             log(f"loading {name} ({dtype})")
             info = worker.load(
