@@ -104,7 +104,8 @@ class GgufOptions(BaseModel):
 
 def with_file_type(data: dict) -> dict:
     """QuantizeOptions' fields as given, with what a file type implies where they are left out:
-    the linears' scheme of a legacy type, and every linear kept (`ignore: ["*"]`) in F16/BF16/F32."""
+    the linears' scheme of a legacy type, and every linear kept (`ignore: ["*"]`) in F16/BF16/F32
+    (whose `weights` nothing reads)."""
     section = data.get("gguf")
     name = section.type if isinstance(section, GgufOptions) else None
     if isinstance(section, dict):
@@ -114,8 +115,8 @@ def with_file_type(data: dict) -> dict:
     data, ignore = {**data}, data.get("ignore", [])
     if FILE_TYPES[name].default in FULL_PRECISION and isinstance(ignore, list) and "*" not in ignore:
         data["ignore"] = [*ignore, "*"]
-    elif name in LEGACY_SCHEMES and "weights" not in data:
-        data["weights"] = LEGACY_SCHEMES[name]
+    if "weights" not in data:  # F16/BF16/F32 quantize no linear: Q8_0's blocks are the format's checks' scheme
+        data["weights"] = LEGACY_SCHEMES.get(name, LEGACY_SCHEMES["Q8_0"])
     return data
 
 
