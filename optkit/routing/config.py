@@ -258,11 +258,8 @@ def check_references(options: ServeOptions) -> None:
         known(full, f"--shadow {quant}={full}")
         if quant == full:
             raise OptkitError(f"--shadow {quant}={full}: shadow a model with another one (QUANT=FULL)")
-        upstream = next((n for n in (quant, full) if n in options.backends), None)
-        if upstream is not None:
-            raise OptkitError(
-                f"--shadow {quant}={full}: {upstream} is an upstream; a replay needs both models in this process"
-            )
+        if quant in options.backends and full in options.backends:
+            raise OptkitError(f"--shadow {quant}={full}: both are upstreams; a replay needs one model in this process")
     if options.fallback.threshold is not None:
         if not options.shadow.pairs:
             raise OptkitError("--fallback-threshold needs a shadow pair to measure: add --shadow QUANT=FULL")

@@ -14,7 +14,7 @@ import torch
 
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, allocate_kv_caches
-from optkit.routing.online import ShadowScore, score_rows
+from optkit.routing.online import ShadowScore, score_rows, score_rows_topk
 
 BLOCK_SIZE = 16
 
@@ -71,11 +71,42 @@ def score_replay(
     return score
 
 
-def runtime_scorer(engines: dict, chunk_tokens: int):
-    """The shadow worker's scorer over running `AsyncEngine`s: their models, teacher-forced."""
+def forced_rows(model: CausalLM, token_ids: list[int], first_row: int, chunk_tokens: int, pause) -> torch.Tensor:
+    """fp32 logits [len - 1 - first_row, V] of positions first_row .. len-2, teacher-forced in chunks."""
+    last = len(token_ids) - 1
+    forced, rows = ForcedPass(model, last), []
+    for start in range(0, last, chunk_tokens):
+        end = min(start + chunk_tokens, last)
+        pause()
+        rows.append(forced.logits(token_ids, start, end, min(max(start, first_row), end)))
+    return torch.cat(rows)
+
+
+def score_against_upstream(model: CausalLM, rows, job, upstream_is_full: bool, chunk_tokens: int, pause):
+    """The score of a pair whose other model is an upstream (`rows`: its top k, upstream/prompt_logprobs.py)."""
+    first = job.num_prompt_tokens - 1
+    if first >= len(job.token_ids) - 1:
+        return ShadowScore()
+    logits = forced_rows(model, job.token_ids, first, chunk_tokens, pause)
+    targets = torch.tensor(job.token_ids[first + 1 :], dtype=torch.long)
+    return score_rows_topk(logits, rows.top_ids, rows.top_logp, rows.target_logp, targets, upstream_is_full)
+
+
+def runtime_scorer(engines: dict, chunk_tokens: int, upstreams: dict | None = None):
+    """The shadow worker's scorer over running `AsyncEngine`s: their models, teacher-forced; a pair
+    with one of `upstreams` (name -> UpstreamEngine) scores against its top-k prompt log-probs."""
     models = {name: engine.engine.model for name, engine in engines.items()}
+    upstreams = upstreams or {}
 
     def score(job, pause: Callable[[], None]) -> ShadowScore:
+        if job.full in upstreams or job.quant in upstreams:
+            from optkit.upstream.prompt_logprobs import upstream_rows
+
+            upstream_is_full = job.full in upstreams
+            local, remote = (job.quant, job.full) if upstream_is_full else (job.full, job.quant)
+            first = job.num_prompt_tokens - 1
+            rows = upstream_rows(upstreams[remote], job.token_ids, first) if first < len(job.token_ids) - 1 else None
+            return score_against_upstream(models[local], rows, job, upstream_is_full, chunk_tokens, pause)
         return score_replay(
             models[job.full], models[job.quant], job.token_ids, job.num_prompt_tokens, chunk_tokens, pause
         )

@@ -78,6 +78,42 @@ def score_rows(full_logits: torch.Tensor, quant_logits: torch.Tensor, targets: t
     )
 
 
+def score_rows_topk(
+    local_logits: torch.Tensor,
+    top_ids: torch.Tensor,
+    top_logp: torch.Tensor,
+    target_logp: torch.Tensor,
+    targets: torch.Tensor,
+    upstream_is_full: bool,
+) -> ShadowScore:
+    """The score when one model is an upstream that returns only its top k (upstream/prompt_logprobs.py):
+    local_logits [N, V]; the upstream's top_ids, top_logp [N, k] and target_logp [N]. The same-top-token
+    rate and both NLLs are exact; the KLD sums over S = the upstream's top k and the target, with the
+    rest of each distribution one bucket, a lower bound of the exact KLD (docs/serving.md: its bias)."""
+    if local_logits.shape[0] == 0:
+        return ShadowScore()
+    local = torch.log_softmax(local_logits.float(), dim=-1)
+    ids = torch.cat([top_ids, targets[:, None]], dim=-1)  # S: [N, k+1]
+    upstream = torch.cat([top_logp, target_logp[:, None]], dim=-1)
+    keep = torch.isfinite(upstream)
+    keep[:, -1] &= ~(top_ids == targets[:, None]).any(-1)  # the target once
+    log_p, log_q = (upstream, local.gather(-1, ids)) if upstream_is_full else (local.gather(-1, ids), upstream)
+    p, q = torch.where(keep, log_p.exp(), 0.0), torch.where(keep, log_q.exp(), 0.0)
+    terms = torch.where(keep, p * (log_p - log_q), 0.0).sum(-1)
+    p_tail, q_tail = (1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=1e-12)
+    tail = torch.where(p_tail > 1e-12, p_tail * (p_tail.clamp(min=1e-12).log() - q_tail.log()), 0.0)
+    kld = (terms + tail).clamp(min=0)
+    nll_local = -local.gather(-1, targets[:, None]).squeeze(-1)
+    nll_full, nll_quant = (-target_logp, nll_local) if upstream_is_full else (nll_local, -target_logp)
+    return ShadowScore(
+        num_tokens=local.shape[0],
+        kld_sum=kld.double().sum().item(),
+        top1_matches=int((local.argmax(-1) == top_ids[:, 0]).sum().item()),
+        nll_full_sum=nll_full.double().sum().item(),
+        nll_quant_sum=nll_quant.double().sum().item(),
+    )
+
+
 def score_sequence(full_logits: torch.Tensor, quant_logits: torch.Tensor, token_ids, num_prompt_tokens: int):
     """Logits [T, V] over a whole sequence of T tokens -> the score of its output positions."""
     tokens = torch.as_tensor(token_ids, dtype=torch.long)

@@ -43,6 +43,8 @@ def check_tokenizers(options: ServeOptions) -> None:
     from optkit.modeldir import load_tokenizer, read_config, resolve_model_dir
 
     for quant, full in options.shadow.pairs.items():
+        if quant in options.backends or full in options.backends:
+            continue  # its tokenizer is known once it answers (check_upstream_pairs)
         dirs = resolve_model_dir(options.models[quant].path), resolve_model_dir(options.models[full].path)
         vocab_sizes = [read_config(d).get("vocab_size") for d in dirs]
         tokenizers = [load_tokenizer(d) for d in dirs]
@@ -102,11 +104,12 @@ def start_router(options: ServeOptions, base) -> Router:
         for name, spec in options.models.items():
             config = base.model_copy(update={"kv_cache_blocks": blocks[name]})
             engines[name] = AsyncEngine.start(spec.path, config, name)
+        engines |= upstreams  # after the models: the first --model stays the default
+        check_upstream_pairs(options, engines)
     except BaseException:
         for engine in engines.values():
             engine.shutdown()
         raise
-    engines |= upstreams  # after the models: the first --model stays the default
     pairs = options.shadow.pairs
     fallbacks = {}
     if options.fallback.threshold is not None:
@@ -114,9 +117,27 @@ def start_router(options: ServeOptions, base) -> Router:
     load = LoadTracker(list(engines), options.spill_over.window_s)
     shadow = None
     if pairs:
-        scorer = runtime_scorer({n: engines[n] for n in options.models}, options.shadow.chunk_tokens)
+        scorer = runtime_scorer(
+            {n: engines[n] for n in options.models}, options.shadow.chunk_tokens, upstreams=upstreams
+        )
         shadow = ShadowService(options.shadow, scorer, load.idle_for, fallbacks)
     return Router(engines, options, shadow=shadow, fallbacks=fallbacks, load=load)
+
+
+def check_upstream_pairs(options: ServeOptions, engines: dict) -> None:
+    """A shadow pair with an upstream: the upstream must be vLLM (its prompt_logprobs score the
+    replay) and share the other model's tokenizer."""
+    for quant, full in options.shadow.pairs.items():
+        upstream = quant if quant in options.backends else full if full in options.backends else None
+        if upstream is None:
+            continue
+        if not engines[upstream].token_ids:
+            raise OptkitError(
+                f"--shadow {quant}={full}: {upstream} is not a vLLM server, whose prompt_logprobs a replay needs"
+            )
+        a, b = engines[quant].tokenizer, engines[full].tokenizer
+        if a.get_vocab() != b.get_vocab() or (a.bos_token_id, a.eos_token_id) != (b.bos_token_id, b.eos_token_id):
+            raise OptkitError(f"--shadow {quant}={full}: the two models have different tokenizers")
 
 
 def upstream_key(name: str, key_env: str | None) -> str | None:

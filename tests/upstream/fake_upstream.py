@@ -16,7 +16,7 @@ TOKENS = [[11, 12], [13], [14, 15]]  # the token ids of each streamed chunk
 
 class FakeUpstream:
     def __init__(self, root: str):
-        self.root, self.mode = root, "ok"
+        self.root, self.mode, self.owned_by = root, "ok", "vllm"
         self.headers: list[dict] = []
         self.bodies: list[dict] = []
         self.went_away = threading.Event()
@@ -24,7 +24,13 @@ class FakeUpstream:
         self.url = f"http://127.0.0.1:{self.port}"
 
     async def models(self, request):
-        card = {"id": "served-small", "object": "model", "owned_by": "vllm", "root": self.root, "max_model_len": 128}
+        card = {
+            "id": "served-small",
+            "object": "model",
+            "owned_by": self.owned_by,
+            "root": self.root,
+            "max_model_len": 128,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request):

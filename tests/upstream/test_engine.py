@@ -126,10 +126,16 @@ def test_upstreams_come_from_the_command_line_only(run_cli, tmp_path, monkeypatc
     assert code == 2 and "NO_SUCH_KEY_VAR is not set" in err
 
 
-def test_an_upstream_cannot_be_shadowed_in_process():
+def test_a_shadow_pair_takes_one_vllm_upstream_with_the_same_tokenizer(upstream, small_dir):
     from optkit.routing.config import serve_options
+    from optkit.routing.startup import check_upstream_pairs
 
-    data = {"models": {"a": {"path": "small"}}, "backends": {"b": {"url": "http://x:1"}}}
-    data["shadow"] = {"pairs": {"b": "a"}}
-    with pytest.raises(OptkitError, match="b is an upstream"):
-        serve_options(data, command_line=True)
+    data = {"models": {"a": {"path": "small"}}, "backends": {"b": {"url": "http://x:1"}, "c": {"url": "http://y:1"}}}
+    with pytest.raises(OptkitError, match="both are upstreams"):
+        serve_options({**data, "shadow": {"pairs": {"b": "c"}}}, command_line=True)
+    options = serve_options({**data, "shadow": {"pairs": {"a": "b"}}}, command_line=True)
+    local = connect("a", upstream.url, str(small_dir), None, UpstreamLimits())  # small's tokenizer
+    check_upstream_pairs(options, {"a": local, "b": connect("b", upstream.url, None, None, UpstreamLimits())})
+    upstream.owned_by = "optkit"
+    with pytest.raises(OptkitError, match="not a vLLM server"):
+        check_upstream_pairs(options, {"a": local, "b": connect("b", upstream.url, None, None, UpstreamLimits())})
