@@ -46,7 +46,10 @@ def parse_args():
     p.add_argument("--shapes", default="a,b")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--head", default="int8", help="output head of the quantized runs: full, bf16 or int8")
+    p.add_argument(
+        "--head", default="int8", choices=["full", "int8", "int4"],
+        help="output head of the quantized artifacts (optkit quantize --head; W8A8 takes full or int8)",
+    )  # fmt: skip
     p.add_argument("--group-size", type=int, default=64, help="W4A16 group size (64 divides both shapes)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
@@ -58,8 +61,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPTKIT_CACHE", Path.home() / ".cache" / "optkit")) / "bench" / "cpu_decode"
 
 
-def build(shape: str, group_size: int, log) -> dict[str, Path]:
-    """The random base model and its RTN W4A16 and W8A8 artifacts (built once, then cached)."""
+def build(shape: str, group_size: int, log, head: str = "full") -> dict[str, Path]:
+    """The random base model and its RTN W4A16 and W8A8 artifacts with `head` (built once, then cached)."""
     import shutil
 
     import torch
@@ -71,7 +74,12 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
     from optkit.weights.schemes import W8_PER_CHANNEL, WeightScheme
 
     root = cache_dir() / shape
-    paths = {"base": root / "base", "w4a16": root / f"w4a16-g{group_size}", "w8a8": root / "w8a8"}
+    w8a8_head = "int8" if head == "int8" else "full"
+    paths = {
+        "base": root / "base",
+        "w4a16": root / f"w4a16-g{group_size}-head-{head}",
+        "w8a8": root / f"w8a8-head-{w8a8_head}",
+    }
     paths["q4_0"] = root / "q4_0.gguf"
     if not (paths["base"] / "config.json").exists():
         log(f"shape ({shape}): building the random model")
@@ -87,8 +95,8 @@ def build(shape: str, group_size: int, log) -> dict[str, Path]:
         tmp.rename(paths["base"])
     calibration = CalibrationOptions(num_samples=8, seq_len=64)
     options = {
-        "w4a16": QuantizeOptions(weights=WeightScheme(bits=4, group_size=group_size)),
-        "w8a8": QuantizeOptions(method="w8a8", weights=W8_PER_CHANNEL, calibration=calibration),
+        "w4a16": QuantizeOptions(weights=WeightScheme(bits=4, group_size=group_size), head=head),
+        "w8a8": QuantizeOptions(method="w8a8", weights=W8_PER_CHANNEL, calibration=calibration, head=w8a8_head),
     }
     for name, opts in options.items():
         if not (paths[name] / "config.json").exists():
@@ -110,18 +118,14 @@ def llama_cpp_installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def engine(path: Path, dtype: str, head: str | None = None):
+def engine(path: Path, dtype: str):
     from optkit.runtime.engine import EngineConfig, LLMEngine
-    from optkit.runtime.head_policy import apply_head_policy
 
     config = EngineConfig(
         max_num_seqs=BATCH, max_num_batched_tokens=2048, max_model_len=MAX_MODEL_LEN, dtype=dtype,
         device="cpu", kv_cache_blocks=BATCH * (MAX_MODEL_LEN // 16 + 1), enable_prefix_caching=False,
     )  # fmt: skip
-    e = LLMEngine(path, config)
-    if head is not None:
-        apply_head_policy(e.model, head)
-    return e
+    return LLMEngine(path, config)
 
 
 def run_engine(e, prompts: list[list[int]], gen_len: int) -> float:
@@ -178,7 +182,7 @@ def bench_shape(shape: str, args, log) -> dict:
 
     from optkit.runtime.benchmark import load_hf, step_overhead
 
-    paths = build(shape, args.group_size, log)
+    paths = build(shape, args.group_size, log, args.head)
     vocab = SHAPES[shape]["vocab_size"]
     rng = random.Random(0)
     gen_len = 8 if args.quick else GEN_LEN
@@ -187,8 +191,8 @@ def bench_shape(shape: str, args, log) -> dict:
     engines = {
         "fp32": engine(paths["base"], "float32"),
         "bf16": engine(paths["base"], "bfloat16"),
-        "w4a16": engine(paths["w4a16"], "float32", args.head),
-        "w8a8": engine(paths["w8a8"], "float32", args.head),
+        "w4a16": engine(paths["w4a16"], "float32"),
+        "w8a8": engine(paths["w8a8"], "float32"),
     }
     hf = load_hf(paths["base"], torch.float32, "cpu")
     runners = {name: (lambda p, e=e: run_engine(e, p, gen_len)) for name, e in engines.items()}

@@ -10,7 +10,6 @@ from optkit.cli.options import (
     Device,
     Dtype,
     EnforceEager,
-    Head,
     JsonFlag,
     KvCacheDtype,
     MaxNumSeqs,
@@ -48,7 +47,6 @@ def generate(
     enforce_eager: EnforceEager = None,
     kv_cache_dtype: KvCacheDtype = None,
     threads: Threads = None,
-    head: Head = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Generate text with the bundled runtime.

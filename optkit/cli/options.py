@@ -64,12 +64,13 @@ EnforceEager = Annotated[
 Threads = Annotated[
     int | None, _engine_option("threads", "CPU threads for torch's kernels (default: every core torch sees).", min=1)
 ]
-Head = Annotated[
-    str | None,
-    _engine_option(
-        "head",
-        "Output head: full (the model's dtype), bf16, or int8 (per-row int8 weights, per-token int8 activations: "
-        "on CPU the faster head for a large vocabulary; logits stay float32).",
+HeadSetting = Annotated[
+    str,
+    typer.Option(
+        "--head",
+        help="Output head (lm_head): full (as stored), int8 (per channel; optkit runs it with int8 activations) "
+        "or int4 (the artifact's group size), quantized by GPTQ on the final hidden states (else round to nearest) "
+        "and gated like any layer. A tied head unties: the quantized head's bytes are added, the embedding stays.",
     ),
 ]
 TorchCompile = Annotated[

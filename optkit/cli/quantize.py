@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from optkit.cli.options import JsonFlag, OutDir, Overwrite, console, print_json, require_supported
+from optkit.cli.options import HeadSetting, JsonFlag, OutDir, Overwrite, console, print_json, require_supported
 
 METHOD_FLAGS = "optkit.method_flags"  # ctx.meta: the values of the methods' own flags (QuantizeCommand)
 
@@ -78,6 +78,7 @@ def quantize(
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampling.")] = 0,
     moe_calibration: MoeCalibration = "all",
     quantize_router: QuantizeRouter = False,
+    head: HeadSetting = "full",
     double_quant: DoubleQuant = False,
     device: Device = "auto",
     target_kld: TargetKld = None,
@@ -104,7 +105,7 @@ def quantize(
         method, bits, group_size, symmetric, ignore, format, double_quant, quantize_router, given
     )
     options = options.model_copy(
-        update={"calibration": _calibration(calib, num_samples, seq_len, seed, moe_calibration)}
+        update={"calibration": _calibration(calib, num_samples, seq_len, seed, moe_calibration), "head": head}
     )
     warn_if_unloadable(options, model)
     if dry_run:  # config.json and the safetensors headers only: nothing is loaded, run or written

@@ -8,7 +8,6 @@ from optkit.cli.options import (
     Device,
     Dtype,
     EnforceEager,
-    Head,
     KvCacheDtype,
     MaxModelLen,
     MaxNumBatchedTokens,
@@ -64,7 +63,6 @@ def serve(
     compile_dir: CompileDir = None,
     kv_cache_dtype: KvCacheDtype = None,
     threads: Threads = None,
-    head: Head = None,
 ) -> None:
     """Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models, plus
     /health and /metrics (Prometheus). Prints one line once it accepts requests.

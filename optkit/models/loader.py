@@ -18,6 +18,7 @@ from optkit.json_strict import read_object
 from optkit.kernels import cpu_bf16
 from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.packed_int import PackedIntLinear
+from optkit.kernels.w8a8 import W8A8Linear
 from optkit.modeldir import read_config, read_tensors, resolve_model_dir, verify_weights
 from optkit.models.config import ModelConfig
 from optkit.models.fusion import fuse_projections
@@ -156,6 +157,9 @@ def _install_quantized(
             except OptkitError as e:
                 raise OptkitError(f"{path}: {e}") from e
             layer = NF4Linear if getattr(qw.scheme, "type", "int") == "nf4" else PackedIntLinear
+            if prefix == "lm_head" and bias is None and _is_int8_per_channel(qw.scheme):
+                modules[prefix] = W8A8Linear(qw.q, qw.scale.float().reshape(-1))  # the int8 head kernel
+                continue
             try:
                 modules[prefix] = layer.from_quantized(qw, None if bias is None else bias.to(dtype))
             except OptkitError as e:  # the bias does not fit
@@ -177,3 +181,10 @@ def _install_quantized(
             )
         model.set_submodule(name, module)
     return {f"{name}.{suffix}" for name in modules for suffix in suffixes} & set(tensors)
+
+
+def _is_int8_per_channel(scheme) -> bool:
+    """An int8 head (quant/head.py's `--head int8`): symmetric 8-bit integers per output channel,
+    which the W8A8 kernel multiplies with int8 activations per token (the large-vocabulary head's
+    fastest path on the CPU; its logits stay float32)."""
+    return getattr(scheme, "type", "int") == "int" and scheme.bits == 8 and scheme.symmetric and scheme.group_size == -1

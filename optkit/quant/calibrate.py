@@ -296,13 +296,15 @@ def calibrate_layerwise(
     label: str = "calibrate",
     moe_calibration: str = "all",
     moe_min_tokens: int | None = None,
+    then: Callable[["LayerStream", torch.Tensor], LayerResult] | None = None,
 ) -> Iterator[LayerResult]:
     """Quantize every target linear (full checkpoint names) layer by layer with `procedure`, which
     leaves the layer holding its quantized weights; yields each layer's results as soon as it is
     done, so that the caller can write them out rather than hold the whole model's.
 
     Mixture-of-experts layers: see quant/moe.py for `moe_calibration`; each expert linear's stats
-    get `routed_tokens`, the calibration tokens the router sent its expert."""
+    get `routed_tokens`, the calibration tokens the router sent its expert. `then(stream, hidden)`:
+    what runs on the last layer's outputs (the head's GPTQ, quant/head.py), yielded last."""
     stream = LayerStream(model_path, device, moe_calibration)
     family = stream.family
     with torch.inference_mode():
@@ -352,3 +354,6 @@ def calibrate_layerwise(
                 stream.release_layer(index)
             yield result
             del result  # else this frame keeps the layer's results alive through the next layer
+    if then is not None:
+        with torch.inference_mode():
+            yield then(stream, hidden)

@@ -30,6 +30,7 @@ from optkit.manifest import MANIFEST, confined_file, write_manifest
 from optkit.memory import PeakMemory
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir, verify_weights, weight_files
 from optkit.progress import progress_bar
+from optkit.quant import head as output_head
 from optkit.quant import methods
 from optkit.quant.calibrate import LayerResult, calibrate_layerwise
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
@@ -67,12 +68,21 @@ class QuantizeOptions(BaseModel):
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     # mixture-of-experts models: quantize the routers too (by default they stay in full precision)
     quantize_router: bool = False
+    # the output head (lm_head): full (as stored), int8 or int4 (quant/head.py; a tied head unties)
+    head: str = "full"
     _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 
     @field_validator("method", mode="before")
     @classmethod
     def _registered_method(cls, value):
         return resolve(value).name if isinstance(value, str | list | tuple) else value
+
+    @field_validator("head")
+    @classmethod
+    def _head_setting(cls, value: str) -> str:
+        if value not in output_head.HEAD_SETTINGS:
+            raise ValueError(f"unknown head {value!r}: choose one of {', '.join(output_head.HEAD_SETTINGS)}")
+        return value
 
     @field_validator("format")
     @classmethod
@@ -212,6 +222,7 @@ def _checked_model(model: str | Path, options: QuantizeOptions, fmt) -> _Model:
             )
     if getattr(fmt, "check_model", None) is not None:  # what the format cannot hold, before calibrating
         fmt.check_model(config_dict, base)
+    output_head.check_head(options, fmt, hf_config, outside_decoder_linears(hf_config))
     return _Model(base, config_dict, hf_config, targets, ignored)
 
 
@@ -231,14 +242,21 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
             if calibration["name"] is not None:
                 calibration |= moe_calibration_record(hf_config.model_type, options.calibration.moe_calibration)
             stats = _write_weights(base, tmp, fmt, work, layer_results)
-        layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in checked.targets]
+        head = output_head.head_scheme(options.head, options.weights)
+        records = checked.targets + ([output_head.head_target(hf_config)] if head else [])
+        layers = [{"name": t.name, "shape": [t.out_features, t.in_features], **stats[t.name]} for t in records]
         config_dict["quantization_config"] = fmt.quantization_config(
             options.weights,
             options.act_order,
             checked.ignored
             + full_precision_gates(hf_config, quantize_router=options.quantize_router)
-            + outside_decoder_linears(hf_config),
+            + [n for n in outside_decoder_linears(hf_config) if head is None or n != output_head.HEAD],
             options.activations,
+        )
+        extra = (
+            {}
+            if head is None
+            else {"head": output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config)}
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)
@@ -254,6 +272,7 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
                 "layers": layers,
                 "peak_memory": peak.to_json(),
                 "wall_time_s": round(time.perf_counter() - start, 3),
+                **extra,
             },
         )
     return manifest
@@ -310,10 +329,11 @@ def _quantize_weights(
     """The calibration record, and the quantized layers as they are done (each with its linears'
     (quantized weight, stats) and the full-precision tensors the method changed)."""
     composition = options.composition
+    head = output_head.head_scheme(options.head, options.weights)
     if composition.quantize_weight is not None:
         no_calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
         layers = _quantize_data_free(TensorReader(base), targets, options.weights, composition)
-        return no_calibration, layers
+        return no_calibration, output_head.with_head(layers, base, options, head)
     data = calibration_data(load_tokenizer(base), options.calibration)
     calibration = {
         "name": options.calibration.calib,
@@ -331,8 +351,9 @@ def _quantize_weights(
         label=f"{options.method} {options.weights.describe()}",
         moe_calibration=options.calibration.moe_calibration,
         moe_min_tokens=options.calibration.moe_min_tokens,
+        then=output_head.gptq_head(options, head, options.calibration.batch_size),
     )
-    return calibration, layers
+    return calibration, output_head.with_head(layers, base, options, head)
 
 
 def _quantize_data_free(

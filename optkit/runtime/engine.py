@@ -80,13 +80,11 @@ class LLMEngine:
         from optkit.devices import set_cpu_threads
         from optkit.modeldir import load_tokenizer, resolve_model_dir
         from optkit.models.loader import load_runtime_model
-        from optkit.runtime.head_policy import apply_head_policy
         from optkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
 
         self.config = config = config or EngineConfig()
         set_cpu_threads(config.threads)
         self.model = load_runtime_model(model, dtype=getattr(torch, config.dtype), device=config.device)
-        apply_head_policy(self.model, config.head)
         self.tokenizer = load_tokenizer(model)
         model_config = self.model.config
         limit = model_config.max_position_embeddings

@@ -40,9 +40,9 @@ class EngineArgs(BaseModel):
     torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
     compile_dir: str | None = None  # --compile-dir (default: $OPTKIT_CACHE/compile); never a model dir, nor from a file
     # CPU: torch's threads for the process (None: torch's default, every core it sees; set_num_threads
-    # is process-wide, so the last engine built sets it), and the output head (runtime/head_policy.py)
+    # is process-wide, so the last engine built sets it). The output head runs as the artifact stores it
+    # (quantize --head; models/loader.py picks its kernel).
     threads: int | None = None
-    head: str = "full"  # full (the model's dtype), bf16, or int8 (per-row weights, per-token activations)
 
     @model_validator(mode="after")
     def _check(self) -> "EngineArgs":
@@ -53,8 +53,6 @@ class EngineArgs(BaseModel):
             raise OptkitError(f"unknown --dtype {shown(self.dtype)}: choose one of {', '.join(DTYPES)}")
         if self.threads is not None and self.threads < 1:
             raise OptkitError(f"--threads {self.threads}: give a positive number of CPU threads")
-        if self.head not in ("full", "bf16", "int8"):  # runtime/head_policy.py's HEAD_POLICIES
-            raise OptkitError(f"unknown --head {shown(self.head)}: choose full, bf16 or int8")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise OptkitError(f"unknown --kv-cache-dtype {shown(self.kv_cache_dtype)}: choose auto, int8 or fp8")
         if self.speculative is not None:

@@ -76,34 +76,36 @@ def test_every_engine_command_takes_device_and_dtype_defaulting_to_auto(run_cli,
     assert "--device" in out and "--dtype" in out and "default: auto" in out
 
 
-def test_threads_and_head_are_engine_settings_with_flags_named_in_errors():
-    with pytest.raises(OptkitError, match="unknown --head 'int4'"):
-        EngineArgs(head="int4")
+def test_threads_is_an_engine_setting_with_its_flag_named_in_errors_and_the_head_is_not():
     with pytest.raises(OptkitError, match="--threads 0"):
         EngineArgs(threads=0)
-    assert EngineArgs.from_cli_args(threads=None, head=None) == EngineArgs()
+    assert EngineArgs.from_cli_args(threads=None) == EngineArgs()
+    assert "head" not in EngineArgs.model_fields  # the artifact says how its head runs (quantize --head)
 
 
-def test_the_engine_takes_its_threads_and_output_head_from_its_config():
+def test_the_engine_takes_its_threads_from_its_config_and_its_head_from_the_artifact(tmp_path):
     from optkit.kernels.w8a8 import W8A8Linear
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.runtime.engine import LLMEngine
 
     before = torch.get_num_threads()
     try:
-        engine = LLMEngine("draft", EngineConfig(threads=1, head="int8", max_model_len=64))
+        assert LLMEngine("draft", EngineConfig(threads=1, max_model_len=64)).model.lm_head is None  # tied embedding
         assert torch.get_num_threads() == 1
+        quantize_model("draft", tmp_path / "head8", QuantizeOptions(head="int8"))
+        engine = LLMEngine(tmp_path / "head8", EngineConfig(max_model_len=64))
         assert isinstance(engine.model.lm_head, W8A8Linear)
-        assert LLMEngine("draft", EngineConfig(max_model_len=64)).model.lm_head is None  # full: the tied embedding
     finally:
         torch.set_num_threads(before)
 
 
-def test_generate_takes_the_threads_and_head_flags(run_cli):
+def test_generate_takes_the_threads_flag_and_no_runtime_head_flag(run_cli):
     before = torch.get_num_threads()
     try:
-        flags = ("--max-tokens", "2", "--threads", "1", "--head", "int8")
-        code, _, err = run_cli("generate", "draft", "def f(x):", *flags)
+        code, _, err = run_cli("generate", "draft", "def f(x):", "--max-tokens", "2", "--threads", "1")
         assert code == 0, err
         assert torch.get_num_threads() == 1
+        code, _, err = run_cli("generate", "draft", "def f(x):", "--max-tokens", "2", "--head", "int8")
+        assert code == 2 and "--head" in err  # the head runs as the artifact stores it (quantize --head)
     finally:
         torch.set_num_threads(before)

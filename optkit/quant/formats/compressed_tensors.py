@@ -101,6 +101,11 @@ def quantization_config(
     }
 
 
+def with_quantized_head(quant_config: dict) -> dict:
+    """The config with lm_head quantized: group_0 targets every Linear that `ignore` leaves out."""
+    return quant_config
+
+
 def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors that stand for one quantized linear layer in the checkpoint."""
     if activations is not None:  # W8A8: plain int8 (or float8_e4m3fn), scales per output channel

@@ -71,6 +71,11 @@ def quantization_config(
     }
 
 
+def with_quantized_head(quant_config: dict) -> dict:
+    """The config with lm_head quantized: gptqmodel's and vLLM's `lm_head: true`."""
+    return {**quant_config, "lm_head": True}
+
+
 def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned ints [R, C] -> int32 [R·b / 32, C], packed densely along the rows.
 

@@ -96,7 +96,8 @@ def _patterns(names: list[str]) -> list[str]:
         leaves = [n.rpartition(".")[2] for n in unit]
         shards = next((s for s in FUSED if set(leaves) == set(s)), None)
         alternatives = leaves + ([FUSED[shards]] if shards else [])
-        patterns.append(rf"{re.escape(parent)}\.({'|'.join(map(re.escape, alternatives))})$")
+        scope = rf"{re.escape(parent)}\." if parent else ""  # a top-level module (lm_head) has no parent
+        patterns.append(rf"{scope}({'|'.join(map(re.escape, alternatives))})$")
     return patterns
 
 
