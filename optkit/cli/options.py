@@ -42,7 +42,8 @@ Speculative = Annotated[
     str | None,
     _engine_option(
         "speculative",
-        "Speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model with the same tokenizer).",
+        "Speculative decoding: 'ngram' (prompt lookup), 'draft:PATH' (a smaller model with the same tokenizer) "
+        "or 'eagle:DIR' (an EAGLE head trained for this model: optkit speculator train).",
     ),
 ]
 NumSpeculativeTokens = Annotated[

@@ -4,7 +4,10 @@ Each step the engine asks its decoding to `propose` (fill the scheduled sequence
 it makes any) before the model runs, then to `sample` the model's logits into the tokens each
 sequence appends; it `release`s a sequence that finished, was aborted or was preempted, and reads
 its `stats` into EngineStats. `PlainDecoding` samples one token per sequence;
-`speculative.Speculator` proposes tokens and verifies them (runtime/speculative.py).
+`speculative.Speculator` proposes tokens and verifies them (runtime/speculative.py). A decoding whose
+proposer reads the target's features (EAGLE) says so in `needs_hidden`: the engine then runs the step
+with ModelRunner.run_with_hidden and, after `sample`, hands `observe` the hidden states of every token
+it ran.
 """
 
 from typing import Protocol
@@ -28,6 +31,7 @@ class DecodingStats(Protocol):
 
 class Decoding(Protocol):
     stats: DecodingStats
+    needs_hidden: bool  # sample wants the hidden states of every token the step ran
 
     def propose(self, scheduled: list[ScheduledSequence]) -> None: ...
 
@@ -36,6 +40,10 @@ class Decoding(Protocol):
     ) -> Sampled:
         """logits [R, V] from ModelRunner.run for `seqs` -> the tokens each appends (and logprobs)."""
         ...
+
+    def observe(self, scheduled: list[ScheduledSequence], tokens: dict[int, list[int]], hidden: torch.Tensor) -> None:
+        """With `needs_hidden`: the step's hidden states [T, H] (run_with_hidden) and the tokens
+        `sample` chose for it."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished, was aborted or preempted: drop what is held for it."""
@@ -51,6 +59,7 @@ class PlainDecoding:
     """No proposals: one token per sampling sequence, from its one row of logits."""
 
     stats = _NoStats()
+    needs_hidden = False
 
     def propose(self, scheduled: list[ScheduledSequence]) -> None:
         pass
@@ -63,12 +72,16 @@ class PlainDecoding:
         logprobs = {seq.seq_id: [lp] for seq, lp in zip(seqs, result.logprobs, strict=True) if lp is not None}
         return tokens, logprobs
 
+    def observe(self, scheduled: list[ScheduledSequence], tokens: dict[int, list[int]], hidden: torch.Tensor) -> None:
+        pass
+
     def release(self, seq: Sequence) -> None:
         pass
 
 
-def make_decoding(config: EngineConfig, target, tokenizer, num_blocks: int) -> Decoding:
-    """The decoding `config` asks for: speculative with `speculative` set, else plain."""
+def make_decoding(config: EngineConfig, target, tokenizer, num_blocks: int, target_dir) -> Decoding:
+    """The decoding `config` asks for: speculative with `speculative` set, else plain (`target_dir`:
+    the target's model directory, which an EAGLE head must have been trained for)."""
     if not config.speculative:
         return PlainDecoding()
     from optkit.runtime.proposers import make_proposer
@@ -76,6 +89,6 @@ def make_decoding(config: EngineConfig, target, tokenizer, num_blocks: int) -> D
 
     proposer = make_proposer(
         config.speculative, target, tokenizer, num_blocks, config.block_size,
-        config.enable_prefix_caching, getattr(torch, config.dtype), config.device,
+        config.enable_prefix_caching, getattr(torch, config.dtype), config.device, target_dir,
     )  # fmt: skip
     return Speculator(proposer, config.num_speculative_tokens)

@@ -51,7 +51,7 @@ class EngineStats:
     num_preemptions: int
     kv_cache_bytes_per_token: float = 0.0  # K and V of one token in every layer (8-bit: block scales included)
     # speculative decoding (zero when off); a step is one sequence's decode step with proposals reserved
-    spec_proposer: str | None = None  # "ngram" or "draft"
+    spec_proposer: str | None = None  # "ngram", "draft" or "eagle"
     num_spec_steps: int = 0
     num_spec_draft_tokens: int = 0  # tokens proposed
     num_spec_accepted_tokens: int = 0  # ... and accepted by the target
@@ -128,7 +128,7 @@ class LLMEngine:
         if warmed is not None:
             self.cuda_graphs_note += f"; {warmed.note}"
         self.sampler = Sampler()
-        self.decoding = make_decoding(config, self.model, self.tokenizer, num_full_blocks)
+        self.decoding = make_decoding(config, self.model, self.tokenizer, num_full_blocks, resolve_model_dir(model))
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -173,8 +173,14 @@ class LLMEngine:
         if not schedule.scheduled:
             return []
         self.decoding.propose(schedule.scheduled)
-        logits, seqs = self.runner.run(schedule.scheduled)
+        hidden = None  # every token's hidden state, for a proposer that reads the target's features
+        if self.decoding.needs_hidden:
+            logits, seqs, hidden = self.runner.run_with_hidden(schedule.scheduled)
+        else:
+            logits, seqs = self.runner.run(schedule.scheduled)
         tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)
+        if hidden is not None:
+            self.decoding.observe(schedule.scheduled, tokens, hidden)
         before = [seq.num_output_tokens for seq in seqs]
         finished = self.scheduler.update(schedule, tokens, self._stop_strings(seqs))
         for seq, num_before in zip(seqs, before, strict=True):

@@ -33,7 +33,7 @@ class EngineArgs(BaseModel):
     block_size: int = 16
     enable_prefix_caching: bool = True
     max_waiting: int = 1024
-    speculative: str | None = None  # "ngram" or "draft:PATH" (runtime/speculative.py); None: off
+    speculative: str | None = None  # "ngram", "draft:PATH" or "eagle:DIR" (runtime/speculative.py); None: off
     num_speculative_tokens: int = 4  # proposals per decoding sequence and step
     # CUDA graphs and the compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)

@@ -126,20 +126,28 @@ class ModelRunner:
         buckets, seconds = graphs.buckets, graphs.capture_seconds
         return f"CUDA graphs: {len(buckets)} decode buckets up to {buckets[-1]}, captured in {seconds:.1f} s"
 
-    @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence]]:
         """Runs one step; returns fp32 logits [R, vocab] and the S sequences they belong to (one row
         each, or 1 + len(spec_token_ids) consecutive rows for a sequence with proposals)."""
+        logits, seqs, _ = self.run_with_hidden(scheduled)
+        return logits, seqs
+
+    @torch.inference_mode()
+    def run_with_hidden(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
+        """`run`, and the hidden states [T, hidden_size] of every token the step ran (the LM head's
+        input, after the final norm: an EAGLE head's feature), in pack order: each scheduled
+        sequence's num_new_tokens rows, then one per proposal. Free: the forward computes them anyway
+        (a CUDA graph's are a view of its static output, valid until the next replay)."""
         # CUDA graphs (runtime/cuda_graphs.py): a decode-only step replays a captured graph
         hidden = self.graphs.run(scheduled) if self.graphs is not None else None
         if hidden is not None:
-            return self.model.compute_logits(hidden), [item.seq for item in scheduled]
+            return self.model.compute_logits(hidden), [item.seq for item in scheduled], hidden
         batch = pack(scheduled, self.block_size, self.device, self.groups.num_groups)
         meta = batch.meta if self.groups.num_groups == 1 else [batch.group_metas[g] for g in self.groups.layer_groups]
         hidden = self.model(batch.input_ids, batch.positions, meta, self.kv_caches)
         if not batch.sampling_seqs:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
-        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], hidden
+        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs, hidden
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto", *, scales: bool = True) -> int:

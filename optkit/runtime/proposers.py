@@ -1,6 +1,9 @@
 """The proposers of speculative decoding (runtime/speculative.py). Each takes (sequence, k) pairs
 and returns, per sequence, up to k proposed tokens and their distributions q [n, V] (None: point
-masses, or a greedy request), and forgets a sequence on `release` (finished or preempted).
+masses, or a greedy request), and forgets a sequence on `release` (finished or preempted). A
+proposer that reads the target's features declares which in `feature_layers` (EAGLE-1: (-1,), the
+LM head's input) and gets them through `observe` after every target step; () or no such attribute:
+none are computed for it, at no cost.
 
 - `NgramProposer`: prompt lookup; no model. The tokens that followed the latest earlier occurrence
   of the sequence's last n tokens, in its prompt or its output. A match of n < max_n tokens is
@@ -8,6 +11,8 @@ masses, or a greedy request), and forgets a sequence on `release` (finished or p
   target's cost grows with every token verified, so a long guess on thin evidence is a loss.)
 - `DraftModelProposer`: a smaller model with the target's tokenizer (itself possibly quantized),
   run k times per step over its own paged KV cache.
+- `EagleProposer` (runtime/eagle_proposer.py): an EAGLE head, one decoder layer over the target's
+  own features, with its own paged KV cache.
 """
 
 from array import array
@@ -33,6 +38,7 @@ class Proposer(Protocol):
     """What speculative decoding needs of a proposer (see the module doc)."""
 
     name: str
+    feature_layers: tuple[int, ...]  # the target layers whose features it reads; (): none
 
     def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
         """Per (sequence, k): up to k proposed token ids and their q [n, V] (None: point masses)."""
@@ -41,7 +47,52 @@ class Proposer(Protocol):
         """Forget `seq` (finished or preempted): free whatever the proposer holds for it."""
 
 
+class FeatureProposer(Proposer, Protocol):
+    def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
+        """The target's features [n, H] at positions start..start+n-1 of `seq`, all verified (its
+        own tokens): every step's, prefill chunks included, until `release`."""
+
+
 _DRAFT_SEED_SALT = 0x5DEECE66D  # the draft's generator must not replay the target's random stream
+
+
+class DraftGenerators:
+    """The seeded requests' proposal generators, each seeded apart from the target's stream."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, seq: Sequence) -> torch.Generator:
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seq.params.seed ^ _DRAFT_SEED_SALT)
+            self._generators[seq.seq_id] = generator
+        return generator
+
+    def forget(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+
+def sample_proposals(
+    logits: torch.Tensor, contexts: list, seqs: list[Sequence], generators: DraftGenerators
+) -> tuple[list[int], torch.Tensor | None]:
+    """One proposal per row of logits [N, V], as the sampler would draw it: the penalties count
+    `contexts` (the sequence and its proposals so far); q [N, V] is the processed distribution
+    (None when every request is greedy)."""
+    logits = apply_penalties(logits, contexts)
+    params = [seq.params for seq in seqs]
+    token_ids = logits.argmax(dim=-1)
+    if all(is_greedy(p) for p in params):
+        return token_ids.tolist(), None
+    q = sampling_probs(logits, params)
+    noise = torch.empty_like(q).exponential_()
+    for row, seq in enumerate(seqs):
+        if seq.params.seed is not None and not is_greedy(seq.params):
+            noise[row].exponential_(generator=generators(seq))
+    greedy = torch.tensor([is_greedy(p) for p in params], device=logits.device)
+    return torch.where(greedy, token_ids, exponential_race(q, noise)).tolist(), q
 
 
 def _match_end(data: bytes, n: int) -> int | None:
@@ -67,6 +118,7 @@ def _continue(token_ids: list[int], first: int, k: int) -> list[int]:
 
 class NgramProposer:
     name = "ngram"
+    feature_layers = ()
 
     def __init__(self, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
         self.min_n, self.max_n = min_n, max_n
@@ -117,6 +169,7 @@ class DraftModelProposer:
     sequence gets no proposals that step and its draft KV is freed (recomputed later)."""
 
     name = "draft"
+    feature_layers = ()
 
     def __init__(self, model, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         from optkit.runtime.model_runner import ModelRunner
@@ -125,7 +178,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self._states: dict[int, _DraftState] = {}  # target seq_id -> state
-        self._generators: dict[int, torch.Generator] = {}  # seeded requests' draft generators
+        self._generators = DraftGenerators(self.runner.device)  # seeded requests' draft generators
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[Sequence, int]]) -> list[Proposal]:
@@ -150,28 +203,14 @@ class DraftModelProposer:
             logits, _ = self.runner.run(scheduled)  # [len(batch), V]: one row per shadow
             for shadow in shadows:
                 shadow.num_computed_tokens = len(shadow)
-            tokens, q = self._sample(logits, [state for _, state in batch])
+            states = [state for _, state in batch]  # shadows include earlier proposals (penalties)
+            tokens, q = sample_proposals(logits, [s.shadow for s in states], [s.seq for s in states], self._generators)
             for row, ((index, _), shadow) in enumerate(zip(batch, shadows, strict=True)):
                 shadow.append_token(tokens[row])  # fed to the next pass
                 drafts[index].append(tokens[row])
                 if q is not None and not is_greedy(shadow.params):
                     probs[index].append(q[row])
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs, strict=True)]
-
-    def _sample(self, logits: torch.Tensor, states: list[_DraftState]) -> tuple[list[int], torch.Tensor | None]:
-        """One draft token per row, as the sampler would draw it (q: the processed distribution)."""
-        logits = apply_penalties(logits, [s.shadow for s in states])  # shadows include earlier proposals
-        params = [s.seq.params for s in states]
-        token_ids = logits.argmax(dim=-1)
-        if all(is_greedy(p) for p in params):
-            return token_ids.tolist(), None
-        q = sampling_probs(logits, params)
-        noise = torch.empty_like(q).exponential_()
-        for row, state in enumerate(states):
-            if state.seq.params.seed is not None and not is_greedy(state.seq.params):
-                noise[row].exponential_(generator=self._generator(state.seq))
-        greedy = torch.tensor([is_greedy(p) for p in params], device=logits.device)
-        return torch.where(greedy, token_ids, exponential_race(q, noise)).tolist(), q
 
     def _sync(self, seq: Sequence) -> _DraftState:
         """The sequence's draft state, rolled back to the KV the draft computed for its real tokens."""
@@ -193,24 +232,16 @@ class DraftModelProposer:
         self.block_manager.cache_full_blocks(shadow)
         return state
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(seq.params.seed ^ _DRAFT_SEED_SALT)
-            self._generators[seq.seq_id] = generator
-        return generator
-
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq.seq_id, None)
         if state is not None:
             self.block_manager.free(state.shadow)
         if seq.is_finished:
-            self._generators.pop(seq.seq_id, None)
+            self._generators.forget(seq)
 
 
 # --speculative KIND[:ARG] -> factory(ARG, target, tokenizer, num_blocks, block_size,
-# enable_prefix_caching, dtype, device) -> Proposer
+# enable_prefix_caching, dtype, device, target_dir) -> Proposer
 ProposerFactory = Callable[..., Proposer]
 
 
@@ -253,18 +284,19 @@ def make_proposer(
     enable_prefix_caching: bool,
     dtype: torch.dtype,
     device: str,
+    target_dir: Path,
 ) -> Proposer:
     """The proposer `--speculative` names (e.g. 'ngram' or 'draft:PATH'), from `PROPOSERS`."""
     kind, arg = parse_speculative(spec)
     factory = PROPOSERS[kind].factory
-    return factory(arg, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device)
+    return factory(arg, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device, target_dir)
 
 
-def _ngram(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device) -> Proposer:
+def _ngram(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device, target_dir):
     return NgramProposer()
 
 
-def _draft(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device) -> Proposer:
+def _draft(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device, target_dir):
     """A draft model with the target's tokenizer; as many KV blocks as the target."""
     from optkit.modeldir import load_tokenizer
     from optkit.models.loader import load_runtime_model
@@ -281,7 +313,17 @@ def _draft(path, target, tokenizer, num_blocks, block_size, enable_prefix_cachin
     return DraftModelProposer(model, num_blocks, block_size, enable_prefix_caching)
 
 
+def _eagle(path, target, tokenizer, num_blocks, block_size, enable_prefix_caching, dtype, device, target_dir):
+    """An EAGLE head trained for this very target (its weights' digest), on the target's features."""
+    from optkit.runtime.eagle_proposer import EagleProposer
+
+    return EagleProposer.load(Path(str(path)), target, Path(target_dir), num_blocks, block_size, enable_prefix_caching)
+
+
 register_proposer("ngram", _ngram, usage="'ngram' (prompt lookup)")
 register_proposer(
     "draft", _draft, takes_arg=True, usage="'draft:PATH' (a model with the target's tokenizer, e.g. draft:draft)"
+)
+register_proposer(
+    "eagle", _eagle, takes_arg=True, usage="'eagle:DIR' (an EAGLE head trained for the target: optkit speculator train)"
 )

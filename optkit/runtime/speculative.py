@@ -6,14 +6,18 @@ target's. Continuous batching stays on: sequences with and without proposals sha
 
 One engine step with speculation (runtime/engine.py):
   1. the scheduler reserves 1 + k tokens of budget and KV slots for each decoding sequence;
-  2. the proposer (runtime/proposers.py: a draft model, or n-gram prompt lookup) fills each one's
-     `spec_token_ids` d_1..d_n (n <= k) and, for a draft model, their distributions q_1..q_n;
+  2. the proposer (runtime/proposers.py: a draft model, n-gram prompt lookup, or an EAGLE head:
+     runtime/eagle_proposer.py) fills each one's `spec_token_ids` d_1..d_n (n <= k) and, for a
+     model, their distributions q_1..q_n;
   3. the target runs x_L (the last token, whose KV is not cached yet) and d_1..d_n as one chunk of
      n + 1 tokens at positions L-1 .. L+n-1; its logits row i gives p_{i+1} = p(. | x, d_1..d_i);
   4. `Speculator.sample` keeps d_1..d_a and adds one token t of the target's (1..n + 1 tokens);
   5. the scheduler appends them, counts the KV of x_L, d_1..d_a as computed (num_computed_tokens
      += 1 + a) and frees the blocks past that. Rejected proposals' KV lies beyond
-     num_computed_tokens: it is never hashed into the prefix cache and is overwritten later.
+     num_computed_tokens: it is never hashed into the prefix cache and is overwritten later;
+  6. a proposer that declares `feature_layers` (EAGLE) is handed, per speculating sequence, the
+     target's hidden states of the positions this step verified: every token run for a prefill
+     chunk or a plain decode, x_L and d_1..d_a after a verification (`Proposer.observe`).
 
 Verification (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
 Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative
@@ -133,7 +137,7 @@ class SpecStats:
         )
 
 
-class _Context:
+class ProposalContext:
     """A sequence followed by its first i proposals: what the target's row i is conditioned on
     (for the penalties, which count the tokens before the one being sampled)."""
 
@@ -148,8 +152,10 @@ class Speculator:
     the engine's speculative `decoding.Decoding`."""
 
     def __init__(self, proposer, num_speculative_tokens: int):
-        self.proposer = proposer  # proposers.NgramProposer or proposers.DraftModelProposer
+        self.proposer = proposer  # a proposers.Proposer: n-gram, draft model, EAGLE head
         self.k = num_speculative_tokens
+        # a proposer that declares no feature_layers reads no features of the target
+        self.needs_hidden = bool(getattr(proposer, "feature_layers", ()))
         self.stats = SpecStats(proposer.name)
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> q [n, V] for this step's proposals
         self._allowed: dict[int, int] = {}  # seq_id -> proposals it may make next (the adaptive length)
@@ -173,6 +179,20 @@ class Speculator:
         self.proposer.release(seq)
         if seq.is_finished:
             self._allowed.pop(seq.seq_id, None)
+
+    @torch.inference_mode()
+    def observe(self, scheduled: list[ScheduledSequence], tokens: dict[int, list[int]], hidden: torch.Tensor) -> None:
+        """Step 6 above: per speculating sequence, the rows of `hidden` [T, H] (run_with_hidden's pack
+        order: each item's new tokens, then its proposals) at the positions `tokens` (what `sample`
+        chose) verified, with the first one's position."""
+        row = 0
+        for item in scheduled:
+            seq, num_rows = item.seq, item.num_new_tokens + len(item.spec_token_ids)
+            num_verified = item.num_new_tokens + (len(tokens.get(seq.seq_id, [None])) - 1 if item.samples else 0)
+            if seq.params.speculative:
+                self.proposer.observe(seq, seq.num_computed_tokens, hidden[row : row + num_verified])
+            row += num_rows
+        assert row == hidden.shape[0], (row, tuple(hidden.shape))
 
     @torch.inference_mode()
     def sample(
@@ -221,7 +241,7 @@ class Speculator:
         contexts: list = []
         for seq, draft in zip(seqs, drafts, strict=True):
             if has_penalties(seq.params):
-                contexts += [_Context(seq, draft[:i]) for i in range(len(draft) + 1)]
+                contexts += [ProposalContext(seq, draft[:i]) for i in range(len(draft) + 1)]
             else:
                 contexts += [seq] * (len(draft) + 1)
         logits = apply_penalties(logits, contexts)

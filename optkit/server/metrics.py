@@ -19,7 +19,7 @@ Read from `engine.stats()` at scrape time:
   `optkit:prefix_cache_hit_tokens_total`, `optkit:num_preemptions_total` (counters): the engine's
   cumulative totals since it started (prompt tokens received, tokens sampled, prompt tokens
   served from the prefix cache instead of prefilled, sequences preempted).
-- With speculative decoding on, labelled by `proposer` (ngram or draft):
+- With speculative decoding on, labelled by `proposer` (ngram, draft or eagle):
   `optkit:spec_decode_num_draft_tokens_total`, `optkit:spec_decode_num_accepted_tokens_total`,
   `optkit:spec_decode_num_steps_total` (counters: tokens proposed, tokens accepted, sequence
   decode steps that reserved proposals), `optkit:spec_decode_acceptance_rate` and

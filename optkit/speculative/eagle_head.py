@@ -35,7 +35,7 @@ anything below it (modeldir, data, kernels, weights), never runtime/, routing/, 
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -158,9 +158,17 @@ def save_head(
         (tmp / CONFIG).write_text(dumps(config.to_json(), indent=2) + "\n")
 
 
-def load_head(head_dir: Path, target_dir: Path, layer_shapes: Mapping[str, tuple[int, ...]] | None = None) -> EagleHead:
+LayerShapes = Mapping[str, tuple[int, ...]]  # tensor name under layers.0. -> shape
+
+
+def load_head(
+    head_dir: Path,
+    target_dir: Path,
+    layer_shapes: LayerShapes | Callable[[EagleHeadConfig], LayerShapes] | None = None,
+) -> EagleHead:
     """The head in `head_dir`, checked against the target model in `target_dir` (its digest, family,
-    width and RoPE) and, given `layer_shapes` (name under layers.0. -> shape), its layer's tensors."""
+    width and RoPE) and, given `layer_shapes` (or a function of the head's config that gives them),
+    its layer's tensors: exactly those names, those shapes."""
     head_dir, target_dir = Path(head_dir), Path(target_dir)
     where = f"--speculative eagle:{head_dir}"
     if not (head_dir / CONFIG).is_file() or not (head_dir / WEIGHTS).is_file():
@@ -172,6 +180,8 @@ def load_head(head_dir: Path, target_dir: Path, layer_shapes: Mapping[str, tuple
     tensors = _read_tensors(head_dir / WEIGHTS, where)
     _check_tensors(tensors, config, where)
     layer = {name.removeprefix(LAYER_PREFIX): t for name, t in tensors.items() if name.startswith(LAYER_PREFIX)}
+    if callable(layer_shapes):
+        layer_shapes = layer_shapes(config)
     if layer_shapes is not None:
         missing = sorted(set(layer_shapes) - set(layer))
         extra = sorted(set(layer) - set(layer_shapes))

@@ -1,0 +1,101 @@
+"""The EAGLE-1 head as the runtime runs it (the contract: optkit/speculative/eagle_head.py):
+
+    x = fc(concat(embed(token_{t+1}), feature_t))   [T, 2H] -> [T, H], no bias
+    feature'_{t+1} = layer(x)                         the target family's layer 0, no input_layernorm,
+                                                      over the head's own paged KV cache
+    logits_{t+2} = target.compute_logits(feature'_{t+1})
+
+T packed rows (no batch dimension), each at its target position t, as the target's own step.
+"""
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from optkit.errors import OptkitError
+from optkit.kernels.paged_attention import AttentionMetadata
+from optkit.models.config import ModelConfig
+from optkit.models.llama import CausalLM, DecoderLayer, KVCache, rope_cos_sin
+from optkit.speculative.eagle_head import EagleHead, EagleHeadConfig
+
+
+def head_model_config(target: ModelConfig, head: EagleHeadConfig) -> ModelConfig:
+    """The target's config for one layer of the head's sizes: full attention, a dense MLP."""
+    return dataclasses.replace(
+        target,
+        num_hidden_layers=1,
+        num_attention_heads=head.num_attention_heads,
+        num_key_value_heads=head.num_key_value_heads,
+        head_dim=head.head_dim,
+        intermediate_size=head.intermediate_size,
+        rms_norm_eps=head.rms_norm_eps,
+        sliding_window=None,
+        layer_types=(),
+        moe=None,
+    )
+
+
+def head_layer(config: ModelConfig) -> DecoderLayer:
+    """Layer 0 of the family, its input_layernorm (where it has one) an identity: fc feeds attention."""
+    layer = DecoderLayer(config, 0)
+    if hasattr(layer, "input_layernorm"):
+        layer.input_layernorm = nn.Identity()
+    return layer
+
+
+def layer_shapes(target: ModelConfig, head: EagleHeadConfig) -> dict[str, tuple[int, ...]]:
+    """The names (under layers.0.) and shapes of the head's layer tensors, for eagle_head.load_head."""
+    with torch.device("meta"):
+        layer = head_layer(head_model_config(target, head))
+    return {name: tuple(t.shape) for name, t in layer.state_dict().items()}
+
+
+def input_embeddings(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
+    """token_ids [T] -> [T, H]: the embedding as the target's first layer receives it (CausalLM.forward)."""
+    config = target.config
+    h = target.model.embed_tokens(token_ids)
+    if config.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
+        return h * torch.tensor(config.embedding_multiplier, dtype=h.dtype)
+    if config.embedding_multiplier != 1.0:  # Granite
+        return h * config.embedding_multiplier
+    return h
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if head.config.head_dim != target.config.head_dim:
+            raise OptkitError(
+                f"the EAGLE head's head_dim {head.config.head_dim} is not the target's {target.config.head_dim}: "
+                "its RoPE must be the target's; re-train the head"
+            )
+        self.config = head_model_config(target.config, head.config)
+        with torch.device("meta"):
+            layer = head_layer(self.config)
+        layer.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
+        self.layer = layer.to(device).eval().requires_grad_(False)
+        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 2H]: [embedding | feature]
+        # layer 0's RoPE: Gemma 3's first layer is a sliding one, with the local base
+        self.local_rope = bool(target.local_rope) and target.local_rope[0]
+
+    def forward(
+        self,
+        target: CausalLM,
+        token_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """token_ids, positions: long [T]; features [T, H] (the target's at each position) -> the
+        predicted next features [T, H], the LM head's input."""
+        embeds = input_embeddings(target, token_ids)  # [T, H]
+        x = F.linear(torch.cat((embeds, features.to(embeds.dtype)), dim=-1), self.fc_weight)
+        if self.local_rope:
+            inv_freq, scaling = target.local_inv_freq, target.local_attention_scaling
+        else:
+            inv_freq, scaling = target.inv_freq, target.attention_scaling
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling, x.dtype)
+        return self.layer(x, cos, sin, meta, kv_cache)
