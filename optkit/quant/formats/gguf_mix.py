@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from optkit.weights.stored import k_scheme
+
 QK_K = 256  # a K type's super-block
 LEGACY_BLOCK = 32
 BLOCK = {"Q2_K": QK_K, "Q3_K": QK_K, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
@@ -83,6 +85,10 @@ LEGACY_SCHEMES = {
     "Q4_0": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": True},
     "Q4_1": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": False},
 }
+# the K mixes that keep every linear of a dense model in the default type (the output aside): the
+# methods quantize onto one grid; the others raise some linears (attn_v, ffn_down), not written yet
+UNIFORM_K = ("Q6_K", "Q5_K_S", "Q3_K_S")
+WRITTEN = (*FULL_PRECISION, *LEGACY_SCHEMES, *UNIFORM_K)
 
 
 class GgufOptions(BaseModel):
@@ -116,8 +122,15 @@ def with_file_type(data: dict) -> dict:
     if FILE_TYPES[name].default in FULL_PRECISION and isinstance(ignore, list) and "*" not in ignore:
         data["ignore"] = [*ignore, "*"]
     if "weights" not in data:  # F16/BF16/F32 quantize no linear: Q8_0's blocks are the format's checks' scheme
-        data["weights"] = LEGACY_SCHEMES.get(name, LEGACY_SCHEMES["Q8_0"])
+        data["weights"] = linear_scheme(name)
     return data
+
+
+def linear_scheme(name: str):
+    """The scheme the decoder's linears take in file type `name` (F16/BF16/F32: Q8_0's, unused)."""
+    if name in UNIFORM_K:
+        return k_scheme(FILE_TYPES[name].default)
+    return LEGACY_SCHEMES.get(name, LEGACY_SCHEMES["Q8_0"])
 
 
 def check_file_type(format_name: str, gguf: GgufOptions | None, weights) -> None:
@@ -128,12 +141,17 @@ def check_file_type(format_name: str, gguf: GgufOptions | None, weights) -> None
         raise ValueError(f"gguf.type {gguf.type} is a GGUF file type: set format gguf, or drop gguf")
     if gguf.full_precision:
         return
-    scheme = LEGACY_SCHEMES.get(gguf.type)
-    if scheme is None:
+    if gguf.type not in WRITTEN:
         raise ValueError(
-            f"gguf.type {gguf.type}: the K-quant mixes are not written yet; "
-            f"choose one of {', '.join(t for t in FILE_TYPES if t in LEGACY_SCHEMES or t in FULL_PRECISION)}"
+            f"gguf.type {gguf.type}: the K-quant mixes that raise some linears are not written yet; "
+            f"choose one of {', '.join(WRITTEN)}"
         )
+    if gguf.type in UNIFORM_K:
+        if weights != linear_scheme(gguf.type):
+            default = FILE_TYPES[gguf.type].default
+            raise ValueError(f"gguf.type {gguf.type} stores {default}'s super-blocks: leave the weight scheme out")
+        return
+    scheme = LEGACY_SCHEMES[gguf.type]
     given = {key: getattr(weights, key) for key in scheme}
     if given != scheme or weights.type != "int":
         words = f"{scheme['bits']}-bit blocks of {scheme['group_size']}, {'' if scheme['symmetric'] else 'a'}symmetric"
