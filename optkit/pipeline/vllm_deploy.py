@@ -54,10 +54,9 @@ class DeployOptions(BaseModel):
     port: int = Field(8000, ge=1, le=65535)
 
 
-def vllm_config(deploy: DeployOptions, config: dict, name: str, speculator: dict | None = None) -> dict:
-    """The `vllm serve --config` mapping for an artifact with this config.json, served as `name`;
-    `speculator` is vLLM's `speculative-config` when the release ships one. An impossible split
-    (heads or layers the parallel sizes do not divide) or context is one line naming the key."""
+def vllm_config(deploy: DeployOptions, config: dict, name: str) -> dict:
+    """The `vllm serve --config` mapping for an artifact with this config.json, served as `name`. An
+    impossible split (heads or layers the parallel sizes do not divide) or context is one line naming the key."""
     _check_parallel(deploy, config)
     context = _context(config)
     if deploy.max_model_len is not None and context is not None and deploy.max_model_len > context:
@@ -76,7 +75,6 @@ def vllm_config(deploy: DeployOptions, config: dict, name: str, speculator: dict
         "gpu-memory-utilization": deploy.gpu_memory_utilization,
         "max-num-seqs": deploy.max_num_seqs,
         "enforce-eager": deploy.enforce_eager or None,
-        "speculative-config": speculator,
         "generation-config": "vllm",  # vLLM's sampling defaults, not the checkpoint's generation_config.json
     }
     return {key: value for key, value in values.items() if value is not None}
@@ -93,11 +91,11 @@ def cpu_dtype(config: dict) -> str:
     return vllm_dtype(config.get("quantization_config"))
 
 
-def write_vllm_deploy(release: Path, deploy: DeployOptions, name: str, speculator: dict | None = None) -> str:
+def write_vllm_deploy(release: Path, deploy: DeployOptions, name: str) -> str:
     """Write `vllm.yaml` into the release directory being packaged (its config.json is there);
     returns the README section that says how to run it."""
     config = read_config(release)
-    values = vllm_config(deploy, config, name, speculator)
+    values = vllm_config(deploy, config, name)
     lines = [f"# vllm serve RELEASE --config RELEASE/{VLLM_CONFIG}  (written by optkit; data only)"]
     lines += [f"{key}: {_yaml_value(value)}" for key, value in values.items()]
     (release / VLLM_CONFIG).write_text("\n".join(lines) + "\n")
@@ -120,7 +118,7 @@ def check_vllm_config(release: Path) -> list[str]:
             raise OptkitError(f"{path} sets {key}, which makes vLLM load code: a release never does; remove it")
     config = read_config(release)
     try:
-        expected = vllm_config(_deploy_of(values), config, str(values.get("served-model-name")), _spec(values))
+        expected = vllm_config(_deploy_of(values), config, str(values.get("served-model-name")))
     except (ValueError, OptkitError) as e:
         return [f"{VLLM_CONFIG}: {str(e).splitlines()[0]}"]
     problems = [f"{VLLM_CONFIG}: {key} is not an option optkit writes" for key in values if key not in expected]
@@ -133,11 +131,6 @@ def check_vllm_config(release: Path) -> list[str]:
 def _deploy_of(values: dict) -> DeployOptions:
     fields = {key.replace("-", "_"): value for key, value in values.items()}
     return DeployOptions(**{k: v for k, v in fields.items() if k in DeployOptions.model_fields and k != "engine"})
-
-
-def _spec(values: dict) -> dict | None:
-    spec = values.get("speculative-config")
-    return spec if isinstance(spec, dict) else None
 
 
 def _context(config: dict) -> int | None:

@@ -71,6 +71,9 @@ def test_a_release_carries_its_vllm_config_and_verify_holds_it_to_the_artifact(r
     rewrite(release, "vllm.yaml", text.replace('"bfloat16"', '"float16"'))
     code, out, _ = run_cli("verify", release, "--json")
     assert code == 1 and "dtype" in json.loads(out)["problems"][0]
+    rewrite(release, "vllm.yaml", text + 'speculative-config: {"method": "draft_model", "model": "someone/else"}\n')
+    code, out, _ = run_cli("verify", release, "--json")
+    assert code == 1 and "speculative-config is not an option optkit writes" in json.loads(out)["problems"][0]
     rewrite(release, "vllm.yaml", text + "trust-remote-code: true\n")
     code, _, err = run_cli("verify", release)
     assert code == 2 and "makes vLLM load code" in err
