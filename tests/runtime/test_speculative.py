@@ -1,6 +1,7 @@
-"""Speculative decoding in the engine: greedy output is plain decoding's token for token with either
-proposer, stops land on the exact token, seeded sampling is reproducible, and every KV block
-(the target's and the draft's) comes back, aborted requests included. The fast checks use the
+"""Speculative decoding in the engine: greedy output is plain decoding's token for token with every
+proposer (n-gram, a draft model, an untrained EAGLE head), stops land on the exact token, seeded
+sampling is reproducible, and every KV block (the target's and the draft's) comes back, aborted
+requests included. The fast checks use the
 `draft` model as both target and proposer; the 50-prompt identity uses `small` as the target."""
 
 import random
@@ -13,6 +14,7 @@ from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.scheduler import Scheduler, SchedulerConfig
 from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
+from tests.runtime.eagle_heads import random_head
 from tests.runtime.test_engine import varied_prompts
 
 
@@ -51,9 +53,12 @@ def plain(draft_dir) -> LLMEngine:
     return LLMEngine(draft_dir)
 
 
-@pytest.fixture(scope="module", params=["ngram", "draft"])
-def spec(request, draft_dir) -> LLMEngine:
-    proposer = "ngram" if request.param == "ngram" else f"draft:{draft_dir}"
+@pytest.fixture(scope="module", params=["ngram", "draft", "eagle"])
+def spec(request, draft_dir, tmp_path_factory) -> LLMEngine:
+    if request.param == "eagle":  # an untrained head: exactness must not depend on what it proposes
+        proposer = f"eagle:{random_head(draft_dir, tmp_path_factory.mktemp('eagle') / 'head')}"
+    else:
+        proposer = "ngram" if request.param == "ngram" else f"draft:{draft_dir}"
     return LLMEngine(draft_dir, EngineConfig(speculative=proposer, num_speculative_tokens=4, block_size=8))
 
 
