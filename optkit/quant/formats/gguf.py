@@ -2,6 +2,8 @@
 
 The weights are ggml's legacy block types (weights/gguf_blocks.py), chosen by the scheme:
   symmetric 4-bit g32 -> Q4_0    asymmetric 4-bit g32 -> Q4_1    symmetric 8-bit g32 -> Q8_0
+or a K-quant (Q2_K .. Q6_K, weights/kquants) when the scheme names one (`constrain(scheme, "Q4_K")`,
+weights/stored.k_scheme): 256-column super-blocks whose grids the methods fit and round onto.
 `constrain` hands the methods a StoredScheme (fp16 scales; Q4_1's fp16 minimum m as a float zero
 point), so RTN, GPTQ and AWQ round onto exactly what the blocks hold. Tensors optkit leaves in full
 precision (embeddings, lm_head, ignored layers) keep their dtype (BF16/F16/F32), 1-D ones are F32, as
@@ -30,10 +32,10 @@ from optkit.quant.formats.defaults import quant_method_is
 from optkit.quant.formats.defaults import vllm_loader as vllm_loader
 from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
 from optkit.quant.formats.kind import ArtifactKind
-from optkit.weights import gguf_blocks
+from optkit.weights import gguf_blocks, kquants
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
-from optkit.weights.stored import StoredScheme
+from optkit.weights.stored import StoredScheme, k_scheme, k_type
 
 NAME = "gguf"
 detect = quant_method_is(NAME)
@@ -44,9 +46,13 @@ SUFFIX = ".gguf"  # what `optkit eval` and the runtime recognise as a GGUF file
 runtime = "llama.cpp"
 LOADERS = {"llama.cpp": ()}  # llama.cpp reads GGUF, and no other loader of the matrix does
 FILE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+# a file of one K type is labelled as llama-quantize labels its --pure file of that type
+FILE_TYPES |= {"Q2_K": 10, "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18}
 
 
 def block_type(scheme: WeightScheme) -> str:
+    if k_type(scheme) is not None:
+        return k_type(scheme)
     if scheme.group_size != gguf_blocks.BLOCK or getattr(scheme, "type", "int") != "int":
         raise OptkitError(
             f"--format gguf stores integer blocks of {gguf_blocks.BLOCK} columns (Q4_0, Q4_1, Q8_0): "
@@ -69,11 +75,12 @@ def check(
     block_type(scheme)
     if act_order == "group":
         raise OptkitError("--format gguf keeps each block's 32 columns together: with --act-order add --static-groups")
+    unit = kquants.QK_K if k_type(scheme) is not None else gguf_blocks.BLOCK
     for name, in_features, out_features in layers:
-        if in_features % gguf_blocks.BLOCK:
+        if in_features % unit:
             raise OptkitError(
-                f"{name} ({out_features}×{in_features}): GGUF blocks need input widths divisible by "
-                f"{gguf_blocks.BLOCK}: use --format compressed-tensors"
+                f"{name} ({out_features}×{in_features}): {block_type(scheme)} blocks need input widths divisible by "
+                f"{unit}: use a legacy type (Q4_0, Q8_0) or --format compressed-tensors"
             )
 
 
@@ -90,8 +97,13 @@ def check_model(config: dict, model_dir: Path) -> None:
         meta.pre_tokenizer(read_object(tokenizer_json, "a tokenizer"), tokenizer_json)
 
 
-def constrain(scheme: WeightScheme) -> StoredScheme:
-    """The scheme the methods quantize onto: fp16 scales, and Q4_1's fp16 minimum as a float zero point."""
+def constrain(scheme: WeightScheme, gguf_type: str | None = None) -> StoredScheme:
+    """The scheme the methods quantize onto: fp16 scales, and Q4_1's fp16 minimum as a float zero point;
+    with `gguf_type` a K-quant (Q4_K, ...), that type's super-block grid instead (the caller picks it)."""
+    if gguf_type in kquants.K_TYPES:
+        return k_scheme(gguf_type)
+    if k_type(scheme) is not None:
+        return scheme
     block_type(scheme)
     return StoredScheme(**scheme.model_dump(), float_zero=not scheme.symmetric)
 
@@ -117,12 +129,18 @@ def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -
     if qw.g_idx is not None:
         raise OptkitError(f"{prefix}: GGUF blocks keep columns in order: use --static-groups with --act-order")
     qtype = block_type(qw.scheme)
+    if qtype in kquants.K_TYPES:
+        if qw.grid is None:
+            raise OptkitError(f"{prefix}: {qtype} stores super-block grids: quantize with --format gguf from the start")
+        return {f"{prefix}.{MARKER}": kquants.pack(qtype, kquants.levels(qw), qw.grid)}
     if qw.scale.dtype != torch.float16 or (qtype == "Q4_1" and qw.zero_point.dtype != torch.float16):
         raise OptkitError(f"{prefix}: GGUF blocks store fp16 scales: quantize with --format gguf from the start")
     return {f"{prefix}.{MARKER}": gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if qtype == "Q4_1" else None)}
 
 
 def scheme_from_config(quant_config: dict) -> StoredScheme:
+    if quant_config.get("type") in kquants.K_TYPES:
+        return k_scheme(quant_config["type"])
     return StoredScheme(
         bits=quant_config["bits"],
         group_size=quant_config["group_size"],
@@ -133,6 +151,8 @@ def scheme_from_config(quant_config: dict) -> StoredScheme:
 
 def artifact_kind(quant_config: dict) -> ArtifactKind:
     bits, symmetric = quant_config["bits"], quant_config["sym"]
+    if quant_config.get("type") in kquants.K_TYPES:
+        return ArtifactKind(NAME, bits, symmetric, label=quant_config["type"])
     return ArtifactKind(NAME, bits, symmetric, label="Q8_0" if bits == 8 else "Q4_0" if symmetric else "Q4_1")
 
 
@@ -146,6 +166,9 @@ def file_config(path: Path) -> dict:
 def decompress(prefix: str, tensors: dict[str, torch.Tensor], scheme: WeightScheme) -> QuantizedWeight:
     data = tensors[f"{prefix}.{MARKER}"]
     qtype = block_type(scheme)
+    if qtype in kquants.K_TYPES:
+        q_u, grid = kquants.unpack(qtype, data, data.shape[1] // kquants.block_bytes(qtype) * kquants.QK_K)
+        return kquants.quantized_weight(q_u, grid, scheme)
     cols = data.shape[1] // gguf_blocks.BLOCK_BYTES[qtype] * gguf_blocks.BLOCK
     q, d, m = gguf_blocks.unpack(qtype, data, cols)
     zero = m if m is not None else torch.zeros(d.shape, dtype=torch.int8)

@@ -46,9 +46,12 @@ ARCH_BLOCK_TENSORS = {
     "qwen2": BLOCK_TENSORS,
     "qwen3": (*BLOCK_TENSORS, "attn_q_norm", "attn_k_norm"),
 }
-# ggml's legacy blocks: (bytes per block, the fp16 halves at its start: d, or d and m)
+# ggml's blocks whose scales are fp16 halves: (bytes per block, offset of the halves, how many):
+# the legacy blocks start with d (and m); the K-quants' super-blocks hold d (and dmin) first or
+# last (ggml-common.h: block_q2_K .. block_q6_K)
 MAX_NAME = 64  # GGML_MAX_NAME, the terminating NUL included
-HALVES = {"Q4_0": (18, 1), "Q4_1": (20, 2), "Q8_0": (34, 1), "Q5_0": (22, 1), "Q5_1": (24, 2)}
+HALVES = {"Q4_0": (18, 0, 1), "Q4_1": (20, 0, 2), "Q8_0": (34, 0, 1), "Q5_0": (22, 0, 1), "Q5_1": (24, 0, 2)}
+HALVES |= {"Q2_K": (84, 80, 2), "Q3_K": (110, 108, 1), "Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "Q6_K": (210, 208, 1)}
 
 
 @dataclass
@@ -213,8 +216,9 @@ def tensor_problems(header: Header) -> list[str]:
 
 
 def value_problems(header: Header) -> list[str]:
-    """Tensors holding NaN or ±inf. Float tensors are checked whole; legacy quantized blocks by their
-    fp16 scales; other block types (K-quants, i-quants) through gguf-py's dequantizer."""
+    """Tensors holding NaN or ±inf. Float tensors are checked whole; legacy blocks and K-quant
+    super-blocks by their fp16 scales (d, m, dmin); other block types (i-quants) through gguf-py's
+    dequantizer."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -226,8 +230,8 @@ def value_problems(header: Header) -> list[str]:
         elif info.type_id in (T.F32, T.F16, T.F64):
             values = data
         elif kind in HALVES:
-            block, halves = HALVES[kind]
-            scales = data.reshape(-1, block)[:, : 2 * halves]
+            block, start, halves = HALVES[kind]
+            scales = data.reshape(-1, block)[:, start : start + 2 * halves]
             values = np.ascontiguousarray(scales).view(np.float16)
         elif info.type_id in (T.I8, T.I16, T.I32, T.I64):
             continue

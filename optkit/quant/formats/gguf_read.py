@@ -1,7 +1,8 @@
 """A .gguf back as a Hugging Face config and state dict, for optkit's runtime and the gate's checks.
 
-Quantized blocks (Q4_0, Q4_1, Q8_0) are dequantized as ggml's dequantize_row_* computes them
-(weights/gguf_blocks.py), Llama's q/k rows go back to Hugging Face's order: what llama.cpp holds,
+Quantized blocks (Q4_0, Q4_1, Q8_0, and the K-quants Q2_K-Q6_K) are dequantized as ggml's
+dequantize_row_* computes them (weights/gguf_blocks.py, weights/kquants), Llama's q/k rows go back
+to Hugging Face's order: what llama.cpp holds,
 as plain float32 weights (the reference path; llama.cpp itself multiplies with 8-bit activations).
 """
 
@@ -18,7 +19,7 @@ from optkit.quant.formats.gguf_header import Header
 from optkit.quant.formats.gguf_hparams import architecture, layer_values
 from optkit.quant.formats.gguf_tensors import tensor_arrays, type_name
 from optkit.text_safety import printable
-from optkit.weights import gguf_blocks
+from optkit.weights import gguf_blocks, kquants
 
 MAGIC = b"GGUF"
 
@@ -98,19 +99,23 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         hf = meta.hf_name(info.name)
         data = torch.from_numpy(np.array(array))
         kind = type_name(info.type_id)
-        if kind in gguf_blocks.BLOCK_BYTES and data.dim() != 2:
+        if kind in (*gguf_blocks.BLOCK_BYTES, *kquants.K_TYPES) and data.dim() != 2:
             raise OptkitError(
                 f"{path}: {printable(info.name)} is a {data.dim()}-D {kind} tensor; optkit reads 2-D ones"
             )
         if kind in gguf_blocks.BLOCK_BYTES:
             cols = data.shape[1] // gguf_blocks.BLOCK_BYTES[kind] * gguf_blocks.BLOCK
             weight = gguf_blocks.dequantize(kind, data, cols)
+        elif kind in kquants.K_TYPES:  # as gguf-py's dequantize (and ggml's dequantize_row_q*_K) computes them
+            weight = kquants.dequantize_rows(data, kind, data.shape[1] // kquants.block_bytes(kind) * kquants.QK_K)
         elif info.type_id == T.BF16:
             weight = data.view(torch.bfloat16).float()
         elif info.type_id in (T.F16, T.F32):
             weight = data.float()
         else:
-            raise OptkitError(f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q8_0")
+            raise OptkitError(
+                f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K-Q6_K"
+            )
         heads = meta.qk_heads(config, hf)
         state[hf] = meta.unpermute_qk(weight, heads) if heads is not None else weight
     return config, state

@@ -14,13 +14,16 @@ Pure tensor functions; the search loop that runs modules is in step.py.
 
 import torch
 
-from optkit.quant.methods.rtn.math import minmax_qparams, quantize, quantized_range
+from optkit.quant.methods.rtn.math import k_quantize, minmax_qparams, quantize, quantized_range
 from optkit.weights.quantized import dequantize, grouped
 from optkit.weights.schemes import WeightScheme
+from optkit.weights.stored import k_type
 
 
 def fake_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Quantize and dequantize W ([out, in]) with min/max group parameters."""
+    """Quantize and dequantize W ([out, in]) with min/max group parameters (a K-quant: its grid)."""
+    if k_type(scheme) is not None:
+        return k_quantize(w, scheme).dequantize().to(w.device)
     scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
     return dequantize(quantize(w, scale, zero_point, scheme), scale, zero_point, qmin=scheme.qmin)
 
@@ -85,7 +88,8 @@ def search_clip(
     x_g = x.float().reshape(x.shape[0], -1, group_size)  # [T, G, gs]
     # A group's output error mean_t (x_t · d)² is the quadratic form dᵀ C d with C = XᵀX / T.
     gram = torch.einsum("tgk,tgl->gkl", x_g, x_g) / x.shape[0]  # [G, gs, gs]
-    one_bound = scheme.symmetric or not independent_ends
+    # a K-quant refits its super-blocks' grid for every candidate: its ends shrink together (21, not 441)
+    one_bound = scheme.symmetric or not independent_ends or k_type(scheme) is not None
     lower, upper = quantized_range(w_g, symmetric=one_bound)  # [out, G]
     factors = [1 - max_shrink * i / steps for i in range(steps + 1)]
     pairs = [(f, f) for f in factors] if one_bound else [(a, b) for a in factors for b in factors]

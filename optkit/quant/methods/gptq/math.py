@@ -11,16 +11,19 @@ Pure tensor functions: no modules, hooks or I/O.
 """
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from optkit.errors import OptkitError
+from optkit.quant.methods.gptq.kgrid import SuperBlockGrids
 from optkit.quant.methods.gptq.options import GPTQOptions
 from optkit.quant.methods.rtn.math import from_grid, minmax_qparams, round_to_grid, signed_max_qparams
+from optkit.weights.kquants import QK_K
 from optkit.weights.quantized import QuantizedWeight
 from optkit.weights.schemes import WeightScheme
-from optkit.weights.stored import has_float_zero
+from optkit.weights.stored import has_float_zero, k_type
 
 QPARAMS = {"minmax": minmax_qparams, "signed_max": signed_max_qparams}
 
@@ -123,7 +126,8 @@ def gptq_quantize(
     name: str = "layer",
 ) -> GPTQResult:
     """Quantize W ([out, in]) with H ([in, in]); returns integers, scales, zero points, g_idx, loss.
-    Scales are rounded to `scale_dtype` (None: the scheme's rule for W's dtype)."""
+    Scales are rounded to `scale_dtype` (None: the scheme's rule for W's dtype). A K-quant scheme's
+    grid is fitted per super-block (kgrid.py)."""
     if not all_finite(w):
         raise OptkitError(f"{name}: the weight contains NaN or inf: repair the checkpoint before quantizing")
     if not all_finite(hessian):
@@ -141,9 +145,12 @@ def gptq_quantize(
 
     # Group parameters fixed up front from the unpermuted weight (static groups, or per channel).
     qparams = QPARAMS[options.scale or "minmax"] if scheme.symmetric else minmax_qparams
+    grids = SuperBlockGrids(k_type(scheme), diag) if k_type(scheme) is not None else None
+    fit = grids.fit if grids is not None else lambda w, _: qparams(w, scheme, scale_dtype)
+    fit_width = QK_K if grids is not None else group_size  # the columns whose parameters are fitted together
     fixed_params = None
-    if options.static_groups or group_size == in_features:
-        fixed_params = qparams(W, scheme, scale_dtype)
+    if options.static_groups or group_size == in_features or (grids is not None and options.act_order):
+        fixed_params = fit(W, 0)
 
     perm = torch.arange(in_features, device=W.device)
     if options.act_order:
@@ -164,10 +171,10 @@ def gptq_quantize(
     if fixed_params is not None:
         scale[:], zero_point[:] = fixed_params
     # Blocks never straddle a group, so each group's parameters come from up-to-date weights.
-    block_size = max(options.block_size, group_size) if fixed_params is None else options.block_size
-    if fixed_params is None and block_size % group_size:
-        block_size = group_size * max(1, block_size // group_size)
-    columns = _Columns(scheme, qparams, scale_dtype, group_size, group_of_position, fixed_params is None)
+    block_size = max(options.block_size, fit_width) if fixed_params is None else options.block_size
+    if fixed_params is None and block_size % fit_width:
+        block_size = fit_width * max(1, block_size // fit_width)
+    columns = _Columns(scheme, fit, fit_width, group_of_position, fixed_params is None)
     Q = columns.quantize(W, Hinv, scale, zero_point, block_size)
     del W, Hinv  # free the factor and the working weights before the loss below
 
@@ -177,18 +184,20 @@ def gptq_quantize(
     g_idx = group_of_position[inverse].to(torch.int32)
     contiguous = torch.equal(g_idx, torch.arange(in_features, device=g_idx.device, dtype=torch.int32) // group_size)
     result = QuantizedWeight(q_int.cpu(), scale.cpu(), zero_point.cpu(), scheme, None if contiguous else g_idx.cpu())
+    result.grid = grids.grid() if grids is not None else None
     return GPTQResult(result, output_error(w_orig, result.dequantize().to(hessian.device), hessian), damp)
 
 
 @dataclass(frozen=True)
 class _Columns:
     """GPTQ's column loop over one weight: how each column is rounded and where its group's
-    parameters come from (chosen at the group's first column unless fixed up front)."""
+    parameters come from (chosen at the group's first column unless fixed up front). `fit`
+    (weights [out, fit_width], first column) -> (scales, zero points) [out, fit_width / group_size]:
+    one group's, or a K-quant super-block's sub-blocks."""
 
     scheme: WeightScheme
-    qparams: object
-    scale_dtype: torch.dtype
-    group_size: int
+    fit: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+    fit_width: int
     group_of_position: torch.Tensor
     groups_as_they_come: bool
 
@@ -197,7 +206,7 @@ class _Columns:
     ) -> torch.Tensor:
         """The integers of W ([out, in], columns in processing order, updated in place), block by
         block with the upper factor Hinv of (H + λI)⁻¹; fills `scale` and `zero_point` as it goes."""
-        scheme, group_size = self.scheme, self.group_size
+        scheme = self.scheme
         Q = torch.zeros_like(W, dtype=torch.int8)
         in_features = W.shape[1]
         for i1 in range(0, in_features, block_size):
@@ -208,9 +217,9 @@ class _Columns:
             for i in range(i2 - i1):
                 column = i1 + i
                 g = self.group_of_position[column]
-                if self.groups_as_they_come and column % group_size == 0:
-                    s, z = self.qparams(W1[:, i : i + group_size], scheme, self.scale_dtype)
-                    scale[:, g], zero_point[:, g] = s[:, 0], z[:, 0]
+                if self.groups_as_they_come and column % self.fit_width == 0:
+                    s, z = self.fit(W1[:, i : i + self.fit_width], column)
+                    scale[:, g : g + s.shape[1]], zero_point[:, g : g + s.shape[1]] = s, z
                 s, z = scale[:, g], zero_point[:, g]
                 q = round_to_grid(W1[:, i], s, z, scheme)
                 Q[:, column] = q.to(torch.int8)

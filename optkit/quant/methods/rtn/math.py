@@ -7,9 +7,10 @@ where g(i) = i // group_size, or g_idx[i] when columns were quantized out of ord
 
 import torch
 
+from optkit.weights import kquants
 from optkit.weights.quantized import QuantizedWeight, grouped
 from optkit.weights.schemes import WeightScheme
-from optkit.weights.stored import has_float_zero
+from optkit.weights.stored import has_float_zero, k_type
 
 
 def quantized_range(g: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,10 +74,13 @@ def signed_max_qparams(
 def round_to_grid(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
     """The integer nearest to w on the grid of (s, z), broadcast elementwise, as float:
     q = clamp(round(w / s) + z, qmin, qmax); with a float zero point (the minimum m),
-    q = clamp(round((w − m) / s), 0, 2^b − 1) + qmin."""
+    q = clamp(round((w − m) / s), 0, 2^b − 1) + qmin. A scale of 0 (a K-quant's sub-scale 0) rounds to
+    level 0 (q = qmin with a float zero, else q = z)."""
+    s = s.float()
+    s = s.masked_fill(s == 0, float("inf"))
     if z.is_floating_point():
-        return torch.clamp(torch.round((w - z.float()) / s.float()), 0, scheme.qmax - scheme.qmin) + scheme.qmin
-    return torch.clamp(torch.round(w / s.float()) + z.float(), scheme.qmin, scheme.qmax)
+        return torch.clamp(torch.round((w - z.float()) / s), 0, scheme.qmax - scheme.qmin) + scheme.qmin
+    return torch.clamp(torch.round(w / s) + z.float(), scheme.qmin, scheme.qmax)
 
 
 def from_grid(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor, scheme: WeightScheme) -> torch.Tensor:
@@ -94,8 +98,17 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, sch
 
 
 def rtn_quantize(w: torch.Tensor, scheme: WeightScheme, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    if k_type(scheme) is not None:
+        return k_quantize(w, scheme)
     scale, zero_point = minmax_qparams(w, scheme, scale_dtype)
     return QuantizedWeight(quantize(w, scale, zero_point, scheme), scale, zero_point, scheme)
+
+
+def k_quantize(w: torch.Tensor, scheme: WeightScheme, importance: torch.Tensor | None = None) -> QuantizedWeight:
+    """W on the K-quant grid of its scheme (weights/kquants), fitted as llama.cpp does, with
+    `importance` [in] weighting each column's errors (None: llama.cpp's weighting without one)."""
+    q_u, grid = kquants.quantize_levels(w, k_type(scheme), importance)
+    return kquants.quantized_weight(q_u, grid, scheme)
 
 
 def weight_error(w: torch.Tensor, w_hat: torch.Tensor) -> dict[str, float]:
