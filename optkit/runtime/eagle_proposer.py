@@ -83,7 +83,7 @@ class EagleProposer:
         return cls(target, head, num_blocks, block_size, prefix_caching)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
-        if not len(hidden):
+        if not len(hidden) or seq.is_finished:  # finished (aborted) while the step ran: released already
             return
         hidden = hidden.detach().clone()  # a CUDA graph's output buffer is overwritten by the next replay
         unread = self._features.get(seq.seq_id)

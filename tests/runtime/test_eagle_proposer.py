@@ -163,3 +163,10 @@ def test_a_head_for_another_model_is_refused_in_one_line(run_cli, draft_dir, sma
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "trained for another model" in lines[0], err
+
+
+def test_generate_speculates_with_an_eagle_head(run_cli, small_dir, small_head):
+    code, out, err = run_cli("generate", small_dir, "Once upon", "--max-tokens", "6", "--temperature", "0",
+                             "--speculative", f"eagle:{small_head}", "--num-speculative-tokens", "2")  # fmt: skip
+    assert code == 0, err
+    assert out.strip()
