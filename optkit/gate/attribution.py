@@ -47,6 +47,7 @@ from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_m
 from optkit.progress import progress_bar
 from optkit.quant.formats import reader_for
 from optkit.quant.formats.load import load_model
+from optkit.quant.head import base_linear_weight
 from optkit.quant.ladder import Rung, layer_bytes
 from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.quant.mixed_artifact import artifact_scheme, layer_rungs
@@ -161,8 +162,8 @@ def attribute(
     modules = {name: model.get_submodule(family.module_name(name)) for name in names}
     base_weights = TensorReader(base_dir)
 
-    def base_weight(name: str) -> torch.Tensor:
-        return base_weights.get(f"{name}.weight").float()
+    def base_weight(name: str) -> torch.Tensor:  # a tied head's: the embedding
+        return base_linear_weight(base_weights, name, family).float()
 
     kld = _WindowKLD(base_model, tokens, batch_size)
     total, second_moments = _backward_pass(model, modules, kld)

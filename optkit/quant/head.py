@@ -1,8 +1,9 @@
 """The output head (the vocabulary projection, `lm_head`) quantized like a decoder linear: `--head`.
 
 - `full`: the head stays as stored (the default).
-- `int8`: 8 bits per output channel, symmetric. optkit's runtime runs it with int8 activations per
-  token (models/loader.py: the int8 head kernel); transformers and vLLM dequantize it.
+- `int8`: 8 bits per output channel (the artifact's symmetry). optkit's runtime runs a symmetric
+  one with int8 activations per token (models/loader.py: the int8 head kernel); transformers and
+  vLLM dequantize it.
 - `int4`: 4 bits at the artifact's own group size and symmetry.
 A W8A8 artifact with dynamic activations takes `int8`: its head is one more W8A8 layer.
 
@@ -39,13 +40,15 @@ def head_scheme(setting: str, decoder: WeightScheme) -> WeightScheme | None:
     if setting == "full":
         return None
     if setting == "int8":
-        return decoder.model_copy(update={"bits": 8, "group_size": -1, "symmetric": True})
+        return decoder.model_copy(update={"bits": 8, "group_size": -1})  # the artifact's symmetry, as every rung
     return decoder.model_copy(update={"bits": 4})
 
 
 def check_head(options, fmt, hf_config, outside: list[str]) -> None:
     """What `--head` cannot do, in one line each: non-integer or W8A8 schemes, a format whose
     loaders read no quantized head, a model whose head is not `lm_head`."""
+    if options.head not in HEAD_SETTINGS:  # the command line's value (a recipe's is validated by QuantizeOptions)
+        raise OptkitError(f"--head {options.head!r} is invalid: choose one of {', '.join(HEAD_SETTINGS)}")
     if options.head == "full":
         return
     w8a8_head = options.activations == "dynamic" and options.head == "int8" and _int8_per_channel(options.weights)
@@ -80,6 +83,11 @@ def is_tied(hf_config) -> bool:
     """Whether the base's head is its embedding (as transformers reads config.json)."""
     tied = getattr(hf_config, "tie_word_embeddings", None)
     return bool(tied if tied is not None else getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
+
+
+def base_linear_weight(reader: TensorReader, name: str, family) -> torch.Tensor:
+    """The base's weight of linear `name` as stored (the head's: `head_weight`)."""
+    return head_weight(reader, family) if name == HEAD else reader.get(f"{name}.weight")
 
 
 def head_weight(reader: TensorReader, family) -> torch.Tensor:
@@ -145,13 +153,14 @@ def with_head(layers: Iterator[LayerResult], base: Path, options, scheme) -> Ite
 def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, base: Path, hf_config) -> dict:
     """config.json (in `config`) with the head quantized: the format's own flag (GPTQ's `lm_head:
     true`; compressed-tensors targets every Linear not ignored), a per-layer override where its
-    scheme is not the decoder's, untied where the base ties it. Returns the manifest's `head`."""
+    scheme is not the decoder's (also a `precision_overrides` entry, as repair writes one, so that
+    attribution and repair price and keep the head's rung), untied where the base ties it. Returns
+    the manifest's fields: `head` (setting, method, bytes) and the override."""
     quant_config = fmt.with_quantized_head(config["quantization_config"])
-    decoder = options.weights
-    if (scheme.bits, scheme.group_size, scheme.symmetric) != (decoder.bits, decoder.group_size, decoder.symmetric):
-        quant_config = mixed_quantization_config(
-            options.format, quant_config, decoder, {HEAD: Rung(scheme.bits, scheme.group_size)}
-        )
+    decoder, rung = options.weights, Rung(scheme.bits, scheme.group_size)
+    overrides = {} if rung == Rung.of(decoder) else {"precision_overrides": {HEAD: rung.to_json()}}
+    if overrides:
+        quant_config = mixed_quantization_config(options.format, quant_config, decoder, {HEAD: rung})
     config["quantization_config"] = quant_config
     tied = is_tied(hf_config)
     if tied:
@@ -163,7 +172,7 @@ def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, 
     )
     weight = head_weight(TensorReader(base), family_for(hf_config.model_type))
     full = weight.numel() * weight.element_size()
-    return {
+    record = {
         "setting": options.head,
         "method": head_method(options.composition),
         "scheme": scheme.model_dump(),
@@ -172,3 +181,4 @@ def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, 
         "full_precision_bytes": full,
         "added_bytes": stored if tied else stored - full,
     }
+    return {"head": record, **overrides}

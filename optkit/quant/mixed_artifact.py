@@ -17,10 +17,12 @@ import torch
 
 from optkit.artifacts import atomic_output_dir
 from optkit.errors import OptkitError
+from optkit.families import family_for
 from optkit.manifest import MANIFEST, read_manifest, write_manifest
 from optkit.modeldir import TensorReader, read_config
 from optkit.quant.formats import get_format
 from optkit.quant.formats.mixed import check_mixed, mixed_quantization_config
+from optkit.quant.head import base_linear_weight
 from optkit.quant.ladder import Rung, parse_rung
 from optkit.quant.methods.rtn.math import rtn_quantize, weight_error
 from optkit.safetensors_stream import LazyTensor, lazy_tensors_in, write_safetensors
@@ -74,7 +76,7 @@ def write_mixed_artifact(source: Path, base: Path, rungs: dict[str, Rung | int |
             continue  # on this rung already: its tensors are in `source`
         for suffix in (*fmt.SUFFIXES, "weight"):
             tensors.pop(f"{name}.{suffix}", None)
-        weight = reader.get(f"{name}.weight")
+        weight = base_linear_weight(reader, name, family_for(config["model_type"]))  # a tied head: the embedding
         if rung.full:
             tensors[f"{name}.weight"] = weight
             layers[name] = {**layers[name], "precision": rung.to_json(), "rel_error": 0.0, "mse": 0.0}

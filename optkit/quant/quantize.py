@@ -254,9 +254,7 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
             options.activations,
         )
         extra = (
-            {}
-            if head is None
-            else {"head": output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config)}
+            {} if head is None else output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config)
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)

@@ -41,6 +41,7 @@ def test_an_int8_head_of_a_tied_model_unties_is_recorded_and_runs_the_int8_head_
     assert head["untied"] is True and head["method"] == "rtn"
     assert head["added_bytes"] == head["bytes"] > 4096 * 128  # int8 codes plus a scale per row
     assert head["full_precision_bytes"] == 4096 * 128 * 2  # the bf16 embedding it was tied to
+    assert manifest["precision_overrides"] == {"lm_head": {"bits": 8, "group_size": -1}}  # for attribution, repair
     assert manifest["layers"][-1]["name"] == "lm_head" and manifest["layers"][-1]["shape"] == [4096, 128]
     model = load_runtime_model(out)
     assert isinstance(model.lm_head, W8A8Linear)
@@ -131,3 +132,23 @@ def test_a_head_the_run_cannot_carry_is_one_line_exit_2(run_cli, tmp_path, args,
 def test_an_unknown_head_setting_names_the_flag(run_cli, tmp_path):
     code, _, err = run_cli("quantize", "draft", "--head", "q6", "--out", tmp_path / "x")
     assert code == 2 and "--head 'q6' is invalid" in err and "full, int8, int4" in err
+
+
+def test_attribution_ranks_the_head_and_repair_keeps_or_raises_it(run_cli, tmp_path, draft_dir):
+    from optkit.gate.attribution import attribute
+    from optkit.quant.mixed_artifact import write_mixed_artifact
+
+    head8 = tmp_path / "head8"
+    assert run_cli("quantize", "draft", "--head", "int8", "--out", head8)[0] == 0
+    ranked = attribute(head8, draft_dir, windows=2, seq_len=64, exact=1)
+    assert "lm_head" in {layer.name for layer in ranked.layers}  # the tied base's head: its embedding
+    # another layer raised: the head keeps its own int8 group
+    raised = tmp_path / "raised"
+    write_mixed_artifact(head8, draft_dir, {"model.layers.0.mlp.down_proj": 8}, raised, {})
+    assert isinstance(load_runtime_model(raised).lm_head, W8A8Linear)
+    # the head itself to full precision: the base's (tied) weight, stored untied
+    full = tmp_path / "full-head"
+    write_mixed_artifact(head8, draft_dir, {"lm_head": 16}, full, {})
+    model = load_runtime_model(full)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
