@@ -59,7 +59,9 @@ def planned_types(
                 raise OptkitError(
                     f"{entry.name}: GGUF {gguf['type']} stores it as {types[entry.name]}, not {block_type}"
                 )
-        elif full_precision or gguf_mix.category(entry.name) in OUTSIDE_BLOCKS:
+        elif full_precision:  # what is not a quantizable matrix (norms, MoE routers) in F32, as the converter
+            chosen[entry.name] = types[entry.name] or "F32"
+        elif gguf_mix.category(entry.name) in OUTSIDE_BLOCKS:
             chosen[entry.name] = types[entry.name]
     return chosen
 
