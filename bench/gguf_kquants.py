@@ -12,11 +12,14 @@ it); with --tools, the llama-imatrix and llama-quantize binaries of bench/build_
 instead (llama-imatrix then reads those windows decoded as text). Run by bench/gguf_quality.py --kquants.
 """
 
+import hashlib
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import llama_cpp_quantizer
@@ -30,6 +33,7 @@ from optkit.modeldir import load_tokenizer, resolve_model_dir
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 
 K_MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K")
+DECODE_TOKENS = 256  # new tokens per decode run, after a 16-token prompt
 NOISE_ONLY = ("Q6_K",)  # perplexity judged by the paired interval, not the point estimate
 LQ, LQ_IM = "llama.cpp quantize", "llama.cpp quantize + imatrix"
 OPTKIT_BIN = Path(sys.executable).with_name("optkit")
@@ -106,18 +110,40 @@ def decode_speed(optkit_file: Path, reference: Path, prompt: list[int], threads:
     speeds = {"optkit": [], LQ: []}
     for _ in range(runs):
         for name, path in (("optkit", optkit_file), (LQ, reference)):
-            speeds[name].append(llama_cpp_quantizer.decode_tokens_per_s(path, prompt, 128, threads))
+            speeds[name].append(llama_cpp_quantizer.decode_tokens_per_s(path, prompt, DECODE_TOKENS, threads))
     medians = {k: statistics.median(v) for k, v in speeds.items()}
     return {"runs": speeds, "median": medians, "ratio": medians["optkit"] / medians[LQ]}
 
 
 def rows(model: str, work: Path, mixes: list[str], methods: list[str], threads: int, windows, args) -> list[dict]:
     full, files = build_files(model, work, mixes, methods, threads, args)
-    scores = score(full, {f"{m}|{v}": path for (m, v), (path, _) in files.items()}, windows, threads)
+    paths = {f"{m}|{v}": path for (m, v), (path, _) in files.items()}
+    scores = cached_scores(full, paths, windows, threads)
     out = [_row("F16", "full precision (optkit F16)", full, 0.0, scores[str(full)])]
     for (mix, variant), (path, seconds) in files.items():
         out.append(_row(mix, variant, path, seconds, scores[f"{mix}|{variant}"]))
     return out
+
+
+def cached_scores(full: Path, paths: dict[str, Path], windows, threads: int) -> dict[str, WindowScores]:
+    """score(), each file's WindowScores kept beside it (--work) under the digest of the file, the
+    base file and the windows, so a rerun scores only the files that changed."""
+    key = _digest(full.read_bytes() + windows.numpy().tobytes())
+    cache = {name: _cache_path(path, key) for name, path in paths.items()}
+    cache[str(full)] = full.with_name(f"{full.name}.{key}.json")
+    todo = {name: path for name, path in paths.items() if not cache[name].exists()}
+    if todo or not cache[str(full)].exists():
+        for name, found in score(full, todo, windows, threads).items():
+            cache[name].write_text(json.dumps(asdict(found)))
+    return {name: WindowScores(**json.loads(path.read_text())) for name, path in cache.items()}
+
+
+def _cache_path(path: Path, key: str) -> Path:
+    return path.with_name(f"{path.name}.{_digest(path.read_bytes())}-{key}.json")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def tool_cross_check(results: list[dict], work: Path, eval_set: str, threads: int) -> None:
@@ -205,7 +231,7 @@ def check_lines(found: list[dict], decode: dict | None) -> list[str]:
         m = decode["median"]
         verdict = "PASS" if abs(decode["ratio"] - 1) <= 0.05 else "FAIL"
         lines.append(
-            f"{verdict} Q4_K_M decode in llama.cpp (batch 1, 128 tokens): optkit {m['optkit']:.1f} tok/s, "
+            f"{verdict} Q4_K_M decode in llama.cpp (batch 1, {DECODE_TOKENS} tokens): optkit {m['optkit']:.1f} tok/s, "
             f"{LQ} {m[LQ]:.1f} "
             f"(median of {len(decode['runs']['optkit'])} alternated runs), ×{decode['ratio']:.3f}"
         )
