@@ -81,6 +81,12 @@ class Worker:
             return
         self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
+        # With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), its parallel groups
+        # outlive the model: a mixture of experts loaded after a dense model would find no expert-
+        # parallel group. vLLM's own cleanup between LLM instances resets them.
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
         gc.collect()
 
     def _require_model(self):
