@@ -170,3 +170,34 @@ def test_generate_speculates_with_an_eagle_head(run_cli, small_dir, small_head):
                              "--speculative", f"eagle:{small_head}", "--num-speculative-tokens", "2")  # fmt: skip
     assert code == 0, err
     assert out.strip()
+
+
+# the chi-square critical values at p = 0.01 for 2, 4 and 6 degrees of freedom (any table)
+CHI2_CRITICAL_1PCT = {2: 9.21, 4: 13.28, 6: 16.81}
+
+
+def test_sampled_output_follows_the_target_with_a_head_that_is_partly_right(small_dir, small_echo_head):
+    # 900 seeded requests at temperature 1, top-k 3: the second output token comes from a verification
+    # step (one proposal, the echo head's, with its own distribution q), and follows the target's p
+    # given the first, whatever was accepted.
+    prompt = PROMPTS[3] + [11, 60, 60, 60]  # small goes on 60, 60, ...: the echo head's guess, often
+    config = EngineConfig(block_size=8, speculative=f"eagle:{small_echo_head}", num_speculative_tokens=2,
+                          max_num_seqs=256, max_num_batched_tokens=4096)  # fmt: skip
+    llm = LLMEngine(small_dir, config)
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=i, ignore_eos=True) for i in range(900)]
+    outputs = llm.generate([prompt] * len(params), params)
+    assert llm.stats().num_spec_accepted_tokens > 0 and llm.stats().spec_acceptance_rate < 1
+    head = llm.decoding.proposer
+    statistic, dof = 0.0, 0
+    for first in {out[0] for out in outputs}:
+        seconds = torch.tensor([out[1] for out in outputs if out[0] == first])
+        if len(seconds) < 60:
+            continue
+        logits = llm.model.compute_logits(head._target_features(prompt + [first])[-1:])[0]
+        top = logits.topk(3)
+        p = top.values.softmax(dim=0).double()
+        observed = torch.tensor([(seconds == t).sum() for t in top.indices.tolist()], dtype=torch.float64)
+        assert observed.sum() == len(seconds)  # top-k 3: nothing else
+        statistic += float(((observed - p * len(seconds)) ** 2 / (p * len(seconds))).sum())
+        dof += 2
+    assert dof and statistic < CHI2_CRITICAL_1PCT[dof]
