@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from optkit.errors import OptkitError
 from optkit.quant.formats import gguf as gguf_format
 from optkit.quant.methods.awq import math as awq
 from optkit.quant.methods.gptq.math import gptq_quantize, output_error
@@ -79,3 +80,10 @@ def test_a_sub_block_whose_scale_is_zero_rounds_to_its_offset():
         for qw in (rtn_quantize(w, k_scheme(qtype)), gptq_quantize(w, hessian, k_scheme(qtype)).weight):
             assert torch.isfinite(qw.dequantize()).all(), qtype
             assert torch.equal(_file_weights("p", qw, qtype), qw.dequantize()), qtype
+
+
+def test_the_format_refuses_a_k_type_for_a_width_not_in_whole_super_blocks():
+    layers = [("model.layers.0.mlp.down_proj", 288, 128)]
+    gguf_format.check(k_scheme("Q4_K"), False, [("model.layers.0.mlp.up_proj", 256, 288)])
+    with pytest.raises(OptkitError, match=r"down_proj \(128×288\): Q4_K blocks need input widths divisible by 256"):
+        gguf_format.check(k_scheme("Q4_K"), False, layers)
