@@ -16,6 +16,7 @@ from optkit.cli import inspect as inspect_cmd
 from optkit.cli import quantize as quantize_cmd
 from optkit.cli import run as run_cmd
 from optkit.cli import serve as serve_cmd
+from optkit.cli import speculator as speculator_cmd
 from optkit.cli import verify as verify_cmd
 from optkit.cli import zoo as zoo_cmd
 
@@ -37,6 +38,7 @@ app.command("serve")(serve_cmd.serve)
 app.command("bench")(bench_cmd.bench)
 app.command("compile")(compile_cmd.compile_)
 app.add_typer(zoo_cmd.app, name="zoo")
+app.add_typer(speculator_cmd.app, name="speculator")
 
 
 # What to do about an OSError, by errno; the line also names the file and the system's reason.

@@ -15,6 +15,7 @@ def test_every_command_has_help_with_an_example(run_cli):
         ["serve"],
         ["zoo", "build"],
         ["zoo", "list"],
+        ["speculator", "train"],
     ):
         code, out, _ = run_cli(*command, "--help")
         assert code == 0 and "Example: optkit" in out, command

@@ -1,0 +1,205 @@
+"""`optkit speculator train`: EAGLE-1 self-distillation of a head for one target (a base model or
+an optkit artifact, whose dequantized or int8 layers are what the head learns from), on CPU.
+
+Every step draws `batch_size` windows of the text (a fresh seeded order each epoch), runs the
+frozen target for its features, and trains the head on them (head_model.py, distill.py). The
+window order and the feature noise of step n derive from the seed and n alone, and a checkpoint
+holds the rest (weights, AdamW's moments), so a resumed run equals an uninterrupted one.
+"""
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optkit.artifacts import check_output_dir, check_replaceable
+from optkit.data.eval_sets import load_text_set
+from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.errors import OptkitError
+from optkit.modeldir import load_tokenizer, resolve_model_dir
+from optkit.progress import progress_bar
+from optkit.quant.formats.load import load_model
+from optkit.speculative.acceptance import eval_prompts, mean_acceptance_length
+from optkit.speculative.checkpoint import (
+    CHECKPOINT_FILES,
+    load_checkpoint,
+    read_checkpoint_state,
+    save_checkpoint,
+)
+from optkit.speculative.distill import DistillLoss, chain_length_estimate, distillation_loss, head_inputs
+from optkit.speculative.eagle_head import target_digest
+from optkit.speculative.head_files import HEAD_FILES, write_head
+from optkit.speculative.head_model import EagleHeadModel, new_head
+from optkit.speculative.options import SpeculatorTrainOptions
+
+GRAD_CLIP = 0.5  # EAGLE's
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    path: Path
+    num_parameters: int
+    steps: int
+    seconds: float
+    mean_acceptance_length: float  # offline, greedy chains at options.num_speculative_tokens
+    top1: float  # running agreement of the head's next token with the target's, at the end
+
+
+def learning_rate(step: int, options: SpeculatorTrainOptions) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < options.warmup_steps:
+        return options.learning_rate * (step + 1) / options.warmup_steps
+    progress = (step - options.warmup_steps) / max(1, options.steps - options.warmup_steps)
+    return options.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def window_indices(step: int, batch_size: int, num_windows: int, seed: int) -> torch.Tensor:
+    """The windows of `step`: epoch e is a permutation seeded by (seed, e), read in order."""
+    picks = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(i, num_windows)
+        order = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        picks.append(order[offset])
+    return torch.stack(picks)
+
+
+def feature_noise(shape: torch.Size, step: int, options: SpeculatorTrainOptions) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(options.seed * 1_000_003 + step + 1)
+    return (torch.rand(shape, generator=generator) - 0.5) * options.noise
+
+
+def training_windows(tokenizer, options: SpeculatorTrainOptions) -> torch.Tensor:
+    texts = load_text_set(options.data, flag="--data").texts
+    windows = pack_windows(tokenize_stream(tokenizer, texts), options.seq_len)
+    if len(windows) == 0:
+        raise OptkitError(f"--data {options.data} has fewer tokens than --seq-len {options.seq_len}: give more text")
+    return windows
+
+
+def frozen_target(target_dir: Path) -> torch.nn.Module:
+    target = load_model(target_dir, dtype=torch.float32)
+    target.eval().requires_grad_(False)
+    return target
+
+
+class TargetFeatures:
+    """The frozen target's features of the training windows [N, T] (after the final norm, the LM
+    head's input), computed in fixed chunks of windows, so that a window's features never depend on
+    which step asks first, and kept while they fit in `max_bytes`."""
+
+    CHUNK = 16
+
+    def __init__(self, target: torch.nn.Module, windows: torch.Tensor, max_bytes: int = 1 << 30):
+        self.target, self.windows, self.chunks = target, windows, {}
+        per_chunk = self.CHUNK * windows.shape[1] * target.config.hidden_size * 4
+        self.max_chunks = max_bytes // per_chunk
+
+    @torch.no_grad()
+    def _chunk(self, c: int) -> torch.Tensor:
+        if c in self.chunks:
+            return self.chunks[c]
+        tokens = self.windows[c * self.CHUNK : (c + 1) * self.CHUNK]
+        features = self.target.get_decoder()(tokens).last_hidden_state.float()  # [chunk, T, H]
+        if len(self.chunks) < self.max_chunks:
+            self.chunks[c] = features
+        return features
+
+    def __call__(self, indices: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self._chunk(i // self.CHUNK)[i % self.CHUNK] for i in indices.tolist()])
+
+
+def train_step(head: EagleHeadModel, target, batch: torch.Tensor, features, step: int, options) -> DistillLoss:
+    """batch: [B, T] tokens, features: [B, T, H] the target's."""
+    with torch.no_grad():
+        embeds, inputs, positions = head_inputs(target.get_input_embeddings(), batch, features)
+        inputs = inputs + feature_noise(inputs.shape, step, options)
+    predicted = head(embeds.float(), inputs, positions)
+    loss = distillation_loss(predicted, features[:, 1:], target.get_output_embeddings())
+    loss.loss.backward()
+    return loss
+
+
+def _resume_step(checkpoint_dir: Path, head, optimizer, options, digest: str) -> tuple[int, float]:
+    state = read_checkpoint_state(checkpoint_dir)
+    if state is None:
+        return 0, 0.0
+    if state.get("target_sha256") != digest:
+        raise OptkitError(f"checkpoint {checkpoint_dir} is for another target: remove it or drop --resume")
+    for name, value in options.training_values().items():
+        if state.get("options", {}).get(name) != value:
+            raise OptkitError(
+                f"checkpoint {checkpoint_dir} was written with {name}={state['options'].get(name)!r}, not "
+                f"{value!r}: pass the same value or remove the checkpoint"
+            )
+    load_checkpoint(checkpoint_dir, head, optimizer)
+    return state["step"], float(state.get("top1", 0.0))
+
+
+def train_speculator(
+    target_name: str | Path,
+    out: Path,
+    options: SpeculatorTrainOptions,
+    *,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    stop_after: int | None = None,
+) -> TrainResult | None:
+    """Train a head for the target and write it to `out` (config.json + model.safetensors).
+    `stop_after`: leave after that many steps with only the checkpoint written (what an interrupted
+    run leaves; for tests), returning None."""
+    start = time.perf_counter()
+    target_dir = resolve_model_dir(target_name)
+    out = Path(out)
+    checkpoint_dir = Path(checkpoint_dir or out.with_name(out.name + ".checkpoint"))
+    check_output_dir(out, overwrite, own_files=HEAD_FILES)
+    torch.manual_seed(options.seed)
+    digest = target_digest(target_dir)
+    tokenizer = load_tokenizer(target_dir)
+    windows = training_windows(tokenizer, options)
+    target = frozen_target(target_dir)
+    head = new_head(target, options.seed)
+    features = TargetFeatures(target, windows)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    first, top1 = _resume_step(checkpoint_dir, head, optimizer, options, digest) if resume else (0, 0.0)
+    last = options.steps if stop_after is None else min(options.steps, first + stop_after)
+    k = options.num_speculative_tokens
+
+    def checkpoint(step: int) -> None:
+        state = {"step": step, "options": options.training_values(), "target_sha256": digest, "top1": top1}
+        save_checkpoint(checkpoint_dir, head, optimizer, state)
+
+    head.train()
+    with progress_bar() as bar:
+        task = bar.add_task("train EAGLE head", total=options.steps, completed=first, info="")
+        for step in range(first, last):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(step, options)
+            indices = window_indices(step, options.batch_size, len(windows), options.seed)
+            loss = train_step(head, target, windows[indices], features(indices), step, options)
+            torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            top1 = loss.top1 if step == 0 else 0.95 * top1 + 0.05 * loss.top1
+            info = (
+                f"loss {loss.loss.item():.3f} (feature {loss.feature:.3f}, ce {loss.distribution:.2f})  "
+                f"top-1 {top1:.0%}  ~{chain_length_estimate(top1, k):.2f} tokens/step at k={k}"
+            )
+            bar.update(task, advance=1, info=info)
+            if (step + 1) % options.checkpoint_every == 0 and step + 1 < options.steps:
+                checkpoint(step + 1)
+    if last < options.steps:
+        checkpoint(last)
+        return None
+
+    prompts = eval_prompts(tokenizer, load_text_set(options.eval_set).texts, options.eval_prompts, 64)
+    acceptance = mean_acceptance_length(head, target, prompts, k, options.eval_new_tokens)
+    write_head(out, head, target_dir, overwrite=overwrite)
+    if checkpoint_dir.exists():  # optkit's own files only (check_replaceable refuses anything else)
+        check_replaceable(checkpoint_dir, "--checkpoint-dir", CHECKPOINT_FILES)
+        shutil.rmtree(checkpoint_dir)
+    num_parameters = sum(p.numel() for p in head.parameters())
+    return TrainResult(out, num_parameters, options.steps, time.perf_counter() - start, acceptance, top1)
