@@ -46,6 +46,10 @@ def run(
             table.add_row(stage["stage"], stage["status"], f"{stage['seconds']:.1f}")
         out_console = console()
         print_table(table, out_console)
+        if result.gate.get("speculative"):
+            from optkit.pipeline.speculator_stage import acceptance_line
+
+            out_console.print(acceptance_line(result.gate["speculative"]))
         color = "green" if result.passed else "yellow" if result.verdict == "inconclusive" else "red"
         out_console.print(f"[bold {color}]{result.verdict.upper()}[/] {result.release}")
     raise typer.Exit(result.exit_code)

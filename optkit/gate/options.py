@@ -77,6 +77,9 @@ class GateOptions(Thresholds):
     # what runs the artifact (pipeline/gate_engine.py): None is the artifact's default (transformers,
     # or its format's runtime); vllm reads vLLM's python from OPTKIT_VLLM_PYTHON, never from here
     engine: Literal["transformers", "optkit", "vllm", "llama.cpp"] | None = None
+    # mean accepted tokens + 1 per target step of the release's EAGLE head on the eval set, at the
+    # recipe's speculator.num_speculative_tokens (pipeline/speculator_stage.py); needs `speculator:`
+    min_acceptance_length: float | None = Field(default=None, ge=1, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _sequential_needs_a_threshold(self):

@@ -17,6 +17,7 @@ from optkit.quant.methods.composition import resolve
 from optkit.quant.quantize import QuantizeOptions
 from optkit.quant.sections import SectionError
 from optkit.routing.config import ServeOptions
+from optkit.speculative.options import SpeculatorSection
 from optkit.yaml_files import load_yaml, read_yaml_mapping
 
 
@@ -50,6 +51,7 @@ class Recipe(BaseModel):
     compile: CompileOptions | None = None  # absent: no compile stage
     serve: ServeOptions = Field(default_factory=ServeOptions)  # how `optkit serve --recipe` serves it
     deploy: DeployOptions | None = None  # absent: no vllm.yaml in the release (pipeline/vllm_deploy.py)
+    speculator: SpeculatorSection | None = None  # absent: no EAGLE head (pipeline/speculator_stage.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +95,10 @@ class Recipe(BaseModel):
             raise ValueError(
                 f"deploy.engine vllm serves artifact directories, not a {self.quantize.format} file: drop deploy"
             )
+        if self.gate.min_acceptance_length is not None and self.speculator is None:
+            raise ValueError("gate.min_acceptance_length measures the release's EAGLE head: add a speculator section")
+        if self.speculator is not None and outside is not None:
+            raise ValueError(f"speculator heads run in optkit's runtime, not {outside}: drop the speculator section")
         if getattr(self.gate, "repair", None) is not None and outside is not None:
             raise ValueError(
                 f"gate.repair rewrites artifact directories, not a {self.quantize.format} file: "

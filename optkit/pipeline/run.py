@@ -39,6 +39,7 @@ from optkit.pipeline.gate_engine import gate_engine
 from optkit.pipeline.model_card import model_card
 from optkit.pipeline.recipe import Recipe
 from optkit.pipeline.report_html import render_report
+from optkit.pipeline.speculator_stage import copy_head, speculator_stage, with_speculative
 from optkit.pipeline.vllm_deploy import vllm_config, write_vllm_deploy
 from optkit.quant.formats import get_format
 from optkit.quant.quantize import quantize_model
@@ -147,10 +148,21 @@ def run_recipe(
         staged.artifact, staged.manifest = _repair_stage(
             recipe, base, staged.artifact, staged.manifest, work, result, device
         )
+    head = _speculator_stage(recipe, base, staged.artifact, work, result) if recipe.speculator else None
     # compile: only what will be released is worth warming
     compiled = _compile_stage(recipe, staged.manifest, staged.artifact, work, result) if recipe.compile else None
-    _package_stage(recipe, raw, recipe_path, staged, compiled, result, what)
+    _package_stage(recipe, raw, recipe_path, staged, compiled, result, what, head)
     return result
+
+
+def _speculator_stage(recipe: Recipe, base: Path, artifact: Path, work: Path, result: RunResult) -> Path:
+    """The release's EAGLE head and its acceptance (pipeline/speculator_stage.py), into the gate's record."""
+    start = time.perf_counter()
+    head, record = speculator_stage(recipe.speculator, recipe.gate, base, artifact, work)
+    result.gate = with_speculative(result.gate, record)
+    result.verdict = release_verdict(result.gate)
+    result.ran("speculator", start)
+    return head
 
 
 @dataclass
@@ -218,7 +230,14 @@ def _gate_stage(recipe: Recipe, base: Path, staged: _Staged, work: Path, result:
 
 
 def _package_stage(
-    recipe: Recipe, raw: dict, recipe_path: Path, staged: _Staged, compiled: dict | None, result: RunResult, what: str
+    recipe: Recipe,
+    raw: dict,
+    recipe_path: Path,
+    staged: _Staged,
+    compiled: dict | None,
+    result: RunResult,
+    what: str,
+    head: Path | None = None,
 ) -> None:
     """Write the release: always (cheap), so that it reflects this recipe and verdict."""
     start = time.perf_counter()
@@ -228,6 +247,7 @@ def _package_stage(
             if path.is_file() and path.name != MANIFEST:
                 shutil.copy2(path, tmp / path.name)
         (tmp / "gate.json").write_text(dumps(result.gate, indent=2) + "\n")
+        speculator = {"speculator": copy_head(head, tmp)} if head is not None else {}
         card = model_card(recipe, manifest, result.gate, result.verdict)
         if recipe.deploy is not None:
             card += write_vllm_deploy(tmp, recipe.deploy, result.release.name)
@@ -244,6 +264,7 @@ def _package_stage(
                 "gate": result.gate,
                 "verdict": result.verdict,
                 "compile": compiled,
+                **speculator,
             },
         )
     result.ran("package", start)
