@@ -1,24 +1,29 @@
-"""Output tokens/s of speculative decoding against plain decoding, measured in the same run.
+"""Output tokens/s and mean acceptance length of speculative decoding against plain decoding,
+measured in the same run, over proposers x k x temperature x batch size.
 
-Workload: "repeat this passage". Each prompt is a held-out passage of Python source followed by its
-first line again, so a continuation that quotes the passage is what the prompt invites; prompt
-lookup (n-gram) finds the passage, a draft model has to predict it. Every run decodes the same
-requests greedily with EOS ignored (so every run produces the same number of tokens), and the bench
-checks that each speculative run's tokens equal the plain run's, token for token.
+Workloads (--workload):
+  quote    "repeat this passage": a held-out passage of Python source, then its first line again,
+           so a continuation that quotes the passage is what the prompt invites; prompt lookup
+           (n-gram) finds the passage, a draft model or an EAGLE head has to predict it.
+  heldout  windows of held-out text (prompt-len tokens): an ordinary continuation, where n-gram
+           has little to find and a proposer must model the target.
+Every run decodes the same requests with EOS ignored (so every run produces the same number of
+tokens). Greedy runs are checked token for token against the plain run; sampled runs (T > 0) use
+one seed per request, so their outputs are reproducible, not equal.
 
-Runs, at batch 1 (requests one after another) and at batch 16 (all submitted at once):
-  plain decoding; n-gram speculation; draft-model speculation (--draft, default the `draft` model).
-Each run is repeated (--repeats, interleaved with the others) and its fastest time kept, so that
-other load on the machine does not decide the ratios. On a machine shared with other jobs, pass
---threads 1: two threads contending for busy cores can be ten times slower than one.
+Runs, at each --batch (requests one after another at 1, in groups otherwise): plain decoding, then
+every --speculative proposer (default: ngram, draft:DRAFT, and eagle:HEAD when --eagle names a
+head directory) at every k in --ks. Each run is repeated (--repeats, interleaved with the others)
+and its fastest time kept, so that other load on the machine does not decide the ratios. On a
+machine shared with other jobs, pass --threads 1.
 
---num-speculative-tokens takes one k for every proposer, or one per --speculative value; by
-default 16 for n-gram (it proposes k tokens only after a full 4-token match, in runs of repeated
-text, where long guesses pay; after shorter matches, or after its last guess failed, it proposes
-fewer) and 3 for a draft model (each proposal costs a draft forward pass).
+mean_acceptance_length: accepted tokens + 1 per target step (sequence verification step), the
+figure EAGLE's and vLLM's papers report.
 
-Usage: python bench/speculative.py [--target small] [--draft draft] [--speculative ngram draft:draft]
-                                   [--num-speculative-tokens 8 3] [--max-tokens 128] [--threads 1] [--json]
+Usage: python bench/speculative.py [--target small] [--draft draft] [--eagle HEAD_DIR]
+                                   [--speculative ngram draft:draft eagle:DIR] [--ks 2 3 4 5 6]
+                                   [--temperatures 0 0.8] [--batches 1 8] [--workload heldout]
+                                   [--max-tokens 64] [--threads 1] [--json]
 """
 
 import argparse
@@ -31,12 +36,10 @@ from rich.console import Console
 from rich.table import Table
 
 from optkit.data.eval_sets import load_text_set
+from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.modeldir import load_tokenizer, resolve_model_dir
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.sequence import SamplingParams
-
-BATCHES = (1, 16)
-DEFAULT_K = {"ngram": 16, "draft": 3}
 
 
 def quoting_prompts(tokenizer, n: int, seed: int, lines: int = 12) -> list[list[int]]:
@@ -53,99 +56,133 @@ def quoting_prompts(tokenizer, n: int, seed: int, lines: int = 12) -> list[list[
     return prompts
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+def heldout_prompts(tokenizer, n: int, prompt_len: int) -> list[list[int]]:
+    """`n` windows of `prompt_len` held-out tokens, spread evenly over the set."""
+    windows = pack_windows(tokenize_stream(tokenizer, load_text_set("heldout").texts), prompt_len)
+    picks = torch.linspace(0, len(windows) - 1, n).round().long()
+    return windows[picks].tolist()
+
+
+def run(engine, prompts, batch: int, max_tokens: int, temperature: float) -> tuple[float, list[list[int]]]:
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, seed=i if temperature else None)
+        for i in range(len(prompts))
+    ]
     start = time.perf_counter()
     outputs = []
     for b in range(0, len(prompts), batch):
-        outputs += engine.generate(prompts[b : b + batch], params)
+        outputs += engine.generate(prompts[b : b + batch], params[b : b + batch])
     return time.perf_counter() - start, outputs
 
 
-def main() -> None:
+def measure(engines: dict, prompts, batch: int, temperature: float, args) -> list[dict]:
+    best: dict[str, float] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    before = {name: engine.stats() for name, engine in engines.items()}
+    for _ in range(args.repeats):
+        for name, engine in engines.items():
+            seconds, outputs[name] = run(engine, prompts, batch, args.max_tokens, temperature)
+            best[name] = min(seconds, best.get(name, seconds))
+    rows = []
+    for name, engine in engines.items():
+        after, seconds = engine.stats(), best[name]
+        steps = after.num_spec_steps - before[name].num_spec_steps
+        drafted = after.num_spec_draft_tokens - before[name].num_spec_draft_tokens
+        accepted = after.num_spec_accepted_tokens - before[name].num_spec_accepted_tokens
+        tokens = sum(len(o) for o in outputs[name])
+        rows.append(
+            {
+                "batch": batch,
+                "temperature": temperature,
+                "run": name,
+                "seconds": seconds,
+                "tokens": tokens,
+                "tokens_per_s": tokens / seconds,
+                "speedup": best["plain"] / seconds,
+                "same_tokens_as_plain": outputs[name] == outputs["plain"] if temperature == 0 else None,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_acceptance_length": accepted / steps + 1 if steps else None,
+            }
+        )
+    return rows
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="small")
     parser.add_argument("--draft", default="draft", help="the draft model of the default draft run")
-    parser.add_argument("--speculative", nargs="+", help="proposers to run (default: ngram draft:DRAFT)")
-    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", help="k for all, or one per proposer")
-    parser.add_argument("--requests", type=int, default=16, help="requests per batch size (a multiple of 16)")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5, help="runs of each configuration; the fastest counts")
+    parser.add_argument("--eagle", help="an EAGLE head directory for the target (adds eagle:DIR to the defaults)")
+    parser.add_argument("--speculative", nargs="+", help="proposers (default: ngram draft:DRAFT [eagle:HEAD])")
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 6], help="speculative tokens per step")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--workload", choices=("quote", "heldout"), default="quote")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the heldout workload")
+    parser.add_argument("--requests", type=int, default=8, help="requests per run (a multiple of every batch)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the fastest counts")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = resolve_model_dir(args.target)
-    proposers = args.speculative or ["ngram", f"draft:{args.draft}"]
-    ks = args.num_speculative_tokens or [DEFAULT_K[p.partition(":")[0]] for p in proposers]
-    if len(ks) not in (1, len(proposers)):
-        parser.error("give one --num-speculative-tokens, or one per --speculative value")
-    ks = ks * len(proposers) if len(ks) == 1 else ks
-    prompts = quoting_prompts(load_tokenizer(target), args.requests, args.seed)
+    proposers = args.speculative or ["ngram", f"draft:{args.draft}", *([f"eagle:{args.eagle}"] if args.eagle else [])]
+    tokenizer = load_tokenizer(target)
+    if args.workload == "quote":
+        prompts = quoting_prompts(tokenizer, args.requests, args.seed)
+    else:
+        prompts = heldout_prompts(tokenizer, args.requests, args.prompt_len)
 
-    configs = {"plain": EngineConfig(max_num_seqs=max(BATCHES))}
-    for spec, k in zip(proposers, ks, strict=True):  # rows named "ngram k=16", "draft k=3"
-        name = f"{spec.partition(':')[0]} k={k}"
-        configs[name] = EngineConfig(max_num_seqs=max(BATCHES), speculative=spec, num_speculative_tokens=k)
+    max_seqs = max(args.batches)
+    configs = {"plain": EngineConfig(max_num_seqs=max_seqs)}
+    for spec in proposers:
+        for k in args.ks:  # rows named "ngram k=4", "eagle k=3"
+            name = f"{spec.partition(':')[0]} k={k}"
+            configs[name] = EngineConfig(max_num_seqs=max_seqs, speculative=spec, num_speculative_tokens=k)
     engines = {name: LLMEngine(target, config) for name, config in configs.items()}
     for engine in engines.values():  # warm-up: first-call costs are not throughput
-        run(engine, prompts[:2], 2, 8)
-
+        run(engine, prompts[:2], 2, 8, 0.0)
     rows = []
-    for batch in BATCHES:
-        best: dict[str, float] = {}
-        outputs: dict[str, list[list[int]]] = {}
-        before = {name: engine.stats() for name, engine in engines.items()}
-        for _ in range(args.repeats):
-            for name, engine in engines.items():
-                seconds, outputs[name] = run(engine, prompts, batch, args.max_tokens)
-                best[name] = min(seconds, best.get(name, seconds))
-        for name, engine in engines.items():
-            after, seconds = engine.stats(), best[name]
-            tokens = sum(len(o) for o in outputs[name])
-            steps = after.num_spec_steps - before[name].num_spec_steps
-            drafted = after.num_spec_draft_tokens - before[name].num_spec_draft_tokens
-            accepted = after.num_spec_accepted_tokens - before[name].num_spec_accepted_tokens
-            rows.append(
-                {
-                    "batch": batch,
-                    "run": name,
-                    "seconds": seconds,
-                    "tokens": tokens,
-                    "tokens_per_s": tokens / seconds,
-                    "speedup": best["plain"] / seconds,
-                    "same_tokens_as_plain": outputs[name] == outputs["plain"],
-                    "acceptance_rate": accepted / drafted if drafted else None,
-                    "accepted_per_step": accepted / steps if steps else None,
-                }
-            )
+    for temperature in args.temperatures:
+        for batch in args.batches:
+            rows += measure(engines, prompts, batch, temperature, args)
     if args.json:
-        report = {"target": args.target, "proposers": proposers, "max_tokens": args.max_tokens, "runs": rows}
-        print(json.dumps(report, indent=2))
+        report = {"target": args.target, "proposers": proposers, "workload": args.workload, "runs": rows}
+        print(json.dumps({**report, "max_tokens": args.max_tokens, "threads": torch.get_num_threads()}, indent=2))
         return
+    show(rows, args, proposers, len(prompts))
+
+
+def show(rows: list[dict], args, proposers: list[str], requests: int) -> None:
     title = (
-        f"target {args.target}, proposers {' '.join(proposers)}: {len(prompts)} 'repeat this passage' "
-        f"requests x {args.max_tokens} tokens, {torch.get_num_threads()} threads"
+        f"target {args.target}, proposers {' '.join(proposers)}: {requests} {args.workload} requests x "
+        f"{args.max_tokens} tokens, {torch.get_num_threads()} threads"
     )
     table = Table(title=title)
-    for column in ("batch", "run", "s", "tok/s", "vs plain", "accepted", "per step", "= plain"):
+    for column in ("T", "batch", "run", "s", "tok/s", "vs plain", "accepted", "mean acc. len", "= plain"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for row in rows:
+        same = row["same_tokens_as_plain"]
         table.add_row(
+            f"{row['temperature']:g}",
             str(row["batch"]),
             row["run"],
             f"{row['seconds']:.2f}",
             f"{row['tokens_per_s']:.0f}",
             f"{row['speedup']:.2f}x",
             "" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}",
-            "" if row["accepted_per_step"] is None else f"{row['accepted_per_step']:.2f}",
-            "yes" if row["same_tokens_as_plain"] else "NO",
+            "" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}",
+            "" if same is None else "yes" if same else "NO",
         )
     Console().print(table)
-    print("accepted: proposals the target accepted; per step: accepted per sequence decode step")
+    print("accepted: proposals the target accepted; mean acc. len: accepted tokens + 1 per target step")
 
 
 if __name__ == "__main__":
