@@ -163,7 +163,7 @@ def attribute(
     base_weights = TensorReader(base_dir)
 
     def base_weight(name: str) -> torch.Tensor:  # a tied head's: the embedding
-        return base_linear_weight(base_weights, name, family).float()
+        return base_linear_weight(base_weights, name).float()
 
     kld = _WindowKLD(base_model, tokens, batch_size)
     total, second_moments = _backward_pass(model, modules, kld)

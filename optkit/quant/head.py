@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from optkit.errors import OptkitError
-from optkit.families import family_for
-from optkit.modeldir import TensorReader, read_config
+from optkit.modeldir import TensorReader
 from optkit.quant.calibrate import LayerResult, LayerStream, LayerWork
 from optkit.quant.formats.mixed import mixed_quantization_config
 from optkit.quant.ladder import Rung
@@ -85,16 +84,22 @@ def is_tied(hf_config) -> bool:
     return bool(tied if tied is not None else getattr(hf_config.get_text_config(), "tie_word_embeddings", False))
 
 
-def base_linear_weight(reader: TensorReader, name: str, family) -> torch.Tensor:
+def base_linear_weight(reader: TensorReader, name: str) -> torch.Tensor:
     """The base's weight of linear `name` as stored (the head's: `head_weight`)."""
-    return head_weight(reader, family) if name == HEAD else reader.get(f"{name}.weight")
+    return head_weight(reader) if name == HEAD else reader.get(f"{name}.weight")
 
 
-def head_weight(reader: TensorReader, family) -> torch.Tensor:
-    """The base's head weight [vocab, hidden]: lm_head.weight, or the embedding where tied and not stored."""
+def head_weight(reader: TensorReader) -> torch.Tensor:
+    """The base's head weight [vocab, hidden]: lm_head.weight, or the embedding where tied and not
+    stored (the text model's `embed_tokens`, under whatever prefix the checkpoint gives it)."""
     if f"{HEAD}.weight" in reader:
         return reader.get(f"{HEAD}.weight")
-    return reader.get(family.checkpoint_name("model.embed_tokens.weight"))
+    embeddings = [key for key in reader.keys() if key.endswith("embed_tokens.weight")]
+    if len(embeddings) != 1:
+        raise OptkitError(
+            f"the checkpoint has no {HEAD}.weight and no single embed_tokens.weight to tie it to: drop --head"
+        )
+    return reader.get(embeddings[0])
 
 
 def head_method(composition) -> str:
@@ -127,7 +132,7 @@ def gptq_head(options, scheme: WeightScheme | None, batch_size: int):
         norm_prefix = f"{stream.prefix}.norm."
         stored = stream.reader.get_prefixed(stream.family.checkpoint_name(norm_prefix))
         norm.load_state_dict({k.rpartition(".")[2]: v for k, v in stored.items()})
-        weight = head_weight(stream.reader, stream.family).float().to(stream.device)  # [vocab, hidden]
+        weight = head_weight(stream.reader).float().to(stream.device)  # [vocab, hidden]
         lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=stream.device)
         lm_head.weight.data = weight
         block = HeadBlock(norm.float(), lm_head)
@@ -143,7 +148,7 @@ def with_head(layers: Iterator[LayerResult], base: Path, options, scheme) -> Ite
     yield from layers
     if scheme is None or gptq_head(options, scheme, 1) is not None:
         return
-    weight = head_weight(TensorReader(base), family_for(read_config(base)["model_type"]))
+    weight = head_weight(TensorReader(base))
     if not torch.isfinite(weight).all():
         raise OptkitError(f"{HEAD}: the weight contains NaN or inf: repair the checkpoint before quantizing")
     qw = rtn_quantize(weight, scheme, scale_dtype=scheme.scale_dtype_for(weight.dtype))
@@ -170,7 +175,7 @@ def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, 
     stored = sum(
         t.nbytes for key, t in lazy_tensors_in(out / "model.safetensors").items() if key.startswith(f"{HEAD}.")
     )
-    weight = head_weight(TensorReader(base), family_for(hf_config.model_type))
+    weight = head_weight(TensorReader(base))
     full = weight.numel() * weight.element_size()
     record = {
         "setting": options.head,

@@ -17,7 +17,6 @@ import torch
 
 from optkit.artifacts import atomic_output_dir
 from optkit.errors import OptkitError
-from optkit.families import family_for
 from optkit.manifest import MANIFEST, read_manifest, write_manifest
 from optkit.modeldir import TensorReader, read_config
 from optkit.quant.formats import get_format
@@ -76,7 +75,7 @@ def write_mixed_artifact(source: Path, base: Path, rungs: dict[str, Rung | int |
             continue  # on this rung already: its tensors are in `source`
         for suffix in (*fmt.SUFFIXES, "weight"):
             tensors.pop(f"{name}.{suffix}", None)
-        weight = base_linear_weight(reader, name, family_for(config["model_type"]))  # a tied head: the embedding
+        weight = base_linear_weight(reader, name)  # a tied head: the embedding
         if rung.full:
             tensors[f"{name}.weight"] = weight
             layers[name] = {**layers[name], "precision": rung.to_json(), "rel_error": 0.0, "mse": 0.0}

@@ -152,3 +152,12 @@ def test_attribution_ranks_the_head_and_repair_keeps_or_raises_it(run_cli, tmp_p
     model = load_runtime_model(full)
     assert type(model.lm_head) is torch.nn.Linear
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_a_multimodal_gemma3_ties_its_head_to_the_text_models_embedding(run_cli, tmp_path, small_dir):
+    base = save_tiny_family("gemma3", tmp_path / "gemma3", small_dir)  # embed_tokens under model.language_model
+    out = tmp_path / "head8"
+    code, _, err = run_cli("quantize", base, "--head", "int8", "--out", out)
+    assert code == 0, err
+    assert _written(out)[1]["head"]["untied"] is True
+    assert isinstance(load_runtime_model(out).lm_head, W8A8Linear)
