@@ -90,16 +90,62 @@ class ConfigReading:
     rope_type_aliases: Mapping[str, str] = field(default_factory=dict)
 
 
+# a decoder layer's tensors (local names, as the runtime's modules call them) -> llama.cpp's (after
+# "blk.N."), as gguf-py's TensorNameMap maps them for LlamaModel, Qwen2Model and Qwen3Model
+LLAMA_GGUF_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_ATTENTION = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")
+LLAMA_GGUF_REQUIRED = (*GGUF_ATTENTION, "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+GGUF_EXPERTS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def _no_problem(config: dict) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class GgufArchitecture:
-    """How llama.cpp's converter (convert_hf_to_gguf.py) writes a model_type: its architecture
-    (general.architecture, the prefix of its keys), and whether it is LlamaModel's kind, whose q/k
-    rows go to GGML's interleaved RoPE order and which also writes vocab_size and
-    rope.dimension_count (the others run NEOX RoPE on Hugging Face's order)."""
+    """How llama.cpp's converter (convert_hf_to_gguf.py, conversion/*.py) writes a model_type: its
+    architecture (general.architecture, the prefix of its keys), and whether it is LlamaModel's kind,
+    whose q/k rows go to GGML's interleaved RoPE order and which also writes vocab_size and
+    rope.dimension_count (the others run NEOX RoPE on Hugging Face's order).
+
+    tensors: a decoder layer's tensors -> llama.cpp's names; a `*` (the expert's index) stacks every
+    expert's tensor into one 3-D tensor, as the converter merges them. required: the block tensors
+    llama.cpp's loader creates as required (`optkit verify` checks them). norm_offset: added to every
+    norm weight (Gemma's converter writes 1 + w). keys: the architecture's own metadata beyond
+    TextModel's, from the language model's config.json with its defaults ("KEY" after "{arch}." ->
+    value: an int is a u32, a float an f32, a bool a bool, a str a string, a list of bools an array).
+    required_keys: keys its loader reads with no default. problem: what in a config.json llama.cpp's
+    graph for it cannot run, in one line (None: it runs it). output_required: its loader has no tied
+    output (output.weight is written from the embeddings). rope_types: the RoPE scalings written.
+    extra_tensors: F32 tensors the converter generates (Phi-3's LongRoPE factors). full_qk_norm: q/k
+    norms span all heads (OLMo 2), not one head."""
 
     name: str
     llama_rope: bool = False
     attention_bias: bool = True  # its graph in llama.cpp adds attention biases (Qwen3's has none)
+    tensors: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_TENSORS)
+    required: tuple[str, ...] = LLAMA_GGUF_REQUIRED
+    norm_offset: float = 0.0
+    keys: Callable[[dict], dict] = _no_fields
+    required_keys: tuple[str, ...] = ()
+    problem: Callable[[dict], str | None] = _no_problem
+    output_required: bool = False
+    rope_types: tuple[str, ...] = ("default", "linear", "llama3")
+    extra_tensors: Callable[[dict], dict] = _no_fields
+    full_qk_norm: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +206,18 @@ class Family:
         for stored, module in self.checkpoint_renames:
             name = name.replace(module, stored)
         return name[1:]
+
+    def runtime_name(self, checkpoint_key: str) -> str | None:
+        """A checkpoint key under the runtime's names (Gemma 3's language_model.model.* -> model.*,
+        Mixtral's block_sparse_moe -> mlp); None for what the runtime leaves out (`outside_runtime`)."""
+        prefixes = self.outside_runtime[0] if self.outside_runtime else ()
+        if checkpoint_key.startswith(prefixes):
+            return None
+        for stored, runtime in self.runtime_renames:
+            if checkpoint_key.startswith(stored):
+                checkpoint_key = runtime + checkpoint_key.removeprefix(stored)
+                break
+        return self.module_name(checkpoint_key)
 
     @property
     def norm_groups(self) -> tuple[SmoothingGroup, ...]:

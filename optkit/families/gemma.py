@@ -19,7 +19,15 @@ artifact in full precision and the runtime leaves them out (text in, text out).
 """
 
 from optkit.errors import OptkitError
-from optkit.families import ConfigReading, Family, ModelType, register_family
+from optkit.families import (
+    GGUF_ATTENTION,
+    LLAMA_GGUF_TENSORS,
+    ConfigReading,
+    Family,
+    GgufArchitecture,
+    ModelType,
+    register_family,
+)
 from optkit.families.llama import LLAMA_LAYOUT, attention_bias
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -126,6 +134,74 @@ def _language_model(config: dict) -> dict:
     return {**text, "model_type": "gemma3", "eos_token_id": eos}
 
 
+# gguf-py's TensorNameMap for GEMMA2/GEMMA3: the sandwich norms have names of their own
+GEMMA_GGUF_TENSORS = {
+    **LLAMA_GGUF_TENSORS,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_GEMMA_REQUIRED = (
+    *GGUF_ATTENTION,
+    "post_attention_norm",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "post_ffw_norm",
+)
+# llama.cpp's default sliding-window pattern (llama_model_gemma2/3::load_arch_hparams) and the layer
+# count of the 27B models, whose queries llama.cpp scales by 1/√(hidden / heads), not 1/√head_dim
+_LLAMA_CPP_PATTERN = {"gemma2": 2, "gemma3": 6}
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_arch(config: dict) -> str:
+    return "gemma2" if config["model_type"] == "gemma2" else "gemma3"
+
+
+def _gguf_keys(config: dict) -> dict:
+    """Gemma2Model/Gemma3Model.set_gguf_parameters: the soft-caps the model applies, the window, the
+    local RoPE base (TextModel's rope.freq_base_swa) and, where the layers do not follow llama.cpp's
+    default pattern, which layers slide (as Olmo2Model writes sliding_window_pattern)."""
+    fields, arch = _gemma_fields(config), _gguf_arch(config)
+    keys = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if fields[name] is not None:
+            keys[name] = float(fields[name])
+    if fields["sliding_window"] is not None:
+        keys["attention.sliding_window"] = int(fields["sliding_window"])
+        pattern = [kind == SLIDING for kind in fields["layer_types"]]
+        default = [(i + 1) % _LLAMA_CPP_PATTERN[arch] != 0 for i in range(len(pattern))]
+        if pattern != default:
+            keys["attention.sliding_window_pattern"] = pattern
+    if arch == "gemma3":
+        local = _gemma3_rope(config)["local_rope_parameters"]
+        keys["rope.freq_base_swa"] = float(local.get("rope_theta") or local["rope_parameters"]["rope_theta"])
+    return keys
+
+
+def _gguf_problem(config: dict) -> str | None:
+    """What llama.cpp's Gemma graphs fix that a config.json may set otherwise."""
+    arch, heads = _gguf_arch(config), config["num_attention_heads"]
+    width = config["hidden_size"] // heads if config["num_hidden_layers"] == _LAYERS_27B[arch] else config["head_dim"]
+    if config["query_pre_attn_scalar"] != width:
+        return (
+            f"query_pre_attn_scalar {config['query_pre_attn_scalar']}: llama.cpp's {arch} scales queries by 1/√{width}"
+        )
+    if arch == "gemma2" and config.get("attn_logit_softcapping") is None:
+        return "attn_logit_softcapping null: llama.cpp's gemma2 always soft-caps attention scores"
+    return None
+
+
+def _gemma_gguf(name: str, required: tuple[str, ...]) -> GgufArchitecture:
+    return GgufArchitecture(
+        name, tensors=GEMMA_GGUF_TENSORS, required=required, norm_offset=1.0, keys=_gguf_keys, problem=_gguf_problem
+    )
+
+
+GEMMA2_GGUF = _gemma_gguf("gemma2", _GEMMA_REQUIRED)
+GEMMA3_GGUF = _gemma_gguf("gemma3", (*_GEMMA_REQUIRED, "attn_q_norm", "attn_k_norm"))
 GEMMA2_READING = ConfigReading(defaults=GEMMA2_DEFAULTS, fields=_gemma_fields)
 GEMMA3_READING = ConfigReading(defaults=GEMMA3_DEFAULTS, fields=_gemma_fields, rope_sources=_gemma3_rope)
 GEMMA_LAYOUT = Family(
@@ -141,7 +217,7 @@ GEMMA_LAYOUT = Family(
     runtime="optkit.models.llama:CausalLM",
     embedding_scale=embedding_scale,
     norm_weight_offset=1.0,
-    types={"gemma2": ModelType(GEMMA2_READING, vllm="Gemma2ForCausalLM")},
+    types={"gemma2": ModelType(GEMMA2_READING, GEMMA2_GGUF, vllm="Gemma2ForCausalLM")},
 )
 GEMMA2 = register_family(GEMMA_LAYOUT)
 GEMMA3 = register_family(
@@ -150,7 +226,7 @@ GEMMA3 = register_family(
             **GEMMA_LAYOUT.__dict__,
             "name": "gemma3",
             "model_types": ("gemma3_text",),
-            "types": {"gemma3_text": ModelType(GEMMA3_READING, vllm="Gemma3ForCausalLM")},
+            "types": {"gemma3_text": ModelType(GEMMA3_READING, GEMMA3_GGUF, vllm="Gemma3ForCausalLM")},
         }
     ),
 )
@@ -171,6 +247,7 @@ GEMMA3_MULTIMODAL = register_family(
             "types": {
                 "gemma3": ModelType(
                     ConfigReading(**{**GEMMA3_READING.__dict__, "language_model": _language_model}),
+                    GEMMA3_GGUF,
                     vllm="Gemma3ForConditionalGeneration",
                 )
             },

@@ -3,7 +3,7 @@ multipliers (config fields, which the runtime reads as GraniteConfig does)."""
 
 from dataclasses import replace
 
-from optkit.families import ConfigReading, ModelType, register_family
+from optkit.families import ConfigReading, GgufArchitecture, ModelType, register_family
 from optkit.families.llama import LLAMA_LAYOUT, LLAMA_READING
 
 
@@ -20,6 +20,19 @@ def _multipliers(config: dict) -> dict:
     return {**LLAMA_READING.fields(config), **{key: _number(config, key) for key in keys}}
 
 
+def _gguf_keys(config: dict) -> dict:
+    """GraniteModel.set_gguf_parameters' multipliers as llama.cpp's scales, written even where they
+    are 1 (absent: transformers multiplies by 1, llama.cpp's attention would take 1/√head_dim)."""
+    fields = _multipliers(config)
+    return {
+        "attention.scale": fields["attention_multiplier"],
+        "embedding_scale": fields["embedding_multiplier"],
+        "residual_scale": fields["residual_multiplier"],
+        "logit_scale": fields["logits_scaling"],
+    }
+
+
+GRANITE_GGUF = GgufArchitecture("granite", llama_rope=True, keys=_gguf_keys, required_keys=("logit_scale",))
 GRANITE = register_family(
     replace(
         LLAMA_LAYOUT,
@@ -29,6 +42,7 @@ GRANITE = register_family(
         types={
             "granite": ModelType(
                 ConfigReading(defaults={"max_position_embeddings": 2048}, fields=_multipliers),
+                GRANITE_GGUF,
                 vllm="GraniteForCausalLM",
             )
         },

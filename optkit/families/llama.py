@@ -4,7 +4,14 @@ How each reads config.json is transformers' config class's (LlamaConfig, Mistral
 defaults, and the keys that switch biases, q/k norms and sliding windows."""
 
 from optkit.errors import OptkitError
-from optkit.families import ConfigReading, Family, GgufArchitecture, ModelType, register_family
+from optkit.families import (
+    LLAMA_GGUF_REQUIRED,
+    ConfigReading,
+    Family,
+    GgufArchitecture,
+    ModelType,
+    register_family,
+)
 
 
 def attention_bias(config: dict) -> dict:
@@ -56,6 +63,9 @@ MISTRAL_READING = ConfigReading(
 QWEN2_READING = ConfigReading(defaults={"max_position_embeddings": 32768}, fields=_qwen2)
 QWEN3_READING = ConfigReading(defaults={"max_position_embeddings": 32768}, fields=_qwen3, head_dim=128)
 LLAMA_GGUF = GgufArchitecture("llama", llama_rope=True)  # Mistral converts as Llama
+QWEN3_GGUF = GgufArchitecture(
+    "qwen3", attention_bias=False, required=(*LLAMA_GGUF_REQUIRED, "attn_q_norm", "attn_k_norm")
+)
 
 # Defined before it is registered: registering imports the other built-in families, and granite.py
 # takes this layout from here while this module is still being imported.
@@ -79,7 +89,7 @@ LLAMA_LAYOUT = Family(
         "llama": ModelType(LLAMA_READING, LLAMA_GGUF, "LlamaForCausalLM"),
         "mistral": ModelType(MISTRAL_READING, LLAMA_GGUF, "MistralForCausalLM"),
         "qwen2": ModelType(QWEN2_READING, GgufArchitecture("qwen2"), "Qwen2ForCausalLM"),
-        "qwen3": ModelType(QWEN3_READING, GgufArchitecture("qwen3", attention_bias=False), "Qwen3ForCausalLM"),
+        "qwen3": ModelType(QWEN3_READING, QWEN3_GGUF, "Qwen3ForCausalLM"),
     },
 )
 LLAMA = register_family(LLAMA_LAYOUT)

@@ -8,13 +8,45 @@ so a scale there would change the routing unless folded into the router too, and
 have to serve every expert. Each expert's up -> down pair folds as in a dense MLP.
 """
 
-from optkit.families import Family, ModelType, MoELayout, register_family
-from optkit.families.llama import LLAMA_LAYOUT, MISTRAL_READING
+from optkit.families import (
+    GGUF_ATTENTION,
+    GGUF_EXPERTS,
+    LLAMA_GGUF_TENSORS,
+    Family,
+    GgufArchitecture,
+    ModelType,
+    MoELayout,
+    register_family,
+)
+from optkit.families.llama import LLAMA_LAYOUT, MISTRAL_READING, every_layer_slides
 
 ROUTED_NORM = "the router reads post_attention_layernorm's output too, and one scale would serve every expert"
 _ATTENTION_GROUPS = LLAMA_LAYOUT.sequential_groups[:2]
 _ATTENTION_SMOOTHING = LLAMA_LAYOUT.smoothing_groups[:2]
 
+# LlamaModel.modify_tensors merges block_sparse_moe.experts.N.w1/w3/w2 into ffn_gate/up/down_exps
+MIXTRAL_GGUF_TENSORS = {
+    **{name: gguf for name, gguf in LLAMA_GGUF_TENSORS.items() if not name.startswith("mlp.")},
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.*.w1": "ffn_gate_exps",
+    "mlp.experts.*.w3": "ffn_up_exps",
+    "mlp.experts.*.w2": "ffn_down_exps",
+}
+
+
+def _gguf_problem(config: dict) -> str | None:
+    window = every_layer_slides(config).get("sliding_window")
+    return f"sliding_window {window}: llama.cpp's llama graph has no sliding window" if window else None
+
+
+MIXTRAL_GGUF = GgufArchitecture(
+    "llama",
+    llama_rope=True,
+    tensors=MIXTRAL_GGUF_TENSORS,
+    required=(*GGUF_ATTENTION, "ffn_norm", *GGUF_EXPERTS),
+    required_keys=("expert_count", "expert_used_count"),
+    problem=_gguf_problem,
+)
 MIXTRAL = register_family(
     Family(
         name="mixtral",
@@ -36,6 +68,6 @@ MIXTRAL = register_family(
             renormalize=lambda config: True,
         ),
         checkpoint_renames=((".block_sparse_moe.", ".mlp."),),
-        types={"mixtral": ModelType(MISTRAL_READING, vllm="MixtralForCausalLM")},  # Mistral's config keys
+        types={"mixtral": ModelType(MISTRAL_READING, MIXTRAL_GGUF, vllm="MixtralForCausalLM")},  # Mistral's keys
     )
 )

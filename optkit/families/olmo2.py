@@ -6,7 +6,7 @@ linears (post_attention_layernorm normalizes the attention's output, not the MLP
 up → down remain (v → o only where v's width equals o's input, without grouped-query attention).
 """
 
-from optkit.families import ConfigReading, Family, ModelType, register_family
+from optkit.families import LLAMA_GGUF_TENSORS, ConfigReading, Family, GgufArchitecture, ModelType, register_family
 from optkit.families.llama import LLAMA_LAYOUT, attention_bias
 
 _NO_NORM = "OLMo 2 has no norm on the sublayer's input to fold a scale into"
@@ -18,6 +18,19 @@ def _olmo2(config: dict) -> dict:
     return {**attention_bias(config), "qk_norm": "full", "post_norms": True, "norm_weight_in_float32": True}
 
 
+# gguf-py's TensorNameMap for OLMO2: the norms after each sublayer, q/k norms over all heads
+OLMO2_GGUF_TENSORS = {
+    **{name: gguf for name, gguf in LLAMA_GGUF_TENSORS.items() if "layernorm" not in name},
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+OLMO2_GGUF = GgufArchitecture(
+    "olmo2",
+    tensors=OLMO2_GGUF_TENSORS,
+    required=tuple(OLMO2_GGUF_TENSORS.values()),
+    output_required=True,  # llama_model_olmo2::load_arch_tensors: output.weight, no tied fallback
+    full_qk_norm=True,
+)
 OLMO2 = register_family(
     Family(
         name="olmo2",
@@ -34,7 +47,9 @@ OLMO2 = register_family(
         runtime="optkit.models.llama:CausalLM",
         types={
             "olmo2": ModelType(
-                ConfigReading(defaults={"max_position_embeddings": 2048}, fields=_olmo2), vllm="Olmo2ForCausalLM"
+                ConfigReading(defaults={"max_position_embeddings": 2048}, fields=_olmo2),
+                OLMO2_GGUF,
+                vllm="Olmo2ForCausalLM",
             )
         },
     )

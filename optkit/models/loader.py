@@ -106,16 +106,7 @@ def _runtime_view(tensors: dict[str, torch.Tensor], model_type: str) -> dict[str
     left_out = sorted({p for key in tensors for p in prefixes if key.startswith(p)})
     if left_out:
         log.info("%s: leaves %s out of the runtime: %s", family.name, ", ".join(p + "*" for p in left_out), reason)
-    view = {}
-    for key, tensor in tensors.items():
-        if key.startswith(prefixes):
-            continue
-        for stored, runtime in family.runtime_renames:
-            if key.startswith(stored):
-                key = runtime + key.removeprefix(stored)
-                break
-        view[family.module_name(key)] = tensor  # Mixtral's block_sparse_moe -> mlp
-    return view
+    return {name: tensor for key, tensor in tensors.items() if (name := family.runtime_name(key)) is not None}
 
 
 def _runtime_class(model_type: str) -> type[CausalLM]:

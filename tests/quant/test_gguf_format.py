@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from optkit.errors import OptkitError
+from optkit.families import gguf_architectures
 from optkit.modeldir import BUNDLED_DIR, read_tensors
 from optkit.quant.formats import gguf as gguf_format
-from optkit.quant.formats.gguf_metadata import gguf_name
+from optkit.quant.formats.gguf_plan import gguf_name
 from optkit.quant.formats.gguf_read import read_file, write_model_dir
 from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.quant.quantize import QuantizeOptions, quantize_model
@@ -95,11 +96,12 @@ def test_each_family_is_written_as_llama_cpps_converter_names_it(tiny, tmp_path,
     assert reader.fields["general.architecture"].contents() == arch
     names = {t.name for t in reader.tensors}
     expected_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], 2)
+    written = gguf_architectures()[family]
     for key in read_tensors(tiny[family]):  # optkit's names agree with gguf-py's own table
         if key == "lm_head.weight" and family == "qwen2":
             continue  # tied: llama.cpp reads token_embd
         stem, _, suffix = key.rpartition(".")
-        assert gguf_name(key) == f"{expected_map.get_name(stem)}.{suffix}" and gguf_name(key) in names
+        assert gguf_name(key, written) == f"{expected_map.get_name(stem)}.{suffix}" and gguf_name(key, written) in names
     fields = reader.fields
     assert fields[f"{arch}.attention.head_count_kv"].contents() == 2
     assert fields["tokenizer.ggml.model"].contents() == "gpt2"

@@ -26,6 +26,7 @@ from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
+from optkit.quant.formats import gguf_plan
 from optkit.quant.formats.common import dequantize_layers, weight_only
 from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
 from optkit.quant.formats.defaults import quant_method_is
@@ -86,12 +87,8 @@ def check(
 
 def check_model(config: dict, model_dir: Path) -> None:
     """Before any calibration: what the file could not hold (architecture, RoPE, tokenizer)."""
-    meta.architecture(config)  # the family's llama.cpp architecture, and the biases it has
-    rope_type = meta.rope_parameters(config).get("rope_type", "default")
-    if rope_type not in ("default", "linear", "llama3"):
-        raise OptkitError(
-            f"--format gguf: RoPE scaling {rope_type!r} is not written yet: use --format compressed-tensors"
-        )
+    meta.architecture(config)  # the family's llama.cpp architecture, and what its graph runs
+    meta.rope_type(config)
     tokenizer_json = model_dir / "tokenizer.json"
     if tokenizer_json.is_file():
         meta.pre_tokenizer(read_object(tokenizer_json, "a tokenizer"), tokenizer_json)
@@ -220,41 +217,28 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         meta.add_tokenizer(writer, staged, config)
         writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
 
-        plan = []  # (GGUF name, HF key, raw type) in file order
-        for key in reader.keys():
-            if key.endswith(f".{MARKER}"):
-                hf, raw = key.removesuffix(f".{MARKER}") + ".weight", gguf.GGMLQuantizationType[qtype]
-            elif key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and config.get("tie_word_embeddings")):
-                continue
-            else:
-                hf, raw = key, None
-            plan.append((meta.gguf_name(hf), key, hf, raw))
-        plan.sort(key=lambda p: _file_order(p[0]))
+        plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
 
-        def array(key: str, hf: str, raw) -> tuple[np.ndarray, object]:
-            tensor = reader.get(key)
-            heads = meta.qk_heads(config, hf)
-            if heads is not None:
-                tensor = meta.permute_qk(tensor, heads)
-            if raw is not None:
-                return tensor.numpy(), raw
+        def array(entry: gguf_plan.PlannedTensor) -> tuple[np.ndarray, object]:
+            tensor = gguf_plan.tensor(reader.get, entry, config)
+            if entry.quantized:
+                return tensor.numpy(), gguf.GGMLQuantizationType[qtype]
             return _tensor_bytes(tensor)
 
-        rope_factors = None  # Llama 3.1's RoPE scaling, as the converter's generate_extra_tensors
-        if meta.rope_parameters(config).get("rope_type") == "llama3":
-            rope_factors = meta.llama3_rope_factors(config).numpy()
-            writer.add_tensor_info("rope_freqs.weight", rope_factors.shape, rope_factors.dtype, rope_factors.nbytes)
-        for name, key, hf, raw in plan:  # shapes and sizes first: one tensor in memory at a time below
-            data, data_raw = array(key, hf, raw)
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, raw_dtype=data_raw)
+        extra = gguf_plan.extra_tensors(config)  # generate_extra_tensors: rope_freqs, LongRoPE's factors
+        for name, values in extra.items():
+            writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
+        for entry in plan:  # shapes and sizes first: one tensor in memory at a time below
+            data, data_raw = array(entry)
+            writer.add_tensor_info(entry.name, data.shape, data.dtype, data.nbytes, raw_dtype=data_raw)
             del data
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        if rope_factors is not None:
-            writer.write_tensor_data(rope_factors)
-        for _, key, hf, raw in plan:
-            writer.write_tensor_data(np.ascontiguousarray(array(key, hf, raw)[0]))
+        for values in extra.values():
+            writer.write_tensor_data(values)
+        for entry in plan:
+            writer.write_tensor_data(np.ascontiguousarray(array(entry)[0]))
         writer.close()
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private; a release is for sharing
         os.replace(tmp, out)
@@ -262,10 +246,3 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _file_order(name: str) -> tuple:
-    """token_embd, then blk.0.*, blk.1.*, ..., then output_norm and output (the converter's order)."""
-    if name.startswith("blk."):
-        return (1, int(name.split(".")[1]), name)
-    return (0 if name.startswith("token_embd") else 2, 0, name)

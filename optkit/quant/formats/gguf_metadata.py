@@ -1,8 +1,9 @@
-"""What llama.cpp's converter (convert_hf_to_gguf.py: TextModel, LlamaModel, Qwen2Model, Qwen3Model)
-writes besides the tensors, for the families both support (each family names its llama.cpp
-architecture: `GgufArchitecture`, families/): the architecture's hyperparameters, the tensor
-names, Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat
-template. Read from config.json and the tokenizer files (JSON only; nothing is executed)."""
+"""What llama.cpp's converter (convert_hf_to_gguf.py: TextModel, LlamaModel and each family's model
+class) writes besides the tensors, for the families both support (each family names its llama.cpp
+architecture and its own keys: `GgufArchitecture`, families/): the architecture's hyperparameters,
+Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat template.
+Read from config.json and the tokenizer files (JSON only; nothing is executed). The tensors' names
+and order are gguf_plan.py's."""
 
 import math
 from pathlib import Path
@@ -12,22 +13,6 @@ import torch
 from optkit.errors import OptkitError
 from optkit.families import GgufArchitecture, family_for, gguf_architectures
 from optkit.json_strict import read_object
-
-# HF tensor name (after "model.layers.N.") -> GGUF name (after "blk.N."); the same table reads files back
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 # tokenizer.json's pre-tokenizer -> llama.cpp's `tokenizer.ggml.pre` (src/llama-vocab.cpp): the GPT-2
 # split is ByteLevel's own regex; Llama 3 and Qwen2 split with these regexes before a plain ByteLevel
@@ -42,10 +27,23 @@ _QWEN2_REGEX = (
 PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
+def language_model_config(config: dict) -> dict:
+    """config.json as the runtime reads it (families/: ConfigReading): the language model's (Gemma 3's
+    text_config) with its config class's defaults where a key is absent; such a view stays as it is."""
+    model_type = config.get("model_type")
+    reading = family_for(model_type).model_type(model_type).config
+    multimodal = reading.language_model is not None and "text_config" in config
+    view = reading.language_model(config) if multimodal else config
+    return {**reading.defaults, **view}
+
+
 def gguf_architecture(config: dict) -> GgufArchitecture:
-    """What llama.cpp calls the model's type (its family says, families/), or one line refusing it."""
+    """What llama.cpp calls the model's type (its family says, families/), or one line refusing it
+    (also where llama.cpp's graph for it cannot run what this config.json sets)."""
     model_type = config.get("model_type")
     arch = family_for(model_type).model_type(model_type).gguf
+    if arch is not None and (problem := arch.problem(language_model_config(config))):
+        raise OptkitError(f"--format gguf: {problem}: use --format compressed-tensors")
     if arch is None:
         raise OptkitError(
             f"--format gguf writes {', '.join(sorted(gguf_architectures()))} models, not {model_type!r}: "
@@ -62,30 +60,6 @@ def gguf_architecture(config: dict) -> GgufArchitecture:
 def architecture(config: dict) -> str:
     """general.architecture of the model's GGUF file (Mistral converts as Llama)."""
     return gguf_architecture(config).name
-
-
-def gguf_name(hf_name: str) -> str:
-    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight."""
-    stem, _, suffix = hf_name.rpartition(".")
-    if stem in GLOBAL_TENSORS:
-        return f"{GLOBAL_TENSORS[stem]}.{suffix}"
-    parts = stem.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
-        return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}.{suffix}"
-    raise OptkitError(f"{hf_name}: llama.cpp has no tensor of that name: use --format compressed-tensors")
-
-
-def hf_name(name: str) -> str:
-    """Inverse of `gguf_name`."""
-    stem, _, suffix = name.rpartition(".")
-    for hf, gg in GLOBAL_TENSORS.items():
-        if stem == gg:
-            return f"{hf}.{suffix}"
-    parts = stem.split(".", 2)
-    inverse = {v: k for k, v in LAYER_TENSORS.items()}
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in inverse:
-        return f"model.layers.{parts[1]}.{inverse[parts[2]]}.{suffix}"
-    raise OptkitError(f"GGUF tensor {name!r} is not one optkit reads")
 
 
 def permute_qk(rows: torch.Tensor, heads: int) -> torch.Tensor:
@@ -132,34 +106,69 @@ def llama3_rope_factors(config: dict) -> torch.Tensor:
     return factors.to(torch.float32)
 
 
+def full_rope(config: dict) -> dict:
+    """The RoPE of the full-attention layers (Gemma 3's sliding ones have their own base: its keys)."""
+    model_type = config.get("model_type")
+    reading = family_for(model_type).model_type(model_type).config
+    view = language_model_config(config)
+    return rope_parameters(reading.rope_sources(view)["rope_parameters"] if reading.rope_sources else view)
+
+
+def rope_type(config: dict) -> str:
+    """The RoPE scaling, or one line refusing one llama.cpp's graph for the model is not given."""
+    rope = full_rope(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in gguf_architecture(config).rope_types:
+        raise OptkitError(f"--format gguf: RoPE scaling {kind!r} is not written yet: use --format compressed-tensors")
+    return kind
+
+
 def add_hyperparameters(writer, config: dict) -> None:
-    """TextModel.set_gguf_parameters and LlamaModel's additions, for what these families use."""
+    """TextModel.set_gguf_parameters and LlamaModel's additions, then the architecture's own keys
+    (its family's `GgufArchitecture.keys`: Gemma2Model, Phi3MiniModel, GraniteModel, Qwen2MoeModel...)."""
     import gguf
 
+    arch, kind = gguf_architecture(config), rope_type(config)
+    family, rope = family_for(config.get("model_type")), full_rope(config)
+    config = language_model_config(config)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    rope = rope_parameters(config)
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
     writer.add_rope_freq_base(rope["rope_theta"])
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "linear":
+    if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
-    elif rope_type not in ("default", "llama3"):  # llama3: the rope_freqs tensor
-        raise OptkitError(
-            f"--format gguf: RoPE scaling {rope_type!r} is not written yet: use --format compressed-tensors"
-        )
+    if family.moe is not None:
+        experts, used, _ = family.moe.dims(config)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(used)
     if config.get("head_dim") is not None:
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    if gguf_architecture(config).llama_rope:  # LlamaModel.set_gguf_parameters
+    if arch.llama_rope:  # LlamaModel.set_gguf_parameters
         writer.add_vocab_size(config["vocab_size"])
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         writer.add_rope_dimension_count(head_dim)
+    for key, value in arch.keys(config).items():
+        add_value(writer, f"{arch.name}.{key}", value)
+
+
+def add_value(writer, key: str, value: object) -> None:
+    """One metadata value in the type llama.cpp's loader reads it as."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, list(value))
 
 
 def pre_tokenizer(tokenizer_json: dict, where: Path) -> str:
@@ -196,7 +205,7 @@ def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
             "vocabulary is not written yet: use --format compressed-tensors"
         )
     tokenizer = load_tokenizer(model_dir)  # never the auto_map code
-    vocab_size = config["vocab_size"]
+    vocab_size = language_model_config(config)["vocab_size"]
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.added_tokens_decoder
     tokens, types = [], []

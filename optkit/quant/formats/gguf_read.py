@@ -12,16 +12,20 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
-from optkit.families import family_for, gguf_architectures
+from optkit.families import family_for
 from optkit.quant.formats import gguf_metadata as meta
 from optkit.quant.formats.gguf_check import open_for_loading
 from optkit.quant.formats.gguf_header import Header
 from optkit.quant.formats.gguf_hparams import architecture, layer_values
+from optkit.quant.formats.gguf_plan import hf_name
 from optkit.quant.formats.gguf_tensors import tensor_arrays, type_name
 from optkit.text_safety import printable
 from optkit.weights import gguf_blocks, kquants
 
 MAGIC = b"GGUF"
+# llama.cpp architecture -> the model_type it reads back as: those whose metadata says all optkit's
+# runtime needs (without experts); llama.cpp runs the others optkit writes (gguf_weights.py reads their weights)
+READ_BACK = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -40,13 +44,11 @@ def read_config(path: str | Path) -> dict:
 
 def _config(header: Header) -> dict:
     path, arch = header.path, architecture(header)
-    readable = {}  # llama.cpp architecture -> the model_type it reads back as (the first of its families)
-    for model_type, gguf in reversed(gguf_architectures().items()):
-        readable[gguf.name] = model_type
-    if arch not in readable:
+    readable = READ_BACK
+    if arch not in readable or header.value(f"{arch}.expert_count"):
         shown = printable(arch)[:40] if arch is not None else None
         runs = ", ".join(sorted(readable))
-        raise OptkitError(f"{path}: GGUF architecture {shown!r} is not one optkit runs ({runs})")
+        raise OptkitError(f"{path}: GGUF architecture {shown!r} is not one optkit runs ({runs}, without experts)")
     model_type = readable[arch]
     sizes = {}
     for key in ("feed_forward_length", "attention.head_count", "attention.head_count_kv"):
@@ -95,8 +97,9 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     header = open_for_loading(path)
     config = _config(header)
     state = {}
+    arch = family_for(config["model_type"]).model_type(config["model_type"]).gguf
     for info, array in tensor_arrays(header):
-        hf = meta.hf_name(info.name)
+        hf = hf_name(info.name, arch)
         data = torch.from_numpy(np.array(array))
         kind = type_name(info.type_id)
         if kind in (*gguf_blocks.BLOCK_BYTES, *kquants.K_TYPES) and data.dim() != 2:
