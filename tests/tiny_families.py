@@ -92,13 +92,14 @@ FAMILIES = {
 }
 
 
-def save_tiny_family(name: str, out: Path, tokenizer_dir: Path) -> Path:
+def save_tiny_family(name: str, out: Path, tokenizer_dir: Path, **overrides) -> Path:
     """A tiny random model of family `name` saved at `out`, its norms and biases perturbed so they
-    count, with the tokenizer of `tokenizer_dir` (the reference vocabulary)."""
+    count, with the tokenizer of `tokenizer_dir` (the reference vocabulary); `overrides` replace
+    config keys (other sizes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    spec = dict(FAMILIES[name])
+    spec = {**FAMILIES[name], **overrides}
     model_type = spec.pop("model_type")
     if model_type == "gemma3":  # the text model inside Gemma3ForConditionalGeneration
         text = {**TINY, **spec, "model_type": "gemma3_text"}

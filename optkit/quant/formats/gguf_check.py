@@ -7,10 +7,11 @@ vouched for):
    bytes (its type's block size and bytes per block times its shape) inside the file, aligned and
    not overlapping another, no name twice;
 2. metadata: the keys llama.cpp's loader reads without a default (llama-model.cpp load_hparams,
-   llama-vocab.cpp load) for the architectures optkit writes (llama, qwen2, qwen3); for any other
-   architecture the keys every one of them reads;
-3. tensors: the ones llama.cpp's llama/qwen2/qwen3 graphs require, token_embd as [embedding_length,
-   vocabulary] (the sizes llama.cpp checks each tensor against);
+   llama-vocab.cpp load) for the architectures optkit writes (each family's, gguf_required.py: llama,
+   qwen2, qwen3, gemma2, gemma3, phi3, olmo2, granite, qwen2moe, qwen3moe); for any other architecture
+   the keys every one of them reads;
+3. tensors: the ones those architectures' graphs require, token_embd as [embedding_length,
+   vocabulary], each at the shape llama.cpp's loader creates it with;
 4. values: every float tensor finite, every quantized block's scale (and minimum) finite, so its
    weights are (ggml's blocks hold integers times fp16 scales).
 """
@@ -22,30 +23,17 @@ import numpy as np
 
 from optkit.errors import OptkitError
 from optkit.quant.formats.gguf_header import Header, read_header, tensor_bytes
-from optkit.quant.formats.gguf_hparams import architecture, layer_values, metadata_value_problems
+from optkit.quant.formats.gguf_hparams import architecture, metadata_value_problems
+from optkit.quant.formats.gguf_required import arch_keys, block_shapes, written_as
 from optkit.quant.formats.gguf_tensors import sizes, tensor_arrays, type_name
 
-# keys llama.cpp reads with no default, per architecture ({arch} is general.architecture's value)
+# keys llama.cpp reads with no default for any architecture ({arch} is general.architecture's value);
+# those of the architectures optkit writes are their families' (gguf_required.py)
 COMMON_KEYS = ("general.architecture", "{arch}.context_length", "{arch}.embedding_length", "{arch}.block_count")
-ARCH_KEYS = {
-    arch: (
-        *COMMON_KEYS,
-        "{arch}.feed_forward_length",
-        "{arch}.attention.head_count",
-        "{arch}.attention.layer_norm_rms_epsilon",
-    )
-    for arch in ("llama", "qwen2", "qwen3")
-}
 VOCAB_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.tokens")
 BPE_KEYS = ("tokenizer.ggml.merges",)  # tokenizer.ggml.model == "gpt2"
-# tensors llama.cpp's graph for the architecture requires (output.weight is optional: tied embeddings)
+# tensors every graph requires (output.weight where the architecture ties no output: gguf_required.py)
 GLOBAL_TENSORS = ("token_embd.weight", "output_norm.weight")
-BLOCK_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-ARCH_BLOCK_TENSORS = {
-    "llama": BLOCK_TENSORS,
-    "qwen2": BLOCK_TENSORS,
-    "qwen3": (*BLOCK_TENSORS, "attn_q_norm", "attn_k_norm"),
-}
 # ggml's blocks whose scales are fp16 halves: (bytes per block, offset of the halves, how many):
 # the legacy blocks start with d (and m); the K-quants' super-blocks hold d (and dmin) first or
 # last (ggml-common.h: block_q2_K .. block_q6_K)
@@ -138,7 +126,8 @@ def layout_problems(header: Header) -> list[str]:
 
 def required_keys(header: Header) -> list[str]:
     arch = architecture(header)
-    keys = ARCH_KEYS.get(arch, COMMON_KEYS) + VOCAB_KEYS
+    written = written_as(header)
+    keys = COMMON_KEYS + (arch_keys(written) if written is not None else ()) + VOCAB_KEYS
     if header.value("tokenizer.ggml.model") == "gpt2":
         keys += BPE_KEYS
     return [k.format(arch=arch) for k in keys]
@@ -165,28 +154,16 @@ def metadata_warnings(header: Header) -> list[str]:
 
 
 def expected_shapes(header: Header) -> dict[str, list[int]]:
-    """Tensor name -> the shape (GGUF order) llama.cpp's llama/qwen2/qwen3 loader creates it with,
-    for a header whose metadata checks out; {} for another architecture."""
-    arch = architecture(header)
-    if arch not in ARCH_BLOCK_TENSORS:
+    """Tensor name -> the shape (GGUF order) llama.cpp's loader creates it with, for a header whose
+    metadata checks out and an architecture optkit writes; {} for another."""
+    arch = written_as(header)
+    if arch is None:
         return {}
-    width, vocab = header.value(f"{arch}.embedding_length"), len(header.value("tokenizer.ggml.tokens"))
-    blocks = header.value(f"{arch}.block_count")
-    heads = layer_values(header, f"{arch}.attention.head_count")
-    kv_heads = layer_values(header, f"{arch}.attention.head_count_kv") or heads
-    ffn = layer_values(header, f"{arch}.feed_forward_length")
+    width, vocab = header.value(f"{arch.name}.embedding_length"), len(header.value("tokenizer.ggml.tokens"))
     shapes = {"token_embd.weight": [width, vocab], "output_norm.weight": [width], "output.weight": [width, vocab]}
-    k = header.value(f"{arch}.attention.key_length", width // heads[0])
-    v = header.value(f"{arch}.attention.value_length", width // heads[0])
-    for i in range(blocks):
-        q, kv, f = heads[i] * k, kv_heads[i], ffn[i]
-        block = {
-            "attn_norm": [width], "attn_q": [width, q], "attn_k": [width, kv * k], "attn_v": [width, kv * v],
-            "attn_output": [heads[i] * v, width], "ffn_norm": [width], "ffn_gate": [width, f],
-            "ffn_up": [width, f], "ffn_down": [f, width], "attn_q_norm": [k], "attn_k_norm": [k],
-        }  # fmt: skip
+    for i, block in enumerate(block_shapes(header, arch)):
         shapes |= {f"blk.{i}.{name}.weight": shape for name, shape in block.items()}
-        shapes |= {f"blk.{i}.attn_{n}.bias": [block[f"attn_{n}"][-1]] for n in ("q", "k", "v")}
+        shapes |= {f"blk.{i}.attn_{n}.bias": [block[f"attn_{n}"][-1]] for n in ("q", "k", "v", "qkv")}
     return shapes
 
 
@@ -194,9 +171,11 @@ def tensor_problems(header: Header) -> list[str]:
     arch = architecture(header)
     names = {t.name: t for t in header.tensors}
     wanted = list(GLOBAL_TENSORS)
-    if arch in ARCH_BLOCK_TENSORS:
+    written = written_as(header)
+    if written is not None:
         blocks = header.value(f"{arch}.block_count")
-        wanted += [f"blk.{i}.{n}.weight" for i in range(blocks) for n in ARCH_BLOCK_TENSORS[arch]]
+        wanted += ["output.weight"] if written.output_required else []
+        wanted += [f"blk.{i}.{n}.weight" for i in range(blocks) for n in written.required]
     missing = [n for n in wanted if n not in names]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -8,9 +8,9 @@ import json
 import math
 
 from optkit.errors import OptkitError
+from optkit.families import gguf_architectures
 from optkit.quant.formats.gguf_header import ARRAY, INTEGERS, STRING, Entry, Header
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # what optkit writes and runs
 MAX_LAYERS = 512  # LLAMA_MAX_LAYERS
 MAX_WIDTH = 1 << 20
 MAX_HEAD_DIM = 1 << 16
@@ -31,6 +31,11 @@ PER_LAYER = ("feed_forward_length", "attention.head_count", "attention.head_coun
 POSITIVE_FLOATS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
 COMMON_SIZES = ("context_length", "embedding_length", "block_count")  # any architecture's
 SPECIAL_IDS = ("bos", "eos", "unknown", "seperator", "padding", "eot", "eom")  # sic: llama.cpp's key
+
+
+def written_architectures() -> tuple[str, ...]:
+    """The llama.cpp architectures optkit writes (its families name them)."""
+    return tuple(dict.fromkeys(arch.name for arch in gguf_architectures().values()))
 
 
 def architecture(header: Header) -> str | None:
@@ -61,19 +66,19 @@ def metadata_value_problems(header: Header) -> list[str]:
         return [f"general.architecture is {entry.describe()}, not a string: llama.cpp cannot tell the model"]
     arch = architecture(header)
     problems = []
-    sizes = SIZES if arch in ARCHITECTURES else {k: SIZES[k] for k in COMMON_SIZES}
+    sizes = SIZES if arch in written_architectures() else {k: SIZES[k] for k in COMMON_SIZES}
     for name, (_, largest) in sizes.items():
         key = f"{arch}.{name}"
         if key in header.metadata:
             problems += _size_problems(header, key, header.metadata[key], largest, name in PER_LAYER)
-    if arch in ARCHITECTURES:
+    if arch in written_architectures():
         for name in POSITIVE_FLOATS:
             key = f"{arch}.{name}"
             if key in header.metadata:
                 problems += _float_problems(key, header.metadata[key])
     if problems:
         return problems
-    if arch in ARCHITECTURES:
+    if arch in written_architectures():
         problems += _head_problems(header, arch)
     return problems + vocabulary_problems(header) + manifest_problems(header)
 
