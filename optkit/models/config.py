@@ -104,6 +104,14 @@ class ModelConfig:
             fields[name] = standardize_rope(source, config["max_position_embeddings"], reading.rope_type_aliases)
         return cls(**fields)
 
+    def scale_embeddings(self, h: torch.Tensor) -> torch.Tensor:
+        """embed_tokens' rows [..., hidden] -> what the first decoder layer receives."""
+        if self.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
+            return h * torch.tensor(self.embedding_multiplier, dtype=h.dtype)
+        if self.embedding_multiplier != 1.0:  # Granite
+            return h * self.embedding_multiplier
+        return h
+
     @property
     def rotary_dim(self) -> int:
         """The leading dimensions of each head that RoPE rotates (all but with partial_rotary_factor)."""

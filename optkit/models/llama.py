@@ -259,11 +259,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm. `meta`: one
         for every layer, or one per layer (its KV cache group's block tables: runtime/kv_groups.py)."""
-        h = self.model.embed_tokens(input_ids)  # h: [T, hidden]
-        if self.config.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
-            h = h * torch.tensor(self.config.embedding_multiplier, dtype=h.dtype)
-        elif self.config.embedding_multiplier != 1.0:  # Granite
-            h = h * self.config.embedding_multiplier
+        h = self.config.scale_embeddings(self.model.embed_tokens(input_ids))  # h: [T, hidden]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, 1, R]
         rope = [(cos, sin)] * len(self.model.layers)
         if self.local_rope:

@@ -54,13 +54,7 @@ def layer_shapes(target: ModelConfig, head: EagleHeadConfig) -> dict[str, tuple[
 
 def input_embeddings(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
     """token_ids [T] -> [T, H]: the embedding as the target's first layer receives it (CausalLM.forward)."""
-    config = target.config
-    h = target.model.embed_tokens(token_ids)
-    if config.round_embedding_multiplier:  # Gemma: √hidden rounded to the model dtype first
-        return h * torch.tensor(config.embedding_multiplier, dtype=h.dtype)
-    if config.embedding_multiplier != 1.0:  # Granite
-        return h * config.embedding_multiplier
-    return h
+    return target.config.scale_embeddings(target.model.embed_tokens(token_ids))
 
 
 class EagleLayer(nn.Module):

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from optkit.data.packing import pack_windows, tokenize_stream
-from optkit.speculative.head_model import EagleHeadModel
+from optkit.speculative.head_model import EagleHeadModel, first_layer_embedding
 
 
 def eval_prompts(tokenizer, texts: list[str], num_prompts: int, prompt_len: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def greedy_continuations(target: nn.Module, prompts: torch.Tensor, new_tokens: i
     return torch.cat(tokens, dim=1)
 
 
-def _draft_chain(head, embed, lm_head, embeds, features, k):
+def draft_chain(head, embed, lm_head, embeds, features, k):
     """The head's k greedy drafts after a context of real inputs: embeds, features [1, S, H]."""
     drafts = []
     for _ in range(k):
@@ -54,14 +54,14 @@ def acceptance_lengths(
 ) -> list[int]:
     """Accepted tokens + 1 of every simulated step over the greedy `sequences` [N, T] (a step whose k
     drafts would reach past the end is not taken)."""
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, lm_head = first_layer_embedding(target), target.get_output_embeddings()
     features = target.get_decoder()(sequences).last_hidden_state.float()
     embeds = embed(sequences).float()
     lengths = []
     for n in range(sequences.shape[0]):
         s = prompt_len  # the target's first token, from its prefill
         while s + k < sequences.shape[1]:
-            drafts = _draft_chain(head, embed, lm_head, embeds[n : n + 1, 1 : s + 1], features[n : n + 1, :s], k)
+            drafts = draft_chain(head, embed, lm_head, embeds[n : n + 1, 1 : s + 1], features[n : n + 1, :s], k)
             accepted = 0
             while accepted < k and drafts[accepted] == sequences[n, s + 1 + accepted].item():
                 accepted += 1

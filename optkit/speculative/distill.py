@@ -1,6 +1,7 @@
 """EAGLE's self-distillation loss (Li et al. 2024, section 4.2): regress the target's next feature
 and match the target's next-token distribution through its frozen LM head."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ class DistillLoss:
 
 
 def head_inputs(
-    embed: torch.nn.Module, tokens: torch.Tensor, features: torch.Tensor
+    embed: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor, features: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From a window's tokens [B, T] and target features [B, T, H]: the head's inputs at positions
     0..T-2 (embedding of token t+1, feature t), their position ids, and the labels (feature t+1)."""

@@ -27,15 +27,19 @@ class EagleHeadModel(nn.Module):
     def __init__(self, target_config, layer_class: type[nn.Module], rotary_class: type[nn.Module]):
         super().__init__()
         config = copy.deepcopy(target_config)
-        config._attn_implementation = "sdpa"  # causal without a mask (eager attends everywhere)
+        # eager attention with an explicit causal mask: every family's layer takes it (sdpa refuses
+        # Gemma 2's soft-capping); full attention, as the head is served (runtime/eagle_layer.py)
+        config._attn_implementation = "eager"
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         layer = layer_class(config, layer_idx=0)
         layer.input_layernorm = nn.Identity()  # fc's output goes straight into attention
         self.layers = nn.ModuleList([layer])
         self.rotary = rotary_class(config)  # inv_freq is a non-persistent buffer: not saved
-        layer_types = getattr(config, "layer_types", None)
-        self.layer_type = layer_types[0] if layer_types else None  # Gemma 3: sliding or full rope
+        # Gemma 3 keeps a RoPE per layer type (rope_parameters keyed by it): layer 0's, as served
+        layer_types, rope = getattr(config, "layer_types", None), getattr(config, "rope_parameters", None) or {}
+        per_type = bool(layer_types) and isinstance(rope, dict) and layer_types[0] in rope
+        self.layer_type = layer_types[0] if per_type else None
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """embeds, features: [B, T, H] (embedding of token t+1, target feature at t); position_ids:
@@ -45,8 +49,26 @@ class EagleHeadModel(nn.Module):
             position_embeddings = self.rotary(hidden, position_ids)
         else:
             position_embeddings = self.rotary(hidden, position_ids, self.layer_type)
-        out = self.layers[0](hidden, position_embeddings=position_embeddings, position_ids=position_ids)
+        length = hidden.shape[1]
+        causal = torch.full((length, length), float("-inf"), dtype=hidden.dtype, device=hidden.device).triu(1)
+        out = self.layers[0](
+            hidden,
+            attention_mask=causal[None, None],
+            position_embeddings=position_embeddings,
+            position_ids=position_ids,
+        )
         return out[0] if isinstance(out, tuple) else out
+
+
+def first_layer_embedding(target: nn.Module):
+    """token ids [...] -> [..., H]: the embedding as the target's first decoder layer receives it,
+    as the runtime serves the head (ModelConfig.scale_embeddings on the embedding matrix's rows:
+    Gemma's rounded √hidden, Granite's embedding_multiplier)."""
+    from optkit.models.config import ModelConfig
+
+    config = ModelConfig.from_hf(target.config.to_dict())
+    weight = target.get_input_embeddings().weight
+    return lambda token_ids: config.scale_embeddings(nn.functional.embedding(token_ids, weight))
 
 
 def new_head(target: nn.Module, seed: int) -> EagleHeadModel:

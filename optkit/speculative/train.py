@@ -32,7 +32,7 @@ from optkit.speculative.checkpoint import (
 from optkit.speculative.distill import DistillLoss, chain_length_estimate, distillation_loss, head_inputs
 from optkit.speculative.eagle_head import target_digest
 from optkit.speculative.head_files import HEAD_FILES, write_head
-from optkit.speculative.head_model import EagleHeadModel, new_head
+from optkit.speculative.head_model import EagleHeadModel, first_layer_embedding, new_head
 from optkit.speculative.options import SpeculatorTrainOptions
 
 GRAD_CLIP = 0.5  # EAGLE's
@@ -114,7 +114,7 @@ class TargetFeatures:
 def train_step(head: EagleHeadModel, target, batch: torch.Tensor, features, step: int, options) -> DistillLoss:
     """batch: [B, T] tokens, features: [B, T, H] the target's."""
     with torch.no_grad():
-        embeds, inputs, positions = head_inputs(target.get_input_embeddings(), batch, features)
+        embeds, inputs, positions = head_inputs(first_layer_embedding(target), batch, features)
         inputs = inputs + feature_noise(inputs.shape, step, options)
     predicted = head(embeds.float(), inputs, positions)
     loss = distillation_loss(predicted, features[:, 1:], target.get_output_embeddings())
