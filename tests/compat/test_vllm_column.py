@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from optkit.compat import matrix, vllm_load
-from tests.compat.test_matrix import AWQ, CALIB, FAMILY_CELLS, _quantize, _versions
+from tests.compat.test_matrix import AWQ, CALIB, FAMILY_CELLS, _kind, _quantize, _versions
 from tests.tiny_families import FAMILIES, save_tiny_family
 from tests.vllm_venv import SKIP_REASON, vllm_python
 
@@ -47,16 +47,18 @@ def _mixed(uniform: Path, base: Path, out: Path) -> Path:
 
 
 def check_vllm_cell(
-    worker, path: Path, row: str, method: str, record, kv_cache_dtype: str = "auto", own_row: bool = False
+    worker, path: Path, row: str, method: str, record, kv_cache_dtype: str = "auto", own_row: bool = False, asked=None
 ) -> None:
     """Record vLLM-CPU's outcome on one artifact as the matrix's vLLM cell, then assert the expected one.
     own_row: a row test_matrix.py does not measure (small, small-moe): its other loaders are recorded
-    too, optkit's runtime as loaded where it computed the reference, the rest as untested."""
+    too, optkit's runtime as loaded where it computed the reference, the rest as untested. asked: the
+    kind the artifact was quantized as, which names test_matrix.py's cell (an AWQ checkpoint stores
+    zero points either way, so its config alone reads "asym")."""
     from optkit.modeldir import read_config
 
     config = read_config(path)
     quant_config = config.get("quantization_config")
-    kind = matrix.kind_from_quant_config(quant_config) if quant_config else None
+    kind = asked or (matrix.kind_from_quant_config(quant_config) if quant_config else None)
     label = kind.describe() if kind else "plain"
     bits = vllm_load.weight_bits(quant_config) if kind and not kind.w8a8 and kind.type == "int" else set()
     if len(bits) > 1:  # repair's mixed precision: the first config group is only one of its schemes
@@ -182,4 +184,4 @@ def test_draft_artifact_in_vllm(tmp_path, worker, draft_dir, record, method, fmt
     if fmt == "compressed-tensors" and not symmetric and bits in (2, 3):
         pytest.skip("vLLM's WNA16 has no zero points at 2 and 3 bits: the spec check's ✘ (test_matrix.py)")
     path = _quantize(draft_dir, tmp_path / "artifact", method, fmt, bits, symmetric, "none")
-    check_vllm_cell(worker, path, "draft (llama, trained)", method, record)
+    check_vllm_cell(worker, path, "draft (llama, trained)", method, record, asked=_kind(method, fmt, bits, symmetric))
