@@ -6,6 +6,7 @@ import typer
 from typer.core import TyperCommand
 
 from optkit.cli.options import HeadSetting, JsonFlag, OutDir, Overwrite, console, print_json, require_supported
+from optkit.cli.quantize_gguf import GgufType, gguf_type_fields
 
 METHOD_FLAGS = "optkit.method_flags"  # ctx.meta: the values of the methods' own flags (QuantizeCommand)
 
@@ -72,6 +73,7 @@ def quantize(
     symmetric: Symmetric = True,
     ignore: Ignore = None,
     format: Format = None,
+    gguf_type: GgufType = None,
     calib: Calib = "calib",
     num_samples: Annotated[int, typer.Option(help="Calibration sequences.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration sequence.")] = 256,
@@ -107,6 +109,10 @@ def quantize(
     options = options.model_copy(
         update={"calibration": _calibration(calib, num_samples, seq_len, seed, moe_calibration), "head": head}
     )
+    if gguf_type is not None:
+        options = _options(
+            type(options), {}, **gguf_type_fields(options, gguf_type, format, bits, group_size, symmetric)
+        )
     warn_if_unloadable(options, model)
     if dry_run:  # config.json and the safetensors headers only: nothing is loaded, run or written
         from optkit.cli.quantize_plan import print_plan
@@ -222,6 +228,10 @@ def _flag_names(method) -> dict[str, str]:
 
 def _print_summary(out, method: str, options, manifest: dict) -> None:
     layers = manifest["layers"]
+    if not layers:  # --gguf-type F16 and the like: every linear kept
+        kept = options.gguf.type if options.gguf is not None else "full precision"
+        console().print(f"[bold green]wrote[/] {out}  (no linear quantized: {kept}, {manifest['wall_time_s']:.1f}s)")
+        return
     summary = f"mean rel. weight error {sum(x['rel_error'] for x in layers) / len(layers):.4f}"
     if all("rtn_loss" in x for x in layers):  # GPTQ's layers compare their output error with RTN's
         loss, rtn_loss = sum(x["loss"] for x in layers), sum(x["rtn_loss"] for x in layers)
@@ -232,7 +242,8 @@ def _print_summary(out, method: str, options, manifest: dict) -> None:
             summary += f", {label} {value / 2**20:.0f} MB"
             break
     console().print(
-        f"[bold green]wrote[/] {out}  ({method} {options.weights.describe()}, {len(layers)} layers, "
+        f"[bold green]wrote[/] {out}  ({method} {options.gguf.type if options.gguf else options.weights.describe()}, "
+        f"{len(layers)} layers, "
         f"{summary}, {manifest['wall_time_s']:.1f}s)"
     )
 

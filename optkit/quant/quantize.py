@@ -35,6 +35,7 @@ from optkit.quant import methods
 from optkit.quant.calibrate import LayerResult, calibrate_layerwise
 from optkit.quant.calibration_data import CalibrationOptions, calibration_data
 from optkit.quant.formats import format_names, get_format
+from optkit.quant.formats.gguf_mix import GgufOptions, check_file_type, with_file_type
 from optkit.quant.methods.composition import Composition, resolve
 from optkit.quant.methods.rtn.math import weight_error
 from optkit.quant.moe import calibration_record as moe_calibration_record
@@ -70,6 +71,8 @@ class QuantizeOptions(BaseModel):
     quantize_router: bool = False
     # the output head (lm_head): full (as stored), int8 or int4 (quant/head.py; a tied head unties)
     head: str = "full"
+    # `format: gguf`: llama.cpp's file type (Q8_0, F16, ...: formats/gguf_mix.py)
+    gguf: GgufOptions | None = Field(None, exclude_if=lambda g: g is None)
     _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
 
     @field_validator("method", mode="before")
@@ -98,6 +101,7 @@ class QuantizeOptions(BaseModel):
         if not isinstance(data, dict):
             return handler(data)
         rest, sections = split_sections(data)
+        rest = with_file_type(rest)
         if "weights" not in rest and isinstance(rest.get("method"), str | list | tuple):
             fixed = _fixed_scheme(rest["method"])
             rest = rest if fixed is None else {**rest, "weights": fixed}
@@ -119,6 +123,7 @@ class QuantizeOptions(BaseModel):
     @model_validator(mode="after")
     def _consistent(self):
         check_scheme(self)
+        check_file_type(self.format, self.gguf, self.weights)
         return self
 
     @property

@@ -10,24 +10,20 @@ from optkit.gate.llama_cpp import llama_cpp_available
 from optkit.quant.formats import gguf_mix
 from optkit.quant.formats.gguf_mix import FILE_TYPES, Model, Tensor, tensor_types, use_more_bits
 from optkit.quant.quantize import QuantizeOptions, quantize_model
-from optkit.weights.schemes import WeightScheme
 
 QUANTIZED_MIXES = [name for name, t in FILE_TYPES.items() if t.default not in gguf_mix.FULL_PRECISION]
 needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
 
 
-def _full_precision_gguf(model_dir, out):
-    options = QuantizeOptions(format="gguf", ignore=["*"], weights=WeightScheme(bits=4, group_size=32))
-    quantize_model(model_dir, out, options)
-    return out
-
-
 @pytest.fixture(scope="module")
-def full_precision(tmp_path_factory, small_dir, draft_dir):
-    """small (rows of 256 and 768), draft (rows of 128 and 384: every K type falls back)."""
+def full_precision(tmp_path_factory):
+    """The F16 files llama-quantize starts from: small (rows of 256 and 768), draft (rows of 128 and
+    384: every K type falls back), small-moe (4 experts, stacked; rows of 384)."""
     root = tmp_path_factory.mktemp("fp")
-    models = {"small": small_dir, "draft": draft_dir}
-    return {name: _full_precision_gguf(path, root / f"{name}.gguf") for name, path in models.items()}
+    files = {name: root / f"{name}.gguf" for name in ("small", "draft", "small-moe")}
+    for name, out in files.items():
+        quantize_model(name, out, QuantizeOptions(format="gguf", gguf={"type": "F16"}))
+    return files
 
 
 def _llama_quantize(source, out, mix):
@@ -58,7 +54,7 @@ def _stored_types(path) -> dict[str, str]:
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("model", ["small", "draft"])
+@pytest.mark.parametrize("model", ["small", "draft", "small-moe"])
 @pytest.mark.parametrize("mix", QUANTIZED_MIXES)
 def test_every_tensor_gets_the_type_llama_quantize_gives_it(full_precision, tmp_path, model, mix):
     source = full_precision[model]

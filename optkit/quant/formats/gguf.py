@@ -26,7 +26,7 @@ from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
-from optkit.quant.formats import gguf_plan
+from optkit.quant.formats import gguf_plan, gguf_types
 from optkit.quant.formats.common import dequantize_layers, weight_only
 from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
 from optkit.quant.formats.defaults import quant_method_is
@@ -211,18 +211,21 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(Path(manifest["base_model"]["path"]).name)
         writer.add_quantized_by("optkit")
-        writer.add_file_type(FILE_TYPES[qtype])
+        writer.add_file_type(gguf_types.file_type_id(manifest, FILE_TYPES[qtype]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         meta.add_hyperparameters(writer, config)
         meta.add_tokenizer(writer, staged, config)
-        writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
-
         plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
+        types = gguf_types.planned_types(plan, manifest, config, qtype, lambda key: reader.get(key).shape)
+        manifest = gguf_types.with_layer_types(manifest, plan, qtype)
+        writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
 
         def array(entry: gguf_plan.PlannedTensor) -> tuple[np.ndarray, object]:
             tensor = gguf_plan.tensor(reader.get, entry, config)
             if entry.quantized:
                 return tensor.numpy(), gguf.GGMLQuantizationType[qtype]
+            if types.get(entry.name) is not None:  # the file type's, for a tensor the methods left as it was
+                return gguf_types.tensor_bytes(tensor, types[entry.name])
             return _tensor_bytes(tensor)
 
         extra = gguf_plan.extra_tensors(config)  # generate_extra_tensors: rope_freqs, LongRoPE's factors

@@ -9,6 +9,7 @@ import torch
 from optkit.errors import OptkitError
 from optkit.families import family_for
 from optkit.quant.formats import gguf_mix
+from optkit.quant.formats.gguf_metadata import language_model_config
 
 # a planned tensor of the writer (formats/gguf_plan.py): .name (llama.cpp's), .keys (the staged
 # tensors: one, or each expert's), .quantized (packed blocks)
@@ -24,8 +25,6 @@ def file_type_id(manifest: dict, blocks_file_type: int) -> int:
 
 
 def mix_model(config: dict) -> gguf_mix.Model:
-    from optkit.quant.formats.gguf_metadata import language_model_config
-
     view = language_model_config(config)
     moe = family_for(config.get("model_type")).moe
     heads = view["num_attention_heads"]
