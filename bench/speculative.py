@@ -20,6 +20,11 @@ machine shared with other jobs, pass --threads 1.
 mean_acceptance_length: accepted tokens + 1 per target step (sequence verification step), the
 figure EAGLE's and vLLM's papers report.
 
+Step costs, from timers around every engine step and every proposal (all repeats): step_ms, the
+median engine step (plain: the target's decode step, prefill steps are few); propose_ms_per_token,
+the proposer's time per proposed token (EAGLE: its passes over the head, the stable-KV rows
+included, and the LM head's logits). At batch 1 their ratio is the head's step against the target's.
+
 Usage: python bench/speculative.py [--target small] [--draft draft] [--eagle HEAD_DIR]
                                    [--speculative ngram draft:draft eagle:DIR] [--ks 2 3 4 5 6]
                                    [--temperatures 0 0.8] [--batches 1 8] [--workload heldout]
@@ -29,6 +34,7 @@ Usage: python bench/speculative.py [--target small] [--draft draft] [--eagle HEA
 import argparse
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -75,10 +81,41 @@ def run(engine, prompts, batch: int, max_tokens: int, temperature: float) -> tup
     return time.perf_counter() - start, outputs
 
 
-def measure(engines: dict, prompts, batch: int, temperature: float, args) -> list[dict]:
+class StepTimer:
+    """Wraps an engine's `step` and its proposer's `propose` (if speculative) with wall-clock timers."""
+
+    def __init__(self, engine):
+        self.step_seconds: list[float] = []
+        self.propose_seconds = 0.0
+        engine.step = self._timed(engine.step, self.step_seconds.append)
+        proposer = getattr(engine.decoding, "proposer", None)
+        if proposer is not None:
+            proposer.propose = self._timed(proposer.propose, self._add_propose)
+
+    def _add_propose(self, seconds: float) -> None:
+        self.propose_seconds += seconds
+
+    @staticmethod
+    def _timed(function, record):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            record(time.perf_counter() - start)
+            return result
+
+        return timed
+
+    def reset(self) -> None:
+        self.step_seconds.clear()
+        self.propose_seconds = 0.0
+
+
+def measure(engines: dict, timers: dict, prompts, batch: int, temperature: float, args) -> list[dict]:
     best: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {}
     before = {name: engine.stats() for name, engine in engines.items()}
+    for timer in timers.values():
+        timer.reset()
     for _ in range(args.repeats):
         for name, engine in engines.items():
             seconds, outputs[name] = run(engine, prompts, batch, args.max_tokens, temperature)
@@ -90,6 +127,7 @@ def measure(engines: dict, prompts, batch: int, temperature: float, args) -> lis
         drafted = after.num_spec_draft_tokens - before[name].num_spec_draft_tokens
         accepted = after.num_spec_accepted_tokens - before[name].num_spec_accepted_tokens
         tokens = sum(len(o) for o in outputs[name])
+        timer = timers[name]
         rows.append(
             {
                 "batch": batch,
@@ -102,6 +140,8 @@ def measure(engines: dict, prompts, batch: int, temperature: float, args) -> lis
                 "same_tokens_as_plain": outputs[name] == outputs["plain"] if temperature == 0 else None,
                 "acceptance_rate": accepted / drafted if drafted else None,
                 "mean_acceptance_length": accepted / steps + 1 if steps else None,
+                "step_ms": 1e3 * statistics.median(timer.step_seconds),
+                "propose_ms_per_token": 1e3 * timer.propose_seconds / drafted if drafted else None,
             }
         )
     return rows
@@ -147,12 +187,13 @@ def main() -> None:
             name = f"{spec.partition(':')[0]} k={k}"
             configs[name] = EngineConfig(max_num_seqs=max_seqs, speculative=spec, num_speculative_tokens=k)
     engines = {name: LLMEngine(target, config) for name, config in configs.items()}
+    timers = {name: StepTimer(engine) for name, engine in engines.items()}
     for engine in engines.values():  # warm-up: first-call costs are not throughput
         run(engine, prompts[:2], 2, 8, 0.0)
     rows = []
     for temperature in args.temperatures:
         for batch in args.batches:
-            rows += measure(engines, prompts, batch, temperature, args)
+            rows += measure(engines, timers, prompts, batch, temperature, args)
     if args.json:
         report = {"target": args.target, "proposers": proposers, "workload": args.workload, "runs": rows}
         print(json.dumps({**report, "max_tokens": args.max_tokens, "threads": torch.get_num_threads()}, indent=2))
@@ -166,7 +207,8 @@ def show(rows: list[dict], args, proposers: list[str], requests: int) -> None:
         f"{args.max_tokens} tokens, {torch.get_num_threads()} threads"
     )
     table = Table(title=title)
-    for column in ("T", "batch", "run", "s", "tok/s", "vs plain", "accepted", "mean acc. len", "= plain"):
+    columns = ("T", "batch", "run", "s", "tok/s", "vs plain", "accepted", "mean acc. len", "step ms", "ms/proposal")
+    for column in (*columns, "= plain"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for row in rows:
         same = row["same_tokens_as_plain"]
@@ -179,10 +221,13 @@ def show(rows: list[dict], args, proposers: list[str], requests: int) -> None:
             f"{row['speedup']:.2f}x",
             "" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.0%}",
             "" if row["mean_acceptance_length"] is None else f"{row['mean_acceptance_length']:.2f}",
+            f"{row['step_ms']:.1f}",
+            "" if row["propose_ms_per_token"] is None else f"{row['propose_ms_per_token']:.2f}",
             "" if same is None else "yes" if same else "NO",
         )
     Console().print(table)
     print("accepted: proposals the target accepted; mean acc. len: accepted tokens + 1 per target step")
+    print("step ms: median engine step; ms/proposal: the proposer's time per proposed token")
 
 
 if __name__ == "__main__":
