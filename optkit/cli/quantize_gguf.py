@@ -7,9 +7,9 @@ import typer
 GgufType = Annotated[
     str | None,
     typer.Option(
-        help="GGUF file type, as llama-quantize names it: Q8_0, Q4_0, Q4_1, Q6_K, Q5_K_S, Q3_K_S (the linears' "
-        "blocks; the embeddings and output as llama.cpp's mix gives them), or F16, BF16, F32 (nothing "
-        "quantized). Implies --format gguf."
+        help="GGUF file type, as llama-quantize names it: Q8_0, Q4_0, Q4_1, Q4_K_M, Q5_K_M, Q6_K, Q3_K_M, ... "
+        "(each tensor in the type llama.cpp's mix gives it: Q4_K_M raises attn_v, part of ffn_down and the "
+        "output to Q6_K), or F16, BF16, F32 (nothing quantized). Implies --format gguf."
     ),
 ]
 

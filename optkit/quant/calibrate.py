@@ -28,6 +28,7 @@ from optkit.quant.moe import (
     unfuse_experts,
 )
 from optkit.weights.quantized import QuantizedWeight
+from optkit.weights.schemes import WeightScheme
 
 
 class LayerStream:
@@ -139,6 +140,12 @@ class LayerWork:
     tokens_seen: dict[str, int] = field(default_factory=dict)  # by a step's statistics, per linear
     # additive [1, 1, L, L] mask where the layer needs one (LayerStream.layer_inputs); None: causal
     attention_mask: torch.Tensor | None = None
+    # linears (local names) on another scheme than the run's: a GGUF K mix's raised ones
+    schemes: dict[str, WeightScheme] = field(default_factory=dict)
+
+    def scheme_for(self, name: str, default: WeightScheme) -> WeightScheme:
+        """The scheme linear `name` is quantized onto: its own, else the run's `default`."""
+        return self.schemes.get(name, default)
 
     def forward(self, samples: torch.Tensor) -> torch.Tensor:
         out = self.layer(samples.to(self.device), position_embeddings=self.rope, attention_mask=self.attention_mask)
@@ -297,6 +304,7 @@ def calibrate_layerwise(
     moe_calibration: str = "all",
     moe_min_tokens: int | None = None,
     then: Callable[["LayerStream", torch.Tensor], LayerResult] | None = None,
+    schemes: dict[str, WeightScheme] | None = None,
 ) -> Iterator[LayerResult]:
     """Quantize every target linear (full checkpoint names) layer by layer with `procedure`, which
     leaves the layer holding its quantized weights; yields each layer's results as soon as it is
@@ -304,7 +312,8 @@ def calibrate_layerwise(
 
     Mixture-of-experts layers: see quant/moe.py for `moe_calibration`; each expert linear's stats
     get `routed_tokens`, the calibration tokens the router sent its expert. `then(stream, hidden)`:
-    what runs on the last layer's outputs (the head's GPTQ, quant/head.py), yielded last."""
+    what runs on the last layer's outputs (the head's GPTQ, quant/head.py), yielded last. `schemes`:
+    the target linears quantized onto another scheme than the procedure's (LayerWork.schemes)."""
     stream = LayerStream(model_path, device, moe_calibration)
     family = stream.family
     with torch.inference_mode():
@@ -321,11 +330,7 @@ def calibrate_layerwise(
             with torch.inference_mode():
                 layer = stream.load_layer(index)
                 rope, mask = stream.layer_inputs(index, tokens.shape[1])
-                local_targets = {
-                    family.module_name(t).removeprefix(f"{prefix}.")
-                    for t in targets
-                    if family.module_name(t).startswith(f"{prefix}.")
-                }
+                local_targets = set(_in_layer(family, prefix, targets).values())
                 work = LayerWork(
                     layer,
                     prefix,
@@ -339,6 +344,8 @@ def calibrate_layerwise(
                     attention_mask=mask,
                 )
                 work.min_tokens = expert_min_tokens(layer, family, local_targets, moe_min_tokens)
+                own = _in_layer(family, prefix, schemes or {})
+                work.schemes = {local: schemes[name] for name, local in own.items()}
                 quantized = procedure(work)
                 result = LayerResult(
                     prefix, {family.checkpoint_name(f"{prefix}.{n}"): r for n, r in quantized.items()}, {}
@@ -357,3 +364,11 @@ def calibrate_layerwise(
     if then is not None:
         with torch.inference_mode():
             yield then(stream, hidden)
+
+
+def _in_layer(family: Family, prefix: str, names) -> dict[str, str]:
+    """The checkpoint names of `names` inside layer `prefix`, each with its local module name."""
+    modules = {name: family.module_name(name) for name in names}
+    return {
+        name: module.removeprefix(f"{prefix}.") for name, module in modules.items() if module.startswith(f"{prefix}.")
+    }

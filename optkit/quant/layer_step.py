@@ -82,7 +82,8 @@ def per_weight_quantizer(quantize_weight: Callable[..., QuantizedWeight], scheme
     """A data-free quantizer (rtn, fp8) run on calibrated layers: each weight alone, in fp32."""
 
     def quantize(work: LayerWork, name: str, weight: torch.Tensor, _) -> tuple[QuantizedWeight, dict, torch.Tensor]:
-        return quantize_weight(weight, scheme, scheme.scale_dtype_for(weight.dtype)), {}, weight
+        own = work.scheme_for(name, scheme)
+        return quantize_weight(weight, own, own.scale_dtype_for(weight.dtype)), {}, weight
 
     return LinearQuantizer(quantize)
 

@@ -239,11 +239,13 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
     base, config_dict, hf_config = checked.base, checked.config, checked.hf_config
     constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
     work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
+    linear_schemes = getattr(fmt, "linear_schemes", None)  # per-linear types (GGUF's Q4_K_M raises some)
+    schemes = linear_schemes(options, config_dict, base, [t.name for t in checked.targets]) if linear_schemes else {}
 
     # The temporary output exists from here on; it is renamed to `out` only when complete.
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
         with PeakMemory() as peak:
-            calibration, layer_results = _quantize_weights(base, checked.targets, work, device)
+            calibration, layer_results = _quantize_weights(base, checked.targets, work, device, schemes)
             if calibration["name"] is not None:
                 calibration |= moe_calibration_record(hf_config.model_type, options.calibration.moe_calibration)
             stats = _write_weights(base, tmp, fmt, work, layer_results)
@@ -327,15 +329,16 @@ def _write_weights(
 
 
 def _quantize_weights(
-    base: Path, targets: list[LinearTarget], options: QuantizeOptions, device: str
+    base: Path, targets: list[LinearTarget], options: QuantizeOptions, device: str, schemes: dict[str, WeightScheme]
 ) -> tuple[dict, Iterator[LayerResult]]:
     """The calibration record, and the quantized layers as they are done (each with its linears'
-    (quantized weight, stats) and the full-precision tensors the method changed)."""
+    (quantized weight, stats) and the full-precision tensors the method changed); `schemes`: the
+    linears on another scheme than options.weights."""
     composition = options.composition
     head = output_head.head_scheme(options.head, options.weights)
     if composition.quantize_weight is not None:
         no_calibration = {"name": None, "sha256": "", "num_samples": 0, "seq_len": 0}
-        layers = _quantize_data_free(TensorReader(base), targets, options.weights, composition)
+        layers = _quantize_data_free(TensorReader(base), targets, options.weights, composition, schemes)
         return no_calibration, output_head.with_head(layers, base, options, head)
     data = calibration_data(load_tokenizer(base), options.calibration)
     calibration = {
@@ -355,12 +358,13 @@ def _quantize_weights(
         moe_calibration=options.calibration.moe_calibration,
         moe_min_tokens=options.calibration.moe_min_tokens,
         then=output_head.gptq_head(options, head, options.calibration.batch_size),
+        schemes=schemes,
     )
     return calibration, output_head.with_head(layers, base, options, head)
 
 
 def _quantize_data_free(
-    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme, composition: Composition
+    reader: TensorReader, targets: list[LinearTarget], scheme: WeightScheme, composition: Composition, schemes: dict
 ) -> Iterator[LayerResult]:
     """One result per linear: RTN (or another data-free method) needs no calibration, so each
     weight is read, quantized and let go."""
@@ -373,7 +377,8 @@ def _quantize_data_free(
                 raise OptkitError(
                     f"{target.name}: the weight contains NaN or inf: repair the checkpoint before quantizing"
                 )
-            qw = quantize_weight(weight, scheme, scale_dtype=scheme.scale_dtype_for(weight.dtype))
+            own = schemes.get(target.name, scheme)
+            qw = quantize_weight(weight, own, scale_dtype=own.scale_dtype_for(weight.dtype))
             stats = weight_error(weight, qw.dequantize())
             bar.update(task, advance=1, info=f"{target.name}  rel.err {stats['rel_error']:.4f}")
             yield LayerResult(target.name, {target.name: (qw, stats)}, {})

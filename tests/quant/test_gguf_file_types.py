@@ -11,7 +11,7 @@ import torch
 
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
 from optkit.models.loader import load_runtime_model
-from optkit.quant.formats.gguf_mix import FILE_TYPES
+from optkit.quant.formats.gguf_mix import linear_scheme
 from tests.cli.test_bad_input import assert_user_error
 from tests.models.paged import run_paged, whole_prefills
 from tests.quant.test_gguf_mix import _llama_quantize, _stored_types
@@ -62,8 +62,10 @@ def f16_files(tmp_path_factory):
 
 # small: the output (tied embeddings) in Q6_K; draft (rows of 128): in Q8_0, the output's fallback
 LEGACY = [("small", "Q8_0"), ("small", "Q4_0"), ("draft", "Q8_0"), ("draft", "Q4_0"), ("draft", "Q4_1")]
-# the K mixes optkit writes, on small (rows of 256 and 768; draft's 128 are refused for K types)
+# the K mixes optkit writes, on small (rows of 256 and 768; draft's 128 are refused for K types):
+# uniform ones, and those that raise attn_v, ffn_down or attn_output of some layers above the default
 K_MIXES = [pytest.param("small", t, marks=pytest.mark.slow) for t in ("Q6_K", "Q5_K_S", "Q3_K_S")]
+K_MIXES += [pytest.param("small", t, marks=pytest.mark.slow) for t in ("Q4_K_M", "Q5_K_M", "Q3_K_M")]
 
 
 @needs_llama_cpp
@@ -76,7 +78,14 @@ def test_optkits_file_holds_the_tensor_types_llama_quantize_writes(run_cli, tmp_
     reader = gguf.GGUFReader(ours)
     assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{file_type}"]
     manifest = json.loads(reader.fields["optkit.manifest"].contents())
-    assert {layer["gguf_type"] for layer in manifest["layers"]} == {FILE_TYPES[file_type].default}
+    linears = [kind for name, kind in theirs.items() if name.startswith("blk.") and kind != "F32"]  # not norms
+    assert Counter(layer["gguf_type"] for layer in manifest["layers"]) == Counter(linears)
+    assert manifest["options"]["gguf"] == {"type": file_type}
+    default = linear_scheme(file_type)  # the mix's default type's scheme (a legacy one's as a dict)
+    default = default if isinstance(default, dict) else default.model_dump()
+    assert {key: manifest["options"]["weights"][key] for key in ("bits", "group_size", "symmetric")} == {
+        key: default[key] for key in ("bits", "group_size", "symmetric")
+    }
     code, stdout, _ = run_cli("inspect", ours, "--json")
     assert code == 0
     shown = {row["type"]: row["tensors"] for row in json.loads(stdout)["types"]}
@@ -93,7 +102,7 @@ def test_optkits_file_holds_the_tensor_types_llama_quantize_writes(run_cli, tmp_
         (["--gguf-type", "Q8_0", "--format", "gptq"], ["writes a .gguf", "--format gguf"]),
         (["--gguf-type", "Q4_K_X"], ["--gguf-type 'Q4_K_X'", "Q4_K_M"]),
         (["--gguf-type", "Q6_K", "--bits", "4"], ["Q6_K stores Q6_K's super-blocks", "drop --bits"]),
-        (["--gguf-type", "Q4_K_M"], ["not written yet", "Q6_K"]),
+        (["--gguf-type", "Q4_K_M", "--group-size", "128"], ["Q4_K_M stores Q4_K's super-blocks", "drop --group-size"]),
         (["--gguf-type", "Q8_0", "--method", "w8a8"], ["w8a8"]),
     ],
 )
@@ -133,3 +142,53 @@ def test_every_linear_ignored_writes_the_file_and_says_so(run_cli, tmp_path):
     assert "no linear quantized: full precision" in stdout
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == "BF16"  # as draft stores them
+
+
+def _file_linears(path, config: dict) -> tuple[dict, dict[str, tuple[str, torch.Tensor]]]:
+    """The manifest of an optkit .gguf of the model of `config` and, per quantized linear (checkpoint
+    name), its stored type and its weight as llama.cpp reads it (gguf-py's dequantization; q and k
+    rows back from GGML's RoPE order)."""
+    from gguf.quants import dequantize
+
+    from optkit.quant.formats.gguf_metadata import gguf_architecture, qk_heads, unpermute_qk
+    from optkit.quant.formats.gguf_plan import gguf_name
+
+    reader = gguf.GGUFReader(path)
+    manifest = json.loads(reader.fields["optkit.manifest"].contents())
+    arch = gguf_architecture(config)
+    tensors = {t.name: t for t in reader.tensors}
+    linears = {}
+    for layer in manifest["layers"]:
+        stored = tensors[gguf_name(f"{layer['name']}.weight", arch)]
+        weight = torch.from_numpy(dequantize(stored.data, stored.tensor_type).copy()).reshape(layer["shape"])
+        heads = qk_heads(config, f"{layer['name']}.weight")
+        linears[layer["name"]] = (stored.tensor_type.name, weight if heads is None else unpermute_qk(weight, heads))
+    return manifest, linears
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_each_linear_of_a_k_mix_holds_the_weight_its_method_chose_on_its_own_type(run_cli, tmp_path, method):
+    """Q4_K_M on small: layers 2 and 3 (use_more_bits of 4) have attn_v and ffn_down in Q6_K, the
+    rest Q4_K; each is written in that type, quantized onto that type's grid by the method."""
+    from optkit.modeldir import TensorReader, read_config, resolve_model_dir
+    from optkit.quant.methods.rtn.math import rtn_quantize, weight_error
+    from optkit.weights.stored import k_scheme
+
+    out = tmp_path / "m.gguf"
+    calibration = [] if method == "rtn" else ["--num-samples", "4", "--seq-len", "64"]
+    _written(run_cli, out, "small", "--gguf-type", "Q4_K_M", "--method", method, *calibration)
+    manifest, linears = _file_linears(out, read_config(resolve_model_dir("small")))
+    raised = {f"model.layers.{i}.{n}" for i in (2, 3) for n in ("self_attn.v_proj", "mlp.down_proj")}
+    assert {name for name, (kind, _) in linears.items() if kind == "Q6_K"} == raised
+    assert {kind for name, (kind, _) in linears.items() if name not in raised} == {"Q4_K"}
+    base = TensorReader(resolve_model_dir("small"))
+    for layer in manifest["layers"]:
+        kind, stored = linears[layer["name"]]
+        assert layer["gguf_type"] == kind and torch.isfinite(stored).all()
+        weight = base.get(f"{layer['name']}.weight").float()
+        if method == "rtn":
+            assert torch.equal(stored, rtn_quantize(weight, k_scheme(kind)).dequantize()), layer["name"]
+        if method != "awq":  # AWQ's own error is against its scaled, clipped weight
+            error = weight_error(weight, stored)["rel_error"]
+            assert error == pytest.approx(layer["rel_error"], rel=1e-4), layer["name"]

@@ -105,6 +105,26 @@ def constrain(scheme: WeightScheme, gguf_type: str | None = None) -> StoredSchem
     return StoredScheme(**scheme.model_dump(), float_zero=not scheme.symmetric)
 
 
+def linear_schemes(options, config: dict, model_dir: Path, targets: list[str]) -> dict[str, StoredScheme]:
+    """The target linears (checkpoint names) a K mix (`--gguf-type Q4_K_M`) gives another type than its
+    default, each on that type's grid (gguf_mix: attn_v and ffn_down of the use_more_bits layers in
+    Q6_K, ...); {} for every other file type. The methods quantize each onto its own scheme."""
+    if options.gguf is None or options.gguf.full_precision:
+        return {}
+    from optkit.modeldir import weight_files
+    from optkit.safetensors_stream import lazy_tensors_in
+
+    shapes = {key: t.shape for file in weight_files(model_dir) for key, t in lazy_tensors_in(file).items()}
+    plan = gguf_plan.plan(list(shapes), config, MARKER)
+    types = gguf_types.linear_types(options.gguf.type, plan, config, shapes.__getitem__)
+    default = block_type(options.weights)
+    raised = {name: types[name] for name in targets if types[name] != default}
+    for name, qtype in raised.items():
+        if qtype not in kquants.K_TYPES:
+            raise OptkitError(f"{name}: GGUF {options.gguf.type} stores it as {qtype}, which optkit does not write")
+    return {name: k_scheme(qtype) for name, qtype in raised.items()}
+
+
 def gptq_defaults(scheme: WeightScheme) -> dict:
     """GPTQ's settings for a scheme when the recipe leaves them unset. Q4_0: act-order with static
     groups and llama.cpp's own scale rule (d = signed max / −8, rtn.signed_max_qparams). Chosen on
@@ -216,14 +236,14 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         meta.add_hyperparameters(writer, config)
         meta.add_tokenizer(writer, staged, config)
         plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
-        types = gguf_types.planned_types(plan, manifest, config, qtype, lambda key: reader.get(key).shape)
-        manifest = gguf_types.with_layer_types(manifest, plan, qtype)
+        types = gguf_types.planned_types(plan, manifest, config, lambda key: reader.get(key).shape)
+        manifest = gguf_types.with_layer_types(manifest, plan, types)
         writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
 
         def array(entry: gguf_plan.PlannedTensor) -> tuple[np.ndarray, object]:
             tensor = gguf_plan.tensor(reader.get, entry, config)
-            if entry.quantized:
-                return tensor.numpy(), gguf.GGMLQuantizationType[qtype]
+            if entry.quantized:  # the blocks of the type the mix gives it (planned_types checked their size)
+                return tensor.numpy(), gguf.GGMLQuantizationType[types.get(entry.name, qtype)]
             if types.get(entry.name) is not None:  # the file type's, for a tensor the methods left as it was
                 return gguf_types.tensor_bytes(tensor, types[entry.name])
             return _tensor_bytes(tensor)

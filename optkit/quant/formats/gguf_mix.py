@@ -25,6 +25,7 @@ BLOCK |= {"Q4_0": LEGACY_BLOCK, "Q4_1": LEGACY_BLOCK, "Q5_0": LEGACY_BLOCK, "Q5_
 FULL_PRECISION = ("F32", "F16", "BF16")
 # tensor_type_fallback: a type whose block does not divide the row -> one of 32 columns
 FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_TYPES = tuple(FALLBACK)
 # tensor_allows_quantization: 2-D weights that stay as they are stored (norms, MoE routers, ...)
 _NOT_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "altup", "laurel", "per_layer_model_proj", "ssm_conv1d")
 _BLOCK_INDEX = re.compile(r"blk\.(-?\d+)\.")
@@ -85,10 +86,6 @@ LEGACY_SCHEMES = {
     "Q4_0": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": True},
     "Q4_1": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": False},
 }
-# the K mixes that keep every linear of a dense model in the default type (the output aside): the
-# methods quantize onto one grid; the others raise some linears (attn_v, ffn_down), not written yet
-UNIFORM_K = ("Q6_K", "Q5_K_S", "Q3_K_S")
-WRITTEN = (*FULL_PRECISION, *LEGACY_SCHEMES, *UNIFORM_K)
 
 
 class GgufOptions(BaseModel):
@@ -127,8 +124,9 @@ def with_file_type(data: dict) -> dict:
 
 
 def linear_scheme(name: str):
-    """The scheme the decoder's linears take in file type `name` (F16/BF16/F32: Q8_0's, unused)."""
-    if name in UNIFORM_K:
+    """The scheme of the decoder's linears in file type `name`: its default type's (a K mix raises
+    some linears above it: formats/gguf.linear_schemes); F16/BF16/F32: Q8_0's, unused."""
+    if FILE_TYPES[name].default in K_TYPES:
         return k_scheme(FILE_TYPES[name].default)
     return LEGACY_SCHEMES.get(name, LEGACY_SCHEMES["Q8_0"])
 
@@ -141,12 +139,7 @@ def check_file_type(format_name: str, gguf: GgufOptions | None, weights) -> None
         raise ValueError(f"gguf.type {gguf.type} is a GGUF file type: set format gguf, or drop gguf")
     if gguf.full_precision:
         return
-    if gguf.type not in WRITTEN:
-        raise ValueError(
-            f"gguf.type {gguf.type}: the K-quant mixes that raise some linears are not written yet; "
-            f"choose one of {', '.join(WRITTEN)}"
-        )
-    if gguf.type in UNIFORM_K:
+    if FILE_TYPES[gguf.type].default in K_TYPES:
         if weights != linear_scheme(gguf.type):
             default = FILE_TYPES[gguf.type].default
             raise ValueError(f"gguf.type {gguf.type} stores {default}'s super-blocks: leave the weight scheme out")

@@ -32,13 +32,29 @@ def mix_model(config: dict) -> gguf_mix.Model:
     return gguf_mix.Model(view["num_hidden_layers"], heads, view.get("num_key_value_heads") or heads, experts)
 
 
-def planned_types(
-    plan: list[PlannedTensor], manifest: dict, config: dict, block_type: str, shape_of
-) -> dict[str, str | None]:
-    """The type to write for each planned tensor that is not packed blocks already (None: as stored);
-    {} without a file type. `shape_of(key)` is a staged tensor's shape. Linears the recipe keeps in
-    full precision (`ignore`) stay so in a quantized mix; a packed linear of another type than the
-    mix gives it is an OptkitError."""
+def mix_types(gguf_type: str, plan: list[PlannedTensor], config: dict, dims) -> dict[str, str | None]:
+    """gguf_mix's type of each planned tensor in file type `gguf_type`; `dims(entry)` its GGUF dims."""
+    tensors = [gguf_mix.Tensor(entry.name, dims(entry)) for entry in plan]
+    return gguf_mix.tensor_types(gguf_type, tensors, mix_model(config))
+
+
+def linear_types(gguf_type: str, plan: list[PlannedTensor], config: dict, shape_of) -> dict[str, str]:
+    """Before quantizing: the type of each linear (checkpoint name) of the base model's `plan` in
+    file type `gguf_type`; `shape_of(key)` is a checkpoint tensor's shape."""
+    types = mix_types(gguf_type, plan, config, lambda entry: _dims(entry, list(shape_of(entry.keys[0]))))
+    return {key.removesuffix(".weight"): types[e.name] for e in plan if types[e.name] for key in e.keys}
+
+
+def _dims(entry: PlannedTensor, shape: list[int]) -> tuple[int, ...]:
+    """GGUF's dims of a planned tensor whose (first) staged tensor is [rows, row]: experts stacked last."""
+    return (*reversed(shape), *((len(entry.keys),) if len(entry.keys) > 1 else ()))
+
+
+def planned_types(plan: list[PlannedTensor], manifest: dict, config: dict, shape_of) -> dict[str, str | None]:
+    """The type to write for each planned tensor (None: as stored); {} without a file type.
+    `shape_of(key)` is a staged tensor's shape. Linears the recipe keeps in full precision (`ignore`)
+    stay so in a quantized mix; a packed linear whose bytes are not those of the type the mix gives
+    it is an OptkitError."""
     gguf = manifest["options"].get("gguf")
     if gguf is None:
         return {}
@@ -46,18 +62,17 @@ def planned_types(
 
     def dims(entry: PlannedTensor) -> tuple[int, ...]:
         layer = entry.keys[0].rsplit(".", 1)[0]
-        shape = layers[layer] if entry.quantized else list(shape_of(entry.keys[0]))
-        return (*reversed(shape), *((len(entry.keys),) if len(entry.keys) > 1 else ()))
+        return _dims(entry, layers[layer] if entry.quantized else list(shape_of(entry.keys[0])))
 
-    types = gguf_mix.tensor_types(gguf["type"], [gguf_mix.Tensor(e.name, dims(e)) for e in plan], mix_model(config))
+    types = mix_types(gguf["type"], plan, config, dims)
     full_precision = gguf_mix.FILE_TYPES[gguf["type"]].default in gguf_mix.FULL_PRECISION
     chosen = {}
     for entry in plan:
         if entry.quantized:
-            if types[entry.name] != block_type:
-                raise OptkitError(
-                    f"{entry.name}: GGUF {gguf['type']} stores it as {types[entry.name]}, not {block_type}"
-                )
+            qtype = types[entry.name]
+            if qtype is None or shape_of(entry.keys[0])[-1] != _row_bytes(qtype, dims(entry)[0]):
+                raise OptkitError(f"{entry.name}: GGUF {gguf['type']} stores it as {types[entry.name]}: quantize again")
+            chosen[entry.name] = types[entry.name]
         elif full_precision:  # what is not a quantizable matrix (norms, MoE routers) in F32, as the converter
             chosen[entry.name] = types[entry.name] or "F32"
         elif gguf_mix.category(entry.name) in OUTSIDE_BLOCKS:
@@ -65,12 +80,23 @@ def planned_types(
     return chosen
 
 
-def with_layer_types(manifest: dict, plan: list[PlannedTensor], block_type: str) -> dict:
+def _row_bytes(qtype: str, row: int) -> int:
+    """The bytes of a row of `row` values in ggml type `qtype`."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    return row // block * size
+
+
+def with_layer_types(manifest: dict, plan: list[PlannedTensor], types: dict[str, str | None]) -> dict:
     """The manifest with each quantized linear's GGUF type in its layer record (with a file type)."""
     if manifest["options"].get("gguf") is None:
         return manifest
-    packed = {key.rsplit(".", 1)[0] for entry in plan if entry.quantized for key in entry.keys}
-    layers = [{**layer, "gguf_type": block_type} if layer["name"] in packed else layer for layer in manifest["layers"]]
+    packed = {key.rsplit(".", 1)[0]: types[entry.name] for entry in plan if entry.quantized for key in entry.keys}
+    layers = [
+        {**layer, "gguf_type": packed[layer["name"]]} if layer["name"] in packed else layer
+        for layer in manifest["layers"]
+    ]
     return {**manifest, "layers": layers}
 
 
@@ -92,7 +118,7 @@ def tensor_bytes(tensor: torch.Tensor, qtype: str) -> tuple[np.ndarray, object]:
 
 def _quantized(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     """Round to nearest in `qtype`'s blocks: ggml's grid for a K type, fp16 scales for a legacy one."""
-    if qtype in gguf_mix.FALLBACK:  # a K type
+    if qtype in gguf_mix.K_TYPES:
         from optkit.weights import kquants
 
         return kquants.quantize_rows(weight.float(), qtype)[0]

@@ -58,11 +58,12 @@ def search_scale(
     originals = [m.weight.detach().clone() for m in modules]
     reference = block_output(work, block, x)
     x_mag = awq.activation_magnitude(x)
-    w_mag = awq.weight_magnitude(originals, scheme)
+    schemes = [work.scheme_for(n, scheme) for n in linears]  # a K mix may raise one (attn_v)
+    w_mag = awq.weight_magnitude(originals, schemes[0])
     best = {"loss": float("inf")}
     for alpha, use_duo, s in awq.candidate_scales(x_mag, w_mag, options.grid, duo):
-        for module, w in zip(modules, originals, strict=True):
-            module.weight.copy_(awq.fake_quantize(w * s, scheme) / s)
+        for module, w, own in zip(modules, originals, schemes, strict=True):
+            module.weight.copy_(awq.fake_quantize(w * s, own) / s)
         loss = block_error(work, block, x, reference)
         if loss < best["loss"]:
             best = {"loss": loss, "alpha": alpha, "duo_scaling": use_duo, "s": s}
@@ -83,7 +84,7 @@ def clipping_quantizer(scheme: WeightScheme, options: AWQOptions) -> LinearQuant
         return capture_inputs(work, names, samples, rows, weighted=True)
 
     def quantize(work: LayerWork, name: str, weight: torch.Tensor, x) -> tuple[QuantizedWeight, dict, torch.Tensor]:
-        weight = weight.clone()
+        weight, own = weight.clone(), work.scheme_for(name, scheme)
         stats = {}
         if name in work.min_tokens:
             stats["calibration_tokens"] = work.tokens_seen[name]
@@ -93,13 +94,13 @@ def clipping_quantizer(scheme: WeightScheme, options: AWQOptions) -> LinearQuant
             bounds = awq.search_clip(
                 weight,
                 x.reshape(-1, weight.shape[1]),
-                scheme,
+                own,
                 max_shrink=options.max_shrink,
                 steps=options.clip_steps,
                 independent_ends=options.clip_ends == "independent",
             )
             weight = awq.clip(weight, bounds)
-        return rtn_quantize(weight, scheme), stats, weight
+        return rtn_quantize(weight, own), stats, weight
 
     return LinearQuantizer(quantize, statistics=clip_inputs)
 

@@ -46,12 +46,13 @@ def gptq_step(scheme: WeightScheme, options: GPTQOptions) -> WeightsStep:
     def quantize(
         work: LayerWork, name: str, weight: torch.Tensor, hessian: torch.Tensor
     ) -> tuple[QuantizedWeight, dict, torch.Tensor]:
-        rtn_qw = rtn_quantize(weight, scheme)
+        own = work.scheme_for(name, scheme)
+        rtn_qw = rtn_quantize(weight, own)
         rtn_w = rtn_qw.dequantize().to(weight.device)
         if too_few_tokens(work, name, "GPTQ"):
             qw, stats = rtn_qw, {"loss": output_error(weight, rtn_w, hessian), "fallback": "rtn"}
         else:
-            result = gptq_quantize(weight, hessian, scheme, options, name=f"{work.prefix}.{name}")
+            result = gptq_quantize(weight, hessian, own, options, name=f"{work.prefix}.{name}")
             qw = result.weight
             stats = {"loss": result.loss, "rtn_loss": output_error(weight, rtn_w, hessian), "damp": result.damp}
         if name in work.tokens_seen and name in work.min_tokens:
