@@ -168,16 +168,19 @@ def _file_linears(path, config: dict) -> tuple[dict, dict[str, tuple[str, torch.
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
-def test_each_linear_of_a_k_mix_holds_the_weight_its_method_chose_on_its_own_type(run_cli, tmp_path, method):
+def test_each_linear_of_a_k_mix_holds_the_weight_its_method_chose_on_its_own_type(tmp_path, method):
     """Q4_K_M on small: layers 2 and 3 (use_more_bits of 4) have attn_v and ffn_down in Q6_K, the
     rest Q4_K; each is written in that type, quantized onto that type's grid by the method."""
     from optkit.modeldir import TensorReader, read_config, resolve_model_dir
     from optkit.quant.methods.rtn.math import rtn_quantize, weight_error
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.weights.stored import k_scheme
 
     out = tmp_path / "m.gguf"
-    calibration = [] if method == "rtn" else ["--num-samples", "4", "--seq-len", "64"]
-    _written(run_cli, out, "small", "--gguf-type", "Q4_K_M", "--method", method, *calibration)
+    light = {"awq": {"grid": 4, "duo_scaling": "off", "clip_steps": 4, "search_samples": 4}} if method == "awq" else {}
+    calibration = {"num_samples": 4, "seq_len": 64}
+    options = {"method": method, "format": "gguf", "gguf": {"type": "Q4_K_M"}, "calibration": calibration, **light}
+    quantize_model("small", out, QuantizeOptions.model_validate(options))
     manifest, linears = _file_linears(out, read_config(resolve_model_dir("small")))
     raised = {f"model.layers.{i}.{n}" for i in (2, 3) for n in ("self_attn.v_proj", "mlp.down_proj")}
     assert {name for name, (kind, _) in linears.items() if kind == "Q6_K"} == raised
