@@ -68,8 +68,10 @@ def shrunk(recipe: Path) -> list[str]:
     """--set overrides that make `recipe` run in seconds on `draft` (templates included: their
     MODEL_DIR and data files are replaced by the bundled ones)."""
     data = yaml.safe_load(recipe.read_text())
+    # a K mix's super-blocks span 256 columns: small's rows (256, 768) hold them, draft's (128) do not
+    k_mix = "_K" in str((data["quantize"].get("gguf") or {}).get("type", ""))
     sets = [
-        "model=draft",
+        "model=small" if k_mix else "model=draft",
         "quantize.calibration.calib=calib",
         "quantize.calibration.num_samples=8",
         "quantize.calibration.seq_len=64",

@@ -7,13 +7,14 @@ import json
 import yaml
 
 
-def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
-    from transformers import AutoModelForCausalLM
-
+def repair_recipe(draft_dir, tmp_path, **gate) -> tuple[dict, object]:
+    """draft at RTN w4 g128 against a KLD it misses, repaired from the ladder's smallest rung; the
+    recipe and its file."""
     recipe = {
         "model": str(draft_dir),
         "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 128}},
         "gate": {
+            **gate,
             "max_windows": 4,
             "max_kld": 0.006,
             "repair": {"max_evaluations": 3, "windows": 4, "start": "smallest"},
@@ -22,6 +23,13 @@ def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
     }
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
+    return recipe, path
+
+
+def test_run_repairs_what_the_gate_rejects(run_cli, tmp_path, draft_dir):
+    from transformers import AutoModelForCausalLM
+
+    recipe, path = repair_recipe(draft_dir, tmp_path)
     code, out, err = run_cli("run", path, "--json")
     assert code == 0, err
     assert [s["stage"] for s in json.loads(out)["stages"]] == ["quantize", "gate", "repair", "package"]
@@ -48,19 +56,7 @@ def test_the_release_verdict_comes_from_the_recipes_engine_after_repair(run_cli,
     """Repair searches with transformers; with `gate.engine: optkit` the artifact it chose is gated
     once more on optkit's runtime, and that gate (the numbers `optkit eval --engine optkit` gives) is
     the release's verdict."""
-    recipe = {
-        "model": str(draft_dir),
-        "quantize": {"method": "rtn", "weights": {"bits": 4, "group_size": 128}},
-        "gate": {
-            "engine": "optkit",
-            "max_windows": 4,
-            "max_kld": 0.006,
-            "repair": {"max_evaluations": 3, "windows": 4, "start": "smallest"},
-        },
-        "output": str(tmp_path / "release"),
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    _, path = repair_recipe(draft_dir, tmp_path, engine="optkit")
     code, out, err = run_cli("run", path, "--json")
     assert code in (0, 1), err
     gate = json.loads((tmp_path / "release" / "optkit.json").read_text())["gate"]
