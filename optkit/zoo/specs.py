@@ -70,10 +70,11 @@ SPECS = {
     "draft": ZooSpec(
         "draft", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, steps=700
     ),
-    # ~10.5M parameters: small's width and recipe at 12 layers, the target on which a one-layer
-    # speculative head (EAGLE) is measured against a draft model. Built on demand, not committed.
+    # ~10.5M parameters: small's width and recipe at 12 layers, 500 steps (what fit the shared cores it
+    # was built on), the target on which a one-layer speculative head (EAGLE) is measured against a
+    # draft model. Built on demand (`optkit zoo build deep`), not committed.
     "deep": ZooSpec(
-        "deep", hidden_size=256, num_layers=12, num_heads=4, num_kv_heads=2, intermediate_size=768, steps=1300
+        "deep", hidden_size=256, num_layers=12, num_heads=4, num_kv_heads=2, intermediate_size=768, steps=500
     ),
     # Mixtral, 4 experts of intermediate 384, 2 per token: small's active MLP (768) and attention, ~6.6M
     # parameters in all; the reference mixture of experts (routing, per-expert calibration). A step
