@@ -132,6 +132,8 @@ def test_a_recipes_gguf_section_is_read_and_its_mistakes_named():
     assert parse_recipe(recipe, "r.yaml").quantize.gguf.type == "F16"
     with pytest.raises(OptkitError, match=r"quantize.gguf.type': 'Q5' is not a GGUF file type .* Q4_K_M"):
         parse_recipe({**recipe, "quantize": {"format": "gguf", "gguf": {"type": "Q5"}}}, "r.yaml")
+    with pytest.raises(OptkitError, match=r"quantize.gguf.type': Input should be a valid string"):
+        parse_recipe({**recipe, "quantize": {"format": "gguf", "gguf": {"type": ["Q4_K_M"]}}}, "r.yaml")
 
 
 def test_every_linear_ignored_writes_the_file_and_says_so(run_cli, tmp_path):

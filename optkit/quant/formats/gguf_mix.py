@@ -113,7 +113,7 @@ def with_file_type(data: dict) -> dict:
     name = section.type if isinstance(section, GgufOptions) else None
     if isinstance(section, dict):
         name = section.get("type")
-    if name not in FILE_TYPES:  # none, or one the section's own validation names
+    if not isinstance(name, str) or name not in FILE_TYPES:  # none, or one the section's own validation names
         return data
     data, ignore = {**data}, data.get("ignore", [])
     if FILE_TYPES[name].default in FULL_PRECISION and isinstance(ignore, list) and "*" not in ignore:
