@@ -111,10 +111,10 @@ class TargetFeatures:
         return torch.stack([self._chunk(i // self.CHUNK)[i % self.CHUNK] for i in indices.tolist()])
 
 
-def train_step(head: EagleHeadModel, target, batch: torch.Tensor, features, step: int, options) -> DistillLoss:
-    """batch: [B, T] tokens, features: [B, T, H] the target's."""
+def train_step(head: EagleHeadModel, target, embed, batch: torch.Tensor, features, step: int, options) -> DistillLoss:
+    """batch: [B, T] tokens, features: [B, T, H] the target's; embed: first_layer_embedding(target)."""
     with torch.no_grad():
-        embeds, inputs, positions = head_inputs(first_layer_embedding(target), batch, features)
+        embeds, inputs, positions = head_inputs(embed, batch, features)
         inputs = inputs + feature_noise(inputs.shape, step, options)
     predicted = head(embeds.float(), inputs, positions)
     loss = distillation_loss(predicted, features[:, 1:], target.get_output_embeddings())
@@ -162,7 +162,7 @@ def train_speculator(
     windows = training_windows(tokenizer, options)
     target = frozen_target(target_dir)
     head = new_head(target, options.seed)
-    features = TargetFeatures(target, windows)
+    features, embed = TargetFeatures(target, windows), first_layer_embedding(target)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     first, top1 = _resume_step(checkpoint_dir, head, optimizer, options, digest) if resume else (0, 0.0)
     last = options.steps if stop_after is None else min(options.steps, first + stop_after)
@@ -179,7 +179,7 @@ def train_speculator(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, options)
             indices = window_indices(step, options.batch_size, len(windows), options.seed)
-            loss = train_step(head, target, windows[indices], features(indices), step, options)
+            loss = train_step(head, target, embed, windows[indices], features(indices), step, options)
             torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
