@@ -5,6 +5,7 @@ from collections import Counter
 
 import gguf
 import pytest
+import torch
 
 from optkit.gate.llama_cpp import llama_cpp_available
 from optkit.quant.formats import gguf_mix
@@ -115,3 +116,93 @@ def test_an_eight_expert_model_keeps_attn_v_and_attn_k_in_q8_0_and_counts_ffn_do
     assert dense["blk.1.ffn_down_exps.weight"] == "Q4_K"
     with pytest.raises(ValueError, match="block index"):
         tensor_types("Q4_K_M", [Tensor("blk.5.ffn_down_exps.weight", (512, 512, 8))], Model(2, 8, 8, n_expert=8))
+
+
+def _file_linears(path) -> tuple[dict, dict[str, tuple[str, torch.Tensor]]]:
+    """(the manifest, {linear: (its ggml type, its weight as optkit's runtime reads the file)})."""
+    import json
+
+    from optkit.quant.formats.gguf_read import read_file
+
+    reader = gguf.GGUFReader(path)
+    manifest = json.loads(reader.fields["optkit.manifest"].contents())
+    stored = _stored_types(path)
+    _, state = read_file(path)
+    names = {layer["name"]: layer["name"].split(".")[2:] for layer in manifest["layers"]}
+    parts = {"self_attn": "attn", "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "output", "mlp": "ffn"}
+    linears = {}
+    for name, (block, module, proj) in names.items():
+        gguf_name = f"blk.{block}.{parts[module]}_{parts.get(proj, proj.removesuffix('_proj'))}.weight"
+        linears[name] = (stored[gguf_name], state[f"{name}.weight"])
+    return manifest, linears
+
+
+# draft's rows of 128 and 384 (256 divides neither): Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q3_K -> Q4_0
+FALLBACK_MIXES = ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("mix", FALLBACK_MIXES)
+def test_a_k_mix_of_rows_256_does_not_divide_writes_llama_quantizes_fallback_types(full_precision, tmp_path, mix):
+    """optkit's file holds the types llama_model_quantize writes, each linear's type in its layer record,
+    each linear's bytes exactly its RTN weight on that type's grid (as optkit's runtime reads the file)."""
+    from optkit.modeldir import TensorReader, resolve_model_dir
+    from optkit.quant.methods.rtn.math import rtn_quantize
+
+    theirs = _stored_types(_llama_quantize(full_precision["draft"], tmp_path / "theirs.gguf", mix))
+    ours = tmp_path / "ours.gguf"
+    quantize_model("draft", ours, QuantizeOptions(format="gguf", gguf={"type": mix}))
+    assert _stored_types(ours) == theirs
+    assert set(theirs.values()) & {"Q5_0", "Q5_1", "Q4_0", "Q8_0"}
+    manifest, linears = _file_linears(ours)
+    assert Counter(kind for kind, _ in linears.values()) == Counter(
+        kind for name, kind in theirs.items() if name.startswith("blk.") and kind != "F32"
+    )
+    base = TensorReader(resolve_model_dir("draft"))
+    for layer in manifest["layers"]:
+        kind, stored = linears[layer["name"]]
+        assert layer["gguf_type"] == kind
+        expected = rtn_quantize(base.get(f"{layer['name']}.weight").float(), gguf_mix.block_scheme(kind))
+        assert torch.equal(stored, expected.dequantize()), layer["name"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_calibrated_methods_write_what_they_optimised_on_the_fallback_blocks(tmp_path, method):
+    """Q5_K_M on draft: every linear in Q5_1 (Q5_K's fallback) or Q8_0 (Q6_K's); each layer record's
+    error is that of the weight the file holds, and llama.cpp runs the file as optkit's runtime runs
+    the same weights (logits within 2% of their spread; a top token differs only at a near-tie)."""
+    from optkit.gate.llama_cpp import LlamaCppModel
+    from optkit.modeldir import TensorReader, resolve_model_dir
+    from optkit.models.loader import load_runtime_model
+    from optkit.quant.formats.gguf_read import write_model_dir
+    from optkit.quant.methods.rtn.math import weight_error
+    from tests.models.paged import run_paged, whole_prefills
+
+    out = tmp_path / "m.gguf"
+    light = {"awq": {"grid": 4, "duo_scaling": "off", "clip_steps": 4, "search_samples": 4}} if method == "awq" else {}
+    calibration = {"num_samples": 4, "seq_len": 64}
+    options = {"method": method, "format": "gguf", "gguf": {"type": "Q5_K_M"}, "calibration": calibration, **light}
+    quantize_model("draft", out, QuantizeOptions.model_validate(options))
+    manifest, linears = _file_linears(out)
+    assert {kind for kind, _ in linears.values()} == {"Q5_1", "Q8_0"}
+    base = TensorReader(resolve_model_dir("draft"))
+    for layer in manifest["layers"]:
+        kind, stored = linears[layer["name"]]
+        assert layer["gguf_type"] == kind and torch.isfinite(stored).all()
+        if method == "gptq":  # AWQ's own error is against its scaled, clipped weight
+            error = weight_error(base.get(f"{layer['name']}.weight").float(), stored)["rel_error"]
+            assert error == pytest.approx(layer["rel_error"], rel=1e-4), layer["name"]
+
+    windows = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    llama = LlamaCppModel(out, n_ctx=64)
+    llama_logits = llama(windows).logits
+    llama.close()
+    runtime = load_runtime_model(write_model_dir(out, tmp_path / "dir"))
+    with torch.inference_mode():
+        ours = torch.stack(run_paged(runtime, windows.tolist(), whole_prefills([64, 64])))
+    assert (llama_logits - ours).abs().mean() < 0.02 * ours.std()
+    # llama.cpp rounds the activations to 8 bits for its matmuls: on draft's flat logits a near-tie may flip
+    picked = ours.gather(-1, llama_logits.argmax(-1, keepdim=True)).squeeze(-1)
+    assert (ours.amax(-1) - picked).max() < 0.02 * ours.std()
+    assert (llama_logits.argmax(-1) == ours.argmax(-1)).double().mean() >= 0.95

@@ -82,8 +82,9 @@ def test_a_sub_block_whose_scale_is_zero_rounds_to_its_offset():
             assert torch.equal(_file_weights("p", qw, qtype), qw.dequantize()), qtype
 
 
-def test_the_format_refuses_a_k_type_for_a_width_not_in_whole_super_blocks():
-    layers = [("model.layers.0.mlp.down_proj", 288, 128)]
+def test_the_format_refuses_a_k_type_for_a_width_neither_it_nor_its_fallback_divides():
+    """Rows 256 does not divide fall back to a legacy type of 32 columns (Q4_K: Q5_0); 32 must divide them."""
     gguf_format.check(k_scheme("Q4_K"), False, [("model.layers.0.mlp.up_proj", 256, 288)])
-    with pytest.raises(OptkitError, match=r"down_proj \(128×288\): Q4_K blocks need input widths divisible by 256"):
-        gguf_format.check(k_scheme("Q4_K"), False, layers)
+    gguf_format.check(k_scheme("Q4_K"), False, [("model.layers.0.mlp.down_proj", 288, 128)])
+    with pytest.raises(OptkitError, match=r"down_proj \(128×300\): Q4_K blocks \(or its fallback Q5_0's\) need"):
+        gguf_format.check(k_scheme("Q4_K"), False, [("model.layers.0.mlp.down_proj", 300, 128)])

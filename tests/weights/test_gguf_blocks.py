@@ -16,6 +16,8 @@ SCHEMES = {
     "Q4_0": StoredScheme(bits=4, group_size=32, symmetric=True),
     "Q4_1": StoredScheme(bits=4, group_size=32, symmetric=False, float_zero=True),
     "Q8_0": StoredScheme(bits=8, group_size=32, symmetric=True),
+    "Q5_0": StoredScheme(bits=5, group_size=32, symmetric=True),
+    "Q5_1": StoredScheme(bits=5, group_size=32, symmetric=False, float_zero=True),
 }
 
 
@@ -24,13 +26,29 @@ def _reference_dequantize(qtype: str, data: torch.Tensor, shape: tuple[int, int]
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(shape)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_packed_blocks_dequantize_in_gguf_py_to_exactly_optkits_weights(qtype):
+def _rows(kind: str) -> torch.Tensor:
+    """[6, 128] weights: random rows over three decades, or rows with an outlier, constant or zero blocks."""
     torch.manual_seed(0)
     w = torch.randn(6, 128) * torch.logspace(-3, 0, 6).unsqueeze(1)
+    if kind == "outlier":
+        w[:, 5] = 40.0
+        w[2, 70] = -300.0
+    elif kind == "constant":
+        w[:, :64] = 0.37
+        w[3] = -1.25
+    elif kind == "zero":
+        w[:, 32:96] = 0
+        w[5] = 0
+    return w
+
+
+@pytest.mark.parametrize("rows", ["random", "outlier", "constant", "zero"])
+@pytest.mark.parametrize("qtype", SCHEMES)
+def test_packed_blocks_dequantize_in_gguf_py_to_exactly_optkits_weights(qtype, rows):
+    w = _rows(rows)
     qw = rtn_quantize(w, SCHEMES[qtype])
     assert qw.scale.dtype == torch.float16
-    m = qw.zero_point if qtype == "Q4_1" else None
+    m = qw.zero_point if qtype in gguf_blocks.WITH_MINIMUM else None
     data = gguf_blocks.pack(qtype, qw.q, qw.scale, m)
     assert data.shape == (6, 4 * gguf_blocks.BLOCK_BYTES[qtype])
     assert torch.equal(_reference_dequantize(qtype, data, w.shape), qw.dequantize())
@@ -40,7 +58,7 @@ def test_packed_blocks_dequantize_in_gguf_py_to_exactly_optkits_weights(qtype):
     assert (m_back is None) == (m is None) and (m is None or torch.equal(m_back, m))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", SCHEMES)
 def test_gguf_py_quantized_blocks_unpack_to_the_values_gguf_py_reads(qtype):
     """Bytes llama.cpp's Python quantizer wrote, read by optkit: the same weights."""
     w = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
@@ -66,9 +84,10 @@ def test_gptq_on_a_stored_scheme_writes_exactly_what_it_optimised():
         result = gptq_quantize(w, hessian, scheme)
         qw = result.weight
         assert qw.scale.dtype == torch.float16
-        m = qw.zero_point if qtype == "Q4_1" else None
+        m = qw.zero_point if qtype in gguf_blocks.WITH_MINIMUM else None
         data = gguf_blocks.pack(qtype, qw.q, qw.scale, m)
         assert torch.equal(gguf_blocks.dequantize(qtype, data, 64), qw.dequantize()), qtype
+        assert torch.equal(_reference_dequantize(qtype, data, w.shape), qw.dequantize()), qtype
         rtn = rtn_quantize(w, scheme).dequantize()
         assert result.loss <= ((w - rtn) @ hessian * (w - rtn)).sum().item() / 2, qtype
 
@@ -77,6 +96,20 @@ def test_pack_refuses_integers_outside_the_block_type():
     q = torch.full((1, 32), 9, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"\[-8, 7\]"):
         gguf_blocks.pack("Q4_0", q, torch.ones(1, 1, dtype=torch.float16))
+    gguf_blocks.pack("Q5_0", q, torch.ones(1, 1, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[-16, 15\]"):
+        gguf_blocks.pack("Q5_0", q * 2, torch.ones(1, 1, dtype=torch.float16))
+
+
+def test_q5_blocks_keep_each_fifth_bit_in_its_elements_bit_of_qh():
+    """Element j's bit 4 is bit j of the little-endian uint32 qh (ggml-common.h block_q5_0), its low
+    4 bits in qs as Q4_0's nibbles: level 16 (q = 0) at element 3 only sets bit 3, and so on."""
+    q = torch.full((1, 32), -16, dtype=torch.int8)
+    q[0, 3], q[0, 20], q[0, 31] = 0, 15, -1  # levels 16, 31, 15
+    data = gguf_blocks.pack("Q5_0", q, torch.ones(1, 1, dtype=torch.float16))
+    qh = int.from_bytes(bytes(data[0, 2:6].tolist()), "little")
+    assert qh == (1 << 3) | (1 << 20)
+    assert data[0, 6 + 3].item() == 0 and data[0, 6 + 4].item() == 0xF0 and data[0, 6 + 15].item() == 0xF0
 
 
 def test_awq_searches_onto_the_q4_1_grid_the_blocks_hold():

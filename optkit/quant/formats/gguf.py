@@ -2,6 +2,7 @@
 
 The weights are ggml's legacy block types (weights/gguf_blocks.py), chosen by the scheme:
   symmetric 4-bit g32 -> Q4_0    asymmetric 4-bit g32 -> Q4_1    symmetric 8-bit g32 -> Q8_0
+  (and 5-bit g32 -> Q5_0, Q5_1: only a K mix's fallback for rows 256 does not divide gives one)
 or a K-quant (Q2_K .. Q6_K, weights/kquants) when the scheme names one (`constrain(scheme, "Q4_K")`,
 weights/stored.k_scheme): 256-column super-blocks whose grids the methods fit and round onto.
 `constrain` hands the methods a StoredScheme (fp16 scales; Q4_1's fp16 minimum m as a float zero
@@ -26,7 +27,7 @@ from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps, read_object
 from optkit.quant.formats import gguf_metadata as meta
-from optkit.quant.formats import gguf_plan, gguf_types
+from optkit.quant.formats import gguf_mix, gguf_plan, gguf_types
 from optkit.quant.formats.common import dequantize_layers, weight_only
 from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
 from optkit.quant.formats.defaults import quant_method_is
@@ -62,6 +63,8 @@ def block_type(scheme: WeightScheme) -> str:
         )
     if scheme.bits == 4:
         return "Q4_0" if scheme.symmetric else "Q4_1"
+    if scheme.bits == 5:  # a StoredScheme of gguf_mix.block_scheme: no recipe sets 5 bits
+        return "Q5_0" if scheme.symmetric else "Q5_1"
     if scheme.bits == 8 and scheme.symmetric:
         return "Q8_0"
     if scheme.bits == 8:
@@ -76,12 +79,13 @@ def check(
     block_type(scheme)
     if act_order == "group":
         raise OptkitError("--format gguf keeps each block's 32 columns together: with --act-order add --static-groups")
-    unit = kquants.QK_K if k_type(scheme) is not None else gguf_blocks.BLOCK
+    # a K mix gives a row its super-blocks of 256 divide no other type (gguf_mix.fallback): blocks of 32 still
+    fallback = f" (or its fallback {gguf_mix.FALLBACK[k_type(scheme)]}'s)" if k_type(scheme) is not None else ""
     for name, in_features, out_features in layers:
-        if in_features % unit:
+        if in_features % gguf_blocks.BLOCK:
             raise OptkitError(
-                f"{name} ({out_features}×{in_features}): {block_type(scheme)} blocks need input widths divisible by "
-                f"{unit}: use a legacy type (Q4_0, Q8_0) or --format compressed-tensors"
+                f"{name} ({out_features}×{in_features}): {block_type(scheme)} blocks{fallback} need input widths "
+                f"divisible by {gguf_blocks.BLOCK}: use --format compressed-tensors"
             )
 
 
@@ -120,9 +124,9 @@ def linear_schemes(options, config: dict, model_dir: Path, targets: list[str]) -
     default = block_type(options.weights)
     raised = {name: types[name] for name in targets if types[name] != default}
     for name, qtype in raised.items():
-        if qtype not in kquants.K_TYPES:
+        if qtype not in (*kquants.K_TYPES, *gguf_mix.BLOCK_SCHEMES):
             raise OptkitError(f"{name}: GGUF {options.gguf.type} stores it as {qtype}, which optkit does not write")
-    return {name: k_scheme(qtype) for name, qtype in raised.items()}
+    return {name: gguf_mix.block_scheme(qtype) for name, qtype in raised.items()}
 
 
 def gptq_defaults(scheme: WeightScheme) -> dict:
@@ -150,9 +154,10 @@ def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -
         if qw.grid is None:
             raise OptkitError(f"{prefix}: {qtype} stores super-block grids: quantize with --format gguf from the start")
         return {f"{prefix}.{MARKER}": kquants.pack(qtype, kquants.levels(qw), qw.grid)}
-    if qw.scale.dtype != torch.float16 or (qtype == "Q4_1" and qw.zero_point.dtype != torch.float16):
+    minimum = qtype in gguf_blocks.WITH_MINIMUM
+    if qw.scale.dtype != torch.float16 or (minimum and qw.zero_point.dtype != torch.float16):
         raise OptkitError(f"{prefix}: GGUF blocks store fp16 scales: quantize with --format gguf from the start")
-    return {f"{prefix}.{MARKER}": gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if qtype == "Q4_1" else None)}
+    return {f"{prefix}.{MARKER}": gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if minimum else None)}
 
 
 def scheme_from_config(quant_config: dict) -> StoredScheme:

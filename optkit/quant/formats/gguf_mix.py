@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from optkit.weights.stored import k_scheme
+from optkit.weights.stored import StoredScheme, k_scheme
 
 QK_K = 256  # a K type's super-block
 LEGACY_BLOCK = 32
@@ -86,6 +86,11 @@ LEGACY_SCHEMES = {
     "Q4_0": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": True},
     "Q4_1": {"bits": 4, "group_size": LEGACY_BLOCK, "symmetric": False},
 }
+# ... and of the legacy blocks only a fallback reaches (Q4_K -> Q5_0, Q5_K -> Q5_1: weights/gguf_blocks.py)
+BLOCK_SCHEMES = LEGACY_SCHEMES | {
+    "Q5_0": {"bits": 5, "group_size": LEGACY_BLOCK, "symmetric": True},
+    "Q5_1": {"bits": 5, "group_size": LEGACY_BLOCK, "symmetric": False},
+}
 
 
 class GgufOptions(BaseModel):
@@ -129,6 +134,15 @@ def linear_scheme(name: str):
     if FILE_TYPES[name].default in K_TYPES:
         return k_scheme(FILE_TYPES[name].default)
     return LEGACY_SCHEMES.get(name, LEGACY_SCHEMES["Q8_0"])
+
+
+def block_scheme(qtype: str) -> StoredScheme:
+    """The scheme the methods quantize a tensor of ggml type `qtype` onto: a K type's super-block
+    grid, or a legacy block's fp16 scale (and fp16 minimum as a float zero point)."""
+    if qtype in K_TYPES:
+        return k_scheme(qtype)
+    fields = BLOCK_SCHEMES[qtype]
+    return StoredScheme(**fields, float_zero=not fields["symmetric"])
 
 
 def check_file_type(format_name: str, gguf: GgufOptions | None, weights) -> None:

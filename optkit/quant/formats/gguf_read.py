@@ -117,7 +117,7 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             weight = data.float()
         else:
             raise OptkitError(
-                f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K-Q6_K"
+                f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K"
             )
         heads = meta.qk_heads(config, hf)
         state[hf] = meta.unpermute_qk(weight, heads) if heads is not None else weight

@@ -124,10 +124,8 @@ def _quantized(weight: torch.Tensor, qtype: str) -> torch.Tensor:
         return kquants.quantize_rows(weight.float(), qtype)[0]
     from optkit.quant.methods.rtn.math import rtn_quantize
     from optkit.weights import gguf_blocks
-    from optkit.weights.stored import StoredScheme
 
-    if qtype not in gguf_mix.LEGACY_SCHEMES:
+    if qtype not in gguf_mix.BLOCK_SCHEMES:
         raise OptkitError(f"--format gguf does not write {qtype} blocks yet: choose another --gguf-type")
-    fields = gguf_mix.LEGACY_SCHEMES[qtype]
-    qw = rtn_quantize(weight.float(), StoredScheme(**fields, float_zero=not fields["symmetric"]), torch.float16)
-    return gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if qtype == "Q4_1" else None)
+    qw = rtn_quantize(weight.float(), gguf_mix.block_scheme(qtype), torch.float16)
+    return gguf_blocks.pack(qtype, qw.q, qw.scale, qw.zero_point if qtype in gguf_blocks.WITH_MINIMUM else None)
