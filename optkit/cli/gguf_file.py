@@ -17,6 +17,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
+def _merges(count: int | None) -> str:
+    """A BPE vocabulary's merges (a SentencePiece one has none: its pieces' scores order them)."""
+    return f", {count} merges" if count is not None else ""
+
+
 def inspect_gguf(path: Path, json_output: bool) -> None:
     from rich.table import Table
 
@@ -37,7 +42,7 @@ def inspect_gguf(path: Path, json_output: bool) -> None:
         ("file type", info["file_type"]),
         ("size", f"{_mib(info['size_bytes'])} MiB, {info['parameters']:,} parameters, GGUF v{info['gguf_version']}"),
         *((key, value) for key, value in info["hyperparameters"].items()),
-        ("tokenizer", f"{tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens, {tok['merges']} merges"),
+        ("tokenizer", f"{tok['model']} (pre {tok['pre']}), {tok['vocab_size']} tokens{_merges(tok['merges'])}"),
         ("special tokens", f"bos {tok['bos_token_id']}, eos {tok['eos_token_id']}, add bos {tok['add_bos_token']}"),
         ("chat template", f"present ({chat['chars']} characters)" if chat["present"] else "absent"),
         ("quantized by", info["quantized_by"]),

@@ -25,7 +25,7 @@ import torch
 
 from optkit.artifacts import current_umask
 from optkit.errors import OptkitError
-from optkit.json_strict import dumps, read_object
+from optkit.json_strict import dumps
 from optkit.quant.formats import gguf_metadata as meta
 from optkit.quant.formats import gguf_mix, gguf_plan, gguf_types
 from optkit.quant.formats.common import dequantize_layers, weight_only
@@ -33,6 +33,7 @@ from optkit.quant.formats.defaults import is_w8a8 as is_w8a8
 from optkit.quant.formats.defaults import quant_method_is
 from optkit.quant.formats.defaults import vllm_loader as vllm_loader
 from optkit.quant.formats.defaults import w8a8_modules as w8a8_modules
+from optkit.quant.formats.gguf_vocab import add_tokenizer, check_tokenizer
 from optkit.quant.formats.kind import ArtifactKind
 from optkit.weights import gguf_blocks, kquants
 from optkit.weights.quantized import QuantizedWeight
@@ -93,9 +94,7 @@ def check_model(config: dict, model_dir: Path) -> None:
     """Before any calibration: what the file could not hold (architecture, RoPE, tokenizer)."""
     meta.architecture(config)  # the family's llama.cpp architecture, and what its graph runs
     meta.rope_type(config)
-    tokenizer_json = model_dir / "tokenizer.json"
-    if tokenizer_json.is_file():
-        meta.pre_tokenizer(read_object(tokenizer_json, "a tokenizer"), tokenizer_json)
+    check_tokenizer(model_dir, config)
 
 
 def constrain(scheme: WeightScheme, gguf_type: str | None = None) -> StoredScheme:
@@ -239,7 +238,7 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
         writer.add_file_type(gguf_types.file_type_id(manifest, FILE_TYPES[qtype]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         meta.add_hyperparameters(writer, config)
-        meta.add_tokenizer(writer, staged, config)
+        add_tokenizer(writer, staged, config)
         plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
         types = gguf_types.planned_types(plan, manifest, config, lambda key: reader.get(key).shape)
         manifest = gguf_types.with_layer_types(manifest, plan, types)

@@ -1,30 +1,15 @@
 """What llama.cpp's converter (convert_hf_to_gguf.py: TextModel, LlamaModel and each family's model
 class) writes besides the tensors, for the families both support (each family names its llama.cpp
-architecture and its own keys: `GgufArchitecture`, families/): the architecture's hyperparameters,
-Llama's q/k row order, and a byte-level BPE tokenizer with its special tokens and chat template.
-Read from config.json and the tokenizer files (JSON only; nothing is executed). The tensors' names
-and order are gguf_plan.py's."""
+architecture and its own keys: `GgufArchitecture`, families/): the architecture's hyperparameters
+and Llama's q/k row order, read from config.json. The vocabulary is gguf_vocab.py's, the tensors'
+names and order gguf_plan.py's."""
 
 import math
-from pathlib import Path
 
 import torch
 
 from optkit.errors import OptkitError
 from optkit.families import GgufArchitecture, family_for, gguf_architectures
-from optkit.json_strict import read_object
-
-# tokenizer.json's pre-tokenizer -> llama.cpp's `tokenizer.ggml.pre` (src/llama-vocab.cpp): the GPT-2
-# split is ByteLevel's own regex; Llama 3 and Qwen2 split with these regexes before a plain ByteLevel
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS = {_LLAMA3_REGEX: "llama-bpe", _QWEN2_REGEX: "qwen2"}
 
 
 def language_model_config(config: dict) -> dict:
@@ -169,67 +154,3 @@ def add_value(writer, key: str, value: object) -> None:
         writer.add_string(key, value)
     else:
         writer.add_array(key, list(value))
-
-
-def pre_tokenizer(tokenizer_json: dict, where: Path) -> str:
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
-        regex = steps[0].get("pattern", {}).get("Regex")
-        if regex in PRE_TOKENIZERS and not steps[1].get("use_regex", True):
-            return PRE_TOKENIZERS[regex]
-    raise OptkitError(
-        f"{where}: llama.cpp splits text as GPT-2, Llama 3 or Qwen2 byte-level BPE, and this tokenizer's "
-        "pre-tokenizer is none of them: use --format compressed-tensors"
-    )
-
-
-def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
-    """A byte-level BPE vocabulary as `_set_vocab_gpt2` writes it: tokens in byte-to-unicode form,
-    their types (control for special added tokens), the merges, special ids, add-BOS/EOS as
-    transformers' tokenizer does it, and the chat template."""
-    import gguf
-
-    from optkit.modeldir import load_tokenizer
-
-    file = model_dir / "tokenizer.json"
-    if not file.is_file():
-        raise OptkitError(f"{model_dir} has no tokenizer.json: --format gguf needs a byte-level BPE tokenizer")
-    tokenizer_json = read_object(file, "a tokenizer")
-    model = tokenizer_json.get("model")
-    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise OptkitError(
-            f"{file}: --format gguf writes byte-level BPE tokenizers (GPT-2, Llama 3, Qwen); a SentencePiece-style "
-            "vocabulary is not written yet: use --format compressed-tensors"
-        )
-    tokenizer = load_tokenizer(model_dir)  # never the auto_map code
-    vocab_size = language_model_config(config)["vocab_size"]
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    added = tokenizer.added_tokens_decoder
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i not in by_id:
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-        elif i in added:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
-        else:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.NORMAL)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(tokenizer_json, file))
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
-    # what transformers does when asked to add special tokens, whatever the files' flags say
-    with_special = tokenizer("a")["input_ids"]
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    special.add_special_token["bos"] = len(with_special) > len(plain) and with_special[0] == tokenizer.bos_token_id
-    special.add_special_token["eos"] = len(with_special) > len(plain) and with_special[-1] == tokenizer.eos_token_id
-    special.add_special_token.pop("sep", None)
-    if special.chat_template is None and getattr(tokenizer, "chat_template", None):
-        special.chat_template = tokenizer.chat_template
-    special.add_to_gguf(writer, quiet=True)

@@ -1,0 +1,159 @@
+"""SentencePiece vocabularies (a tokenizer.model: Llama 2, Mistral v0.1, Gemma) in `--format gguf`:
+the tokens, scores, types and special ids llama.cpp's converter writes, and llama.cpp's token ids
+equal to transformers' (the model directory's own tokenizer) on held-out text and odd inputs, for
+BPE and unigram .models trained here (tests/quant/sentencepiece_models.py)."""
+
+import gguf
+import pytest
+from sentencepiece import SentencePieceProcessor
+
+from optkit.data.eval_sets import load_text_set
+from optkit.errors import OptkitError
+from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
+from optkit.modeldir import load_tokenizer, read_config
+from optkit.quant.formats.gguf_vocab import check_tokenizer
+from optkit.quant.quantize import QuantizeOptions, quantize_model
+from optkit.weights.schemes import WeightScheme
+from tests.quant.sentencepiece_models import save_sentencepiece_family, train_sentencepiece
+
+needs_llama_cpp = pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
+PADDING = 8  # gemma2's config.json counts 8 ids past its .model (as Gemma 3's multimodal vocab does)
+# family -> (the .model's layout, its training)
+MODELS = {
+    "llama": ("llama", "bpe"),
+    "mistral": ("llama", "unigram"),
+    "gemma2": ("gemma", "bpe"),
+    "gemma3_text": ("gemma", "unigram"),
+    "phi3": ("llama", "bpe"),  # Phi3MiniModel's own added-token rule
+}
+ODD_TEXTS = [
+    "",
+    "x",
+    "a  b   c\t\td\n\n\ne",  # whitespace runs inside
+    "trailing spaces   \n",
+    "naïve café — 3.14159 ≈ π, 日本語, 🦙🦙 and ＡＢＣ",  # unicode, most of it byte fallback
+    "\x00\x01\x7f control bytes \ufeff",
+    "e\u0301 combining, \u200d joiner",
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> (model directory, its GGUF as RTN Q8_0)."""
+    root = tmp_path_factory.mktemp("sentencepiece")
+    protos = {kind: train_sentencepiece(*kind) for kind in set(MODELS.values())}
+    made = {}
+    for number, (family, kind) in enumerate(MODELS.items()):
+        padding = {"vocab_size": len(_pieces(protos[kind])) + PADDING} if family == "gemma2" else {}
+        # neutral names: general.name comes from it, and llama.cpp expects Phi-3's tokens of a "phi3" one
+        model = save_sentencepiece_family(family, root / f"model-{number}", protos[kind], kind[0], **padding)
+        out = root / f"model-{number}.gguf"
+        scheme = WeightScheme(bits=8, group_size=32, symmetric=True)
+        quantize_model(str(model), out, QuantizeOptions(method="rtn", weights=scheme, format="gguf"))
+        made[family] = (model, out)
+    return made
+
+
+def _pieces(proto: bytes) -> list[str]:
+    processor = SentencePieceProcessor(model_proto=proto)
+    return [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+
+
+def _fields(path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_the_vocabulary_is_written_as_llama_cpps_converter_writes_a_tokenizer_model(models, family):
+    """_create_vocab_sentencepiece: every piece with its score and type, the special tokens as
+    control tokens (score -1000), ids past the .model as [PAD{i}] (-10000, unused); Gemma's
+    converters write no space prefix; the ids and add-BOS/EOS are transformers'."""
+    model, path = models[family]
+    fields = _fields(path)
+    processor = SentencePieceProcessor(model_file=str(model / "tokenizer.model"))
+    tokenizer = load_tokenizer(model)
+    vocab_size = read_config(model)["vocab_size"]
+    tokens, scores, types = (fields[f"tokenizer.ggml.{key}"] for key in ("tokens", "scores", "token_type"))
+    assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("llama", "default")
+    assert len(tokens) == len(scores) == len(types) == vocab_size
+    special = {tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+    for i in range(processor.get_piece_size()):
+        assert tokens[i] == processor.id_to_piece(i), i
+        if i in special:
+            assert (types[i], scores[i]) == (gguf.TokenType.CONTROL, -1000.0), tokens[i]
+        elif processor.is_byte(i):
+            assert types[i] == gguf.TokenType.BYTE, tokens[i]
+        else:
+            assert types[i] == gguf.TokenType.NORMAL and scores[i] == pytest.approx(processor.get_score(i)), tokens[i]
+    for i in range(processor.get_piece_size(), vocab_size):
+        assert (tokens[i], scores[i], types[i]) == (f"[PAD{i}]", -10000.0, gguf.TokenType.UNUSED)
+    assert fields["tokenizer.ggml.bos_token_id"] == tokenizer.bos_token_id
+    assert fields["tokenizer.ggml.eos_token_id"] == tokenizer.eos_token_id
+    assert fields["tokenizer.ggml.unknown_token_id"] == tokenizer.unk_token_id
+    assert (fields["tokenizer.ggml.add_bos_token"], fields["tokenizer.ggml.add_eos_token"]) == (True, False)
+    assert fields.get("tokenizer.ggml.add_space_prefix") == (False if family.startswith("gemma") else None)
+    assert "tokenizer.ggml.merges" not in fields
+
+
+def _texts(family: str) -> list[str]:
+    # Llama's: nothing after a special token (llama.cpp prefixes a space there, see below)
+    specials = "</s>" if family in ("llama", "mistral", "phi3") else "<bos><start_of_turn>user\nhi<end_of_turn>\n"
+    return load_text_set("heldout").texts[:12] + ODD_TEXTS + [f"a{specials}"]
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("family", MODELS)
+def test_llama_cpp_token_ids_are_transformers_ids(models, family):
+    """llama.cpp's ids for held-out code and odd text (empty, whitespace runs, unicode and bytes
+    without a piece, special-token text) are transformers', with and without BOS."""
+    model, path = models[family]
+    tokenizer = load_tokenizer(model)
+    llama = LlamaCppModel(path, n_ctx=256)
+    try:
+        for text in _texts(family):
+            assert llama.tokenize(text) == tokenizer(text, add_special_tokens=False)["input_ids"], text[:60]
+        assert llama.tokenize("def f(x):", add_bos=True) == tokenizer("def f(x):")["input_ids"]
+    finally:
+        llama.close()
+
+
+@needs_llama_cpp
+def test_where_a_space_prefix_makes_llama_cpp_differ_it_tokenizes_as_sentencepiece(models):
+    """Two places transformers 5's Llama tokenizer (Metaspace, prefix on the first piece only)
+    and llama.cpp part (docs/quantization.md, GGUF): a text that starts with a space gets one "▁"
+    more in llama.cpp, as in SentencePiece itself (a BPE .model: a unigram one SentencePiece
+    segments by Viterbi), and text after a special token a prefix."""
+    model, path = models["llama"]
+    processor = SentencePieceProcessor(model_file=str(model / "tokenizer.model"))
+    tokenizer = load_tokenizer(model)
+    llama = LlamaCppModel(path, n_ctx=256)
+    try:
+        for text in (" ", "  two leading spaces", " def f():"):
+            assert llama.tokenize(text) == processor.encode(text), text
+            assert llama.tokenize(text) != tokenizer(text, add_special_tokens=False)["input_ids"], text
+        assert llama.tokenize("</s>hello") == [tokenizer.eos_token_id, *processor.encode("hello")]
+    finally:
+        llama.close()
+
+
+def _copy(model, tmp_path):
+    import shutil
+
+    return shutil.copytree(model, tmp_path / "model")
+
+
+def test_a_tokenizer_model_that_normalizes_text_is_refused_before_calibration(models, tmp_path):
+    """llama.cpp does not fold characters (NFKC) or collapse spaces: such a .model would tokenize
+    other text in llama.cpp than in transformers."""
+    model = _copy(models["llama"][0], tmp_path)
+    (model / "tokenizer.model").write_bytes(train_sentencepiece("llama", "bpe", normalizer="nmt_nfkc"))
+    with pytest.raises(OptkitError, match="normalizer changes text"):
+        check_tokenizer(model, read_config(model))
+
+
+def test_a_broken_tokenizer_model_is_one_line(models, tmp_path):
+    model = _copy(models["gemma2"][0], tmp_path)
+    (model / "tokenizer.model").write_bytes(b"\x0a\xff\xff not a protobuf")
+    with pytest.raises(OptkitError, match="tokenizer.model is not a SentencePiece model"):
+        check_tokenizer(model, read_config(model))
