@@ -62,7 +62,7 @@ def f16_files(tmp_path_factory):
 
 # small: the output (tied embeddings) in Q6_K; draft (rows of 128): in Q8_0, the output's fallback
 LEGACY = [("small", "Q8_0"), ("small", "Q4_0"), ("draft", "Q8_0"), ("draft", "Q4_0"), ("draft", "Q4_1")]
-# the K mixes optkit writes, on small (rows of 256 and 768; draft's 128 are refused for K types):
+# the K mixes optkit writes, on small (rows of 256 and 768; draft's fallbacks: tests/quant/test_gguf_mix.py):
 # uniform ones, and those that raise attn_v, ffn_down or attn_output of some layers above the default
 K_MIXES = [pytest.param("small", t, marks=pytest.mark.slow) for t in ("Q6_K", "Q5_K_S", "Q3_K_S")]
 K_MIXES += [pytest.param("small", t, marks=pytest.mark.slow) for t in ("Q4_K_M", "Q5_K_M", "Q3_K_M")]

@@ -206,3 +206,30 @@ def test_calibrated_methods_write_what_they_optimised_on_the_fallback_blocks(tmp
     picked = ours.gather(-1, llama_logits.argmax(-1, keepdim=True)).squeeze(-1)
     assert (ours.amax(-1) - picked).max() < 0.02 * ours.std()
     assert (llama_logits.argmax(-1) == ours.argmax(-1)).double().mean() >= 0.95
+
+
+@needs_llama_cpp
+def test_optkit_reads_and_verifies_llama_quantizes_iq4_nl_as_gguf_py_dequantizes_it(full_precision, tmp_path):
+    """IQ4_NL (the i-quants' fallback): optkit's reader gives each tensor gguf-py's weights, verify passes."""
+    import llama_cpp
+    import numpy as np
+
+    from optkit.quant.formats.gguf_check import check_file
+    from optkit.quant.formats.gguf_metadata import qk_heads, unpermute_qk
+    from optkit.quant.formats.gguf_read import read_file
+
+    path = tmp_path / "iq4_nl.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_IQ4_NL, 1
+    assert llama_cpp.llama_model_quantize(str(full_precision["draft"]).encode(), str(path).encode(), params) == 0
+    assert check_file(path).ok
+    config, state = read_file(path)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert Counter(t.tensor_type.name for t in tensors.values())["IQ4_NL"] == 14  # draft's 2 × 7 linears
+    q_proj = "model.layers.1.self_attn.q_proj.weight"
+    for name, hf in (("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight"), ("blk.1.attn_q.weight", q_proj)):
+        stored = tensors[name]
+        assert stored.tensor_type.name == "IQ4_NL"
+        weight = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(stored.data, stored.tensor_type)))
+        heads = qk_heads(config, hf)
+        assert torch.equal(state[hf], weight if heads is None else unpermute_qk(weight, heads))

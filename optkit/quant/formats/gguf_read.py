@@ -20,7 +20,7 @@ from optkit.quant.formats.gguf_hparams import architecture, layer_values
 from optkit.quant.formats.gguf_plan import hf_name
 from optkit.quant.formats.gguf_tensors import tensor_arrays, type_name
 from optkit.text_safety import printable
-from optkit.weights import gguf_blocks, kquants
+from optkit.weights import gguf_blocks, gguf_iq4nl, kquants
 
 MAGIC = b"GGUF"
 # llama.cpp architecture -> the model_type it reads back as: those whose metadata says all optkit's
@@ -102,7 +102,7 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         hf = hf_name(info.name, arch)
         data = torch.from_numpy(np.array(array))
         kind = type_name(info.type_id)
-        if kind in (*gguf_blocks.BLOCK_BYTES, *kquants.K_TYPES) and data.dim() != 2:
+        if kind in (*gguf_blocks.BLOCK_BYTES, *kquants.K_TYPES, "IQ4_NL") and data.dim() != 2:
             raise OptkitError(
                 f"{path}: {printable(info.name)} is a {data.dim()}-D {kind} tensor; optkit reads 2-D ones"
             )
@@ -111,13 +111,16 @@ def read_file(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             weight = gguf_blocks.dequantize(kind, data, cols)
         elif kind in kquants.K_TYPES:  # as gguf-py's dequantize (and ggml's dequantize_row_q*_K) computes them
             weight = kquants.dequantize_rows(data, kind, data.shape[1] // kquants.block_bytes(kind) * kquants.QK_K)
+        elif kind == "IQ4_NL":  # llama-quantize's fallback of the i-quants (optkit writes none)
+            weight = gguf_iq4nl.dequantize(data, data.shape[1] // gguf_iq4nl.BLOCK_BYTES * gguf_iq4nl.BLOCK)
         elif info.type_id == T.BF16:
             weight = data.view(torch.bfloat16).float()
         elif info.type_id in (T.F16, T.F32):
             weight = data.float()
         else:
             raise OptkitError(
-                f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K"
+                f"{path}: {info.name} is {kind}; optkit reads F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                "Q2_K-Q6_K, IQ4_NL"
             )
         heads = meta.qk_heads(config, hf)
         state[hf] = meta.unpermute_qk(weight, heads) if heads is not None else weight
