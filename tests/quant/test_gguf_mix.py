@@ -147,6 +147,8 @@ def test_a_k_mix_of_rows_256_does_not_divide_writes_llama_quantizes_fallback_typ
     """optkit's file holds the types llama_model_quantize writes, each linear's type in its layer record,
     each linear's bytes exactly its RTN weight on that type's grid (as optkit's runtime reads the file)."""
     from optkit.modeldir import TensorReader, resolve_model_dir
+    from optkit.quant.formats.gguf_check import check_file
+    from optkit.quant.formats.gguf_inspect import summary
     from optkit.quant.methods.rtn.math import rtn_quantize
 
     theirs = _stored_types(_llama_quantize(full_precision["draft"], tmp_path / "theirs.gguf", mix))
@@ -154,6 +156,8 @@ def test_a_k_mix_of_rows_256_does_not_divide_writes_llama_quantizes_fallback_typ
     quantize_model("draft", ours, QuantizeOptions(format="gguf", gguf={"type": mix}))
     assert _stored_types(ours) == theirs
     assert set(theirs.values()) & {"Q5_0", "Q5_1", "Q4_0", "Q8_0"}
+    assert check_file(ours).ok  # verify: every block's fp16 scales (and minima) finite
+    assert {row["type"]: row["tensors"] for row in summary(ours)["types"]} == dict(Counter(theirs.values()))  # inspect
     manifest, linears = _file_linears(ours)
     assert Counter(kind for kind, _ in linears.values()) == Counter(
         kind for name, kind in theirs.items() if name.startswith("blk.") and kind != "F32"
