@@ -139,7 +139,7 @@ def test_tokenizer_and_chat_template_are_written_as_the_converter_does(tmp_path)
     "flags,message",
     [
         (["--group-size", "128"], "use --group-size 32"),
-        (["--group-size", "256"], "K-quants such as Q4_K_M are not written: docs/quantization.md says why"),
+        (["--group-size", "256"], "or for a K-quant mix such as Q4_K_M --gguf-type Q4_K_M"),
         (["--bits", "8", "--asym"], "Q8_0) are symmetric: use --sym"),
         (["--bits", "3"], "no 3-bit block type"),
         (["--method", "gptq", "--act-order", "--no-static-groups"], "with --act-order add --static-groups"),

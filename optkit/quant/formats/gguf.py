@@ -59,8 +59,8 @@ def block_type(scheme: WeightScheme) -> str:
     if scheme.group_size != gguf_blocks.BLOCK or getattr(scheme, "type", "int") != "int":
         raise OptkitError(
             f"--format gguf stores integer blocks of {gguf_blocks.BLOCK} columns (Q4_0, Q4_1, Q8_0): "
-            f"use --group-size {gguf_blocks.BLOCK} with --bits 4 or 8 (K-quants such as Q4_K_M are not written: "
-            "docs/quantization.md says why and how to make one with llama.cpp)"
+            f"use --group-size {gguf_blocks.BLOCK} with --bits 4 or 8, or for a K-quant mix such as Q4_K_M "
+            "--gguf-type Q4_K_M (and no --group-size)"
         )
     if scheme.bits == 4:
         return "Q4_0" if scheme.symmetric else "Q4_1"
