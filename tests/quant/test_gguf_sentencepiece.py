@@ -11,6 +11,7 @@ from optkit.data.eval_sets import load_text_set
 from optkit.errors import OptkitError
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
 from optkit.modeldir import load_tokenizer, read_config
+from optkit.quant.formats.gguf_metadata import language_model_config
 from optkit.quant.formats.gguf_vocab import check_tokenizer
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
@@ -24,6 +25,7 @@ MODELS = {
     "mistral": ("llama", "unigram"),
     "gemma2": ("gemma", "bpe"),
     "gemma3_text": ("gemma", "unigram"),
+    "gemma3": ("gemma", "bpe"),  # the language model of Gemma3ForConditionalGeneration (text_config's vocab)
     "phi3": ("llama", "bpe"),  # Phi3MiniModel's own added-token rule
 }
 ODD_TEXTS = [
@@ -73,7 +75,7 @@ def test_the_vocabulary_is_written_as_llama_cpps_converter_writes_a_tokenizer_mo
     fields = _fields(path)
     processor = SentencePieceProcessor(model_file=str(model / "tokenizer.model"))
     tokenizer = load_tokenizer(model)
-    vocab_size = read_config(model)["vocab_size"]
+    vocab_size = language_model_config(read_config(model))["vocab_size"]
     tokens, scores, types = (fields[f"tokenizer.ggml.{key}"] for key in ("tokens", "scores", "token_type"))
     assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("llama", "default")
     assert len(tokens) == len(scores) == len(types) == vocab_size
@@ -143,13 +145,18 @@ def _copy(model, tmp_path):
     return shutil.copytree(model, tmp_path / "model")
 
 
-def test_a_tokenizer_model_that_normalizes_text_is_refused_before_calibration(models, tmp_path):
+def test_a_tokenizer_model_that_normalizes_text_is_refused_in_one_line(models, tmp_path, run_cli):
     """llama.cpp does not fold characters (NFKC) or collapse spaces: such a .model would tokenize
-    other text in llama.cpp than in transformers."""
+    other text in llama.cpp than in transformers; refused before anything is quantized."""
     model = _copy(models["llama"][0], tmp_path)
     (model / "tokenizer.model").write_bytes(train_sentencepiece("llama", "bpe", normalizer="nmt_nfkc"))
-    with pytest.raises(OptkitError, match="normalizer changes text"):
-        check_tokenizer(model, read_config(model))
+    out = tmp_path / "model.gguf"
+    code, _, err = run_cli(
+        "quantize", model, "--format", "gguf", "--bits", "8", "--sym", "--group-size", "32", "--out", out
+    )
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "normalizer changes text" in errors[0], err
+    assert "tokenizer.model" in errors[0] and not out.exists()
 
 
 def test_a_broken_tokenizer_model_is_one_line(models, tmp_path):

@@ -5,6 +5,7 @@ tokenizer.model where the architecture's converter reads one (gguf_sentencepiece
 are added and the chat template. Read from the tokenizer files (JSON and the .model's protobuf;
 nothing is executed)."""
 
+import logging
 from pathlib import Path
 
 from optkit.errors import OptkitError
@@ -132,7 +133,12 @@ def _add_special_tokens(writer, model_dir: Path, vocab_size: int, tokenizer, mer
     chat template), with add-BOS/EOS as transformers' tokenizer does it."""
     import gguf
 
-    special = gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=vocab_size)
+    log = logging.getLogger("gguf.vocab")
+    log.addFilter(_not_template_notes)
+    try:
+        special = gguf.SpecialVocab(model_dir, load_merges=merges, n_vocab=vocab_size)
+    finally:
+        log.removeFilter(_not_template_notes)
     # what transformers does when asked to add special tokens, whatever the files' flags say
     with_special = tokenizer("a")["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -142,3 +148,9 @@ def _add_special_tokens(writer, model_dir: Path, vocab_size: int, tokenizer, mer
     if special.chat_template is None and getattr(tokenizer, "chat_template", None):
         special.chat_template = tokenizer.chat_template
     special.add_to_gguf(writer, quiet=True)
+
+
+def _not_template_notes(record: logging.LogRecord) -> bool:
+    """gguf-py's notes on a post-processor's pair template (Llama's "<s> $A <s> $B"), which the
+    file never uses: dropped, its other warnings (a special id out of range) kept."""
+    return "TemplateProcessing" not in record.getMessage()
