@@ -3,6 +3,12 @@ the tokens, scores, types and special ids llama.cpp's converter writes, and llam
 equal to transformers' (the model directory's own tokenizer) on held-out text and odd inputs, for
 BPE and unigram .models trained here (tests/quant/sentencepiece_models.py)."""
 
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import pytest
 from sentencepiece import SentencePieceProcessor
@@ -12,7 +18,7 @@ from optkit.errors import OptkitError
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
 from optkit.modeldir import load_tokenizer, read_config
 from optkit.quant.formats.gguf_metadata import language_model_config
-from optkit.quant.formats.gguf_vocab import check_tokenizer
+from optkit.quant.formats.gguf_vocab import add_tokenizer, check_tokenizer
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.schemes import WeightScheme
 from tests.quant.sentencepiece_models import save_sentencepiece_family, train_sentencepiece
@@ -164,3 +170,55 @@ def test_a_broken_tokenizer_model_is_one_line(models, tmp_path):
     (model / "tokenizer.model").write_bytes(b"\x0a\xff\xff not a protobuf")
     with pytest.raises(OptkitError, match="tokenizer.model is not a SentencePiece model"):
         check_tokenizer(model, read_config(model))
+
+
+def _converter() -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py of the llama.cpp the `gguf` extra links, where
+    bench/build_llama_cpp_tools.sh unpacked its sources."""
+    try:
+        version = importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    script = Path(__file__).parents[2] / ".cache" / "llama.cpp-tools" / f"src-{version}" / "convert_hf_to_gguf.py"
+    return script if script.is_file() else None
+
+
+def _as_transformers_4_saved(model: Path, out: Path) -> Path:
+    """The directory as transformers 4 saved it: tokenizer_config.json lists the added tokens
+    (added_tokens_decoder) and the add-BOS/EOS flags, as Llama 2's and Gemma's on the Hub do."""
+    import shutil
+
+    shutil.copytree(model, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config.update(add_bos_token=True, add_eos_token=False)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def _vocabulary_file(model: Path, out: Path) -> Path:
+    """optkit's vocabulary of `model` alone in a GGUF file (the metadata add_tokenizer writes)."""
+    config = read_config(model)
+    writer = gguf.GGUFWriter(out, "llama")
+    add_tokenizer(writer, model, config)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_converter() is None, reason="llama.cpp's sources: bench/build_llama_cpp_tools.sh")
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
+def test_the_vocabulary_is_the_converters_own(models, tmp_path, family):
+    """Against llama.cpp's convert_hf_to_gguf.py --vocab-only itself, on the directory as the Hub
+    holds such models: every tokenizer key and value the same, but add_sep_token, which optkit
+    leaves out (transformers adds no separator to one text)."""
+    model = _as_transformers_4_saved(models[family][0], tmp_path / "model")
+    converted = tmp_path / "converted.gguf"
+    command = [sys.executable, str(_converter()), str(model), "--vocab-only", "--outfile", str(converted)]
+    subprocess.run(command, check=True, capture_output=True)
+    theirs, ours = _fields(converted), _fields(_vocabulary_file(model, tmp_path / "optkit.gguf"))
+    assert theirs.pop("tokenizer.ggml.add_sep_token") is False
+    assert ours == theirs
