@@ -46,6 +46,8 @@ from optkit.manifest import read_manifest
 from optkit.modeldir import TensorReader, load_tokenizer, read_config, resolve_model_dir
 from optkit.progress import progress_bar
 from optkit.quant.formats import reader_for
+from optkit.quant.formats.gguf_read import is_gguf, write_model_dir
+from optkit.quant.formats.gguf_read import read_config as gguf_config
 from optkit.quant.formats.load import load_model
 from optkit.quant.head import base_linear_weight
 from optkit.quant.ladder import Rung, layer_bytes
@@ -146,8 +148,9 @@ def attribute(
     of the top layers are swapped exactly to set the scale (-1: every layer, for benchmarks).
     `rungs`: the quantized rungs to price a move to, for each layer whose own rung takes fewer
     bytes (default: 8 bits)."""
-    artifact_dir, base_dir = resolve_model_dir(artifact), resolve_model_dir(baseline)
-    manifest, config = _weight_only_manifest(artifact_dir)
+    one_file = is_gguf(artifact)  # a .gguf optkit wrote: its manifest and weights as llama.cpp holds them
+    artifact_dir, base_dir = Path(artifact) if one_file else resolve_model_dir(artifact), resolve_model_dir(baseline)
+    manifest, config = _gguf_manifest(artifact_dir) if one_file else _weight_only_manifest(artifact_dir)
     tokens, source = attribution_windows(base_dir, manifest, seq_len, windows)
     scheme = artifact_scheme(manifest)
     on = layer_rungs(manifest)
@@ -156,7 +159,7 @@ def attribute(
     eight = Rung(8).resolve(scheme)
     targets = [r.resolve(scheme) for r in (rungs if rungs is not None else [eight]) if not r.full]
 
-    base_model, model = load_model(base_dir), load_model(artifact_dir)
+    base_model, model = load_model(base_dir), _gguf_model(artifact_dir) if one_file else load_model(artifact_dir)
     model.requires_grad_(False)
     family = family_for(config.get("model_type"))  # the manifest names checkpoint keys
     modules = {name: model.get_submodule(family.module_name(name)) for name in names}
@@ -198,6 +201,24 @@ def _weight_only_manifest(artifact_dir: Path) -> tuple[dict, dict]:
     if reader_for(quant_config, str(artifact_dir)).is_w8a8(quant_config):
         raise OptkitError(f"{artifact_dir} quantizes activations too (W8A8): attribution ranks weight-only artifacts")
     return manifest, config
+
+
+def _gguf_manifest(path: Path) -> tuple[dict, dict]:
+    """(manifest, config) of a .gguf optkit wrote, with per-layer records (each with its `gguf_type`)."""
+    from optkit.quant.mixed_gguf import gguf_manifest
+
+    manifest = gguf_manifest(path)
+    if manifest is None or not manifest.get("layers"):
+        raise OptkitError(f"{path} has no optkit manifest with per-layer records: attribute a file optkit wrote")
+    return manifest, gguf_config(path)
+
+
+def _gguf_model(path: Path) -> torch.nn.Module:
+    """The .gguf's weights, dequantized as ggml does (gguf_read.py), as a transformers model."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="optkit-attribution-") as tmp:
+        return load_model(write_model_dir(path, Path(tmp) / "model"))
 
 
 class _WindowKLD:

@@ -84,7 +84,7 @@ class Recipe(BaseModel):
     @model_validator(mode="after")
     def _stages_an_outside_runtime_can_take(self):
         """A format run by an outside runtime (GGUF: llama.cpp) has nothing for `optkit compile` to
-        warm, and the gate's repair rewrites artifact directories layer by layer (not a GGUF file)."""
+        warm, and the gate's repair raises a GGUF file's linears only along a K mix's types."""
         outside = get_format(self.quantize.format).runtime
         if self.compile is not None and outside is not None:
             raise ValueError(
@@ -100,11 +100,20 @@ class Recipe(BaseModel):
         if self.speculator is not None and outside is not None:
             raise ValueError(f"speculator heads run in optkit's runtime, not {outside}: drop the speculator section")
         if getattr(self.gate, "repair", None) is not None and outside is not None:
-            raise ValueError(
-                f"gate.repair rewrites artifact directories, not a {self.quantize.format} file: "
-                "drop gate.repair or quantize to another format"
-            )
+            _check_repairable_file(self.quantize)
         return self
+
+
+def _check_repairable_file(quantize: QuantizeOptions) -> None:
+    """gate.repair raises a GGUF K mix's linears along ggml's types (pipeline/repair_artifact.py);
+    other one-file artifacts, and legacy GGUF types, it cannot."""
+    from optkit.pipeline.repair_artifact import check_repairable
+
+    gguf = quantize.gguf.model_dump() if quantize.gguf is not None else None
+    try:
+        check_repairable(quantize.format, gguf)
+    except OptkitError as e:
+        raise ValueError(f"gate.repair: {e}, or drop gate.repair") from None
 
 
 def _fields_at(model: type[BaseModel], path: tuple) -> list[str]:

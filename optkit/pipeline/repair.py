@@ -11,8 +11,9 @@ byte until the gate passes, the size budget is spent or the evaluations are.
    byte, each unit's moves in ladder order along the upper concave hull of drop against bytes.
 3. Take moves until the predicted KLD on the gate's set is under the target with a 10% margin
    (the prediction: the gate's KLD minus the calibrated drops, rescaled from the attribution set to
-   the gate's set), write that artifact (quant/mixed_artifact.py) and gate it. If it fails,
-   attribute that candidate again and plan the next moves from it (`reattribute`, the default), or
+   the gate's set), write that artifact (quant/mixed_artifact.py; a GGUF K mix's file,
+   quant/mixed_gguf.py, whose linears climb ggml's types: pipeline/repair_artifact.py) and gate
+   it. If it fails, attribute that candidate again and plan the next moves from it (`reattribute`, the default), or
    refit the rescaling to what the gate measured and take more moves of the first plan. With
    `reattribute`, a plan whose every move together is not predicted to reach the target aims at a
    waypoint instead (a quarter of the KLD it starts from). Once one passes, spend up to
@@ -32,7 +33,6 @@ taking every move would put every layer in full precision; waypoints get there s
 """
 
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,8 +41,18 @@ from optkit.errors import OptkitError
 from optkit.gate.attribution import Attribution, attribute
 from optkit.gate.evaluate import GateResult, evaluate
 from optkit.gate.options import GateOptions, RepairOptions
-from optkit.manifest import read_manifest, write_manifest
 from optkit.modeldir import weight_files
+from optkit.pipeline.repair_artifact import (
+    artifact_bytes,
+    candidate_manifest,
+    candidate_path,
+    check_repairable,
+    copy_candidate,
+    repair_rungs,
+    rewrite_manifest,
+    smallest_start,
+    write_candidate,
+)
 from optkit.pipeline.repair_plan import (
     SHRINK_AIM,
     Move,
@@ -55,9 +65,9 @@ from optkit.pipeline.repair_plan import (
     secant_prefix,
     target_kld,
 )
+from optkit.quant.formats.gguf_read import is_gguf
 from optkit.quant.formats.mixed import check_mixed
 from optkit.quant.ladder import Rung, smallest
-from optkit.quant.mixed_artifact import WEIGHTS, write_mixed_artifact
 from optkit.safetensors_stream import lazy_tensors_in
 
 
@@ -73,7 +83,7 @@ class RepairOutcome:
 
 
 def size_mb(artifact: Path) -> float:
-    return (artifact / WEIGHTS).stat().st_size / 2**20
+    return artifact_bytes(artifact) / 2**20
 
 
 def _step(index: int, raised: dict[str, Rung], result: GateResult, artifact: Path, changed: list[str]) -> dict:
@@ -134,10 +144,12 @@ class _Search:
     def __init__(self, artifact: Path, manifest: dict, base: Path, gate: GateOptions, work: Path, result, steps, log):
         self.artifact, self.base, self.gate, self.work, self.steps, self.log = artifact, base, gate, work, steps, log
         self.options = options = gate.repair or RepairOptions()
+        self.one_file = is_gguf(artifact)  # a GGUF file: its linears climb ggml's types, each on its own
+        self.rungs = repair_rungs(options, self.one_file)
         self.target = target_kld(gate, result)
         self.attribution = self.first_attribution = self.attribute_at(artifact)  # the record's: the artifact as given
         self.itemsize = weight_itemsizes(base)
-        self.moves = plan_moves(self.attribution, manifest, self.itemsize, options.rungs)
+        self.moves = plan_moves(self.attribution, manifest, self.itemsize, self.rungs, alone=self.one_file)
         self.budget = math.inf if options.max_size_mb is None else options.max_size_mb * 2**20
         kld = result.metrics["kld_mean"]
         self.rescale = gate_rescale(kld, self.attribution.kld)
@@ -151,14 +163,14 @@ class _Search:
     def attribute_at(self, candidate: Path) -> Attribution:
         o = self.options
         return attribute(
-            candidate, self.base, windows=o.windows, seq_len=self.gate.seq_len, exact=o.exact_swaps, rungs=o.rungs
+            candidate, self.base, windows=o.windows, seq_len=self.gate.seq_len, exact=o.exact_swaps, rungs=self.rungs
         )
 
     def climb(self) -> str | None:
         """Gate longer prefixes of the plan until one passes (then shrink); returns why it stopped
         short of a pass, or None once one passed."""
         while self.evaluation < self.options.max_evaluations:
-            room = self.budget - (self.source / WEIGHTS).stat().st_size
+            room = self.budget - artifact_bytes(self.source)
             aim = aim_kld(self.target, self.source_kld, self.rescale, self.moves, self.options.reattribute)
             chosen, over_budget = extend_prefix(self.taken, self.moves, self.source_kld, self.rescale, aim, room)
             if len(chosen) == len(self.taken):
@@ -175,8 +187,8 @@ class _Search:
         """Write and gate the source with `moves` taken (a step of the record); keep it if best."""
         self.evaluation += 1
         raised = {**self.prior, **raised_rungs(moves)}
-        out = self.work / f"step-{self.evaluation}"
-        write_mixed_artifact(self.source, self.base, raised_rungs(moves), out, {})
+        out = candidate_path(self.work, f"step-{self.evaluation}", self.artifact)
+        write_candidate(self.source, self.base, raised_rungs(moves), out)
         result = settle(out, self.base, self.gate, evaluate(out, self.base, self.gate), self.log)
         before = {**self.prior, **raised_rungs(previous)}
         changed = sorted(n for n in raised.keys() | before.keys() if raised.get(n) != before.get(n))
@@ -222,10 +234,11 @@ class _Search:
 
     def replan_from_last_step(self) -> None:
         """Linearize again at the last failing candidate: it becomes the source of a new plan."""
-        self.source = self.work / f"step-{self.evaluation}"
+        self.source = candidate_path(self.work, f"step-{self.evaluation}", self.artifact)
         self.prior, self.source_kld = {**self.prior, **raised_rungs(self.taken)}, self.failed_kld
         self.attribution = self.attribute_at(self.source)
-        self.moves = plan_moves(self.attribution, read_manifest(self.source), self.itemsize, self.options.rungs)
+        manifest = candidate_manifest(self.source)
+        self.moves = plan_moves(self.attribution, manifest, self.itemsize, self.rungs, alone=self.one_file)
         self.rescale = gate_rescale(self.source_kld, self.attribution.kld)
         self.taken, self.failed_count = [], 0
         self.reattributed.append(self.evaluation)
@@ -251,11 +264,11 @@ class _Search:
         }
         chosen_dir = best.directory
         if chosen_dir == self.artifact:  # nothing better than the uniform artifact: copy it to hold the record
-            chosen_dir = self.work / "step-0"
+            chosen_dir = candidate_path(self.work, "step-0", self.artifact)
             remove_dir(chosen_dir, "repair work directory")
-            shutil.copytree(self.artifact, chosen_dir)
-        fields = {k: v for k, v in read_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
-        write_manifest(chosen_dir, {**fields, **record})
+            copy_candidate(self.artifact, chosen_dir)
+        fields = {k: v for k, v in candidate_manifest(chosen_dir).items() if k not in ("files", "created", "versions")}
+        rewrite_manifest(chosen_dir, self.base, {**fields, **record})
         if not passed:
             reason = (
                 f"repair could not reach KLD {self.target:g}: {reason}; closest KLD {best.kld:.5f} "
@@ -273,10 +286,10 @@ def repair(
     outcome names the artifact that passed or, failing that, the one with the lowest KLD; its
     optkit.json holds the whole record."""
     log = log or (lambda line: None)
-    manifest = read_manifest(artifact)
+    manifest = candidate_manifest(artifact)
     if manifest is None:
         raise OptkitError(f"{artifact} has no optkit.json: repair starts from an optkit artifact")
-    check_mixed(manifest["format"])
+    check_repairable(manifest["format"], manifest["options"].get("gguf"))
     result = settle(artifact, base, gate, initial or evaluate(artifact, base, gate), log)
     steps = [_step(0, {}, result, artifact, [])]
     if result.passed:
@@ -285,11 +298,11 @@ def repair(
     return search.finish(search.climb())
 
 
-def record_pass_without_repair(outcome: RepairOutcome) -> None:
+def record_pass_without_repair(outcome: RepairOutcome, base: Path) -> None:
     """The start passed the gate: its manifest records the gate and the one step all the same."""
-    fields = {k: v for k, v in read_manifest(outcome.artifact).items() if k not in ("files", "created")}
+    fields = {k: v for k, v in candidate_manifest(outcome.artifact).items() if k not in ("files", "created")}
     record = {"steps": outcome.steps, "result": "passed without repair"}
-    write_manifest(outcome.artifact, {**fields, "repair": record, "gate": outcome.gate.to_json()})
+    rewrite_manifest(outcome.artifact, base, {**fields, "repair": record, "gate": outcome.gate.to_json()})
 
 
 def publish(source: Path, out: Path, what: str = "--out") -> None:
@@ -304,6 +317,8 @@ def start_options(options, gate: GateOptions):
     repair_options = gate.repair or RepairOptions()
     if repair_options.start != "smallest":
         return options
+    if options.format == "gguf":
+        return smallest_start(options, smallest(repair_rungs(repair_options, True), options.weights))
     rung = smallest(repair_options.rungs, options.weights)
     return options.model_copy(update={"weights": rung.scheme(options.weights)})
 
@@ -326,7 +341,7 @@ def quantize_and_repair(
         quantize_model(base, work / "uniform", start_options(options, gate), overwrite=True, device=device)
         outcome = repair(work / "uniform", base, gate, work, log=log)
         if outcome.artifact == work / "uniform":  # passed as it was: record the gate all the same
-            record_pass_without_repair(outcome)
+            record_pass_without_repair(outcome, base)
         destination = out if outcome.passed else rejected
         publish(outcome.artifact, destination)
         outcome.artifact = destination

@@ -5,7 +5,8 @@ attribution, the manifest and the gate's measurements; nothing here reads or wri
 The per-layer estimate. Attribution (gate/attribution.py) gives, for each quantized linear l, the
 estimated drop of the mean KLD on its own calibration set with l in full precision, `drop_l`, and on
 each rung r of the ladder above its own (quant/ladder.py: more bits or a finer group), `drop_l(r)`.
-Linears that vLLM fuses (q/k/v, gate/up: `fused_units`) share one rung, and the drops of a unit are
+Linears that vLLM fuses (q/k/v, gate/up: `fused_units`) share one rung (in a GGUF file, where
+nothing fuses them, each linear is a unit of its own), and the drops of a unit are
 taken to add up: drop_u(r) = Σ_{l ∈ u} drop_l(r). The drops of different units add up as well, so a
 set of moves is predicted to leave
 
@@ -73,9 +74,12 @@ class Level(NamedTuple):
     extra_bytes: int
 
 
-def plan_moves(attribution: Attribution, manifest: dict, itemsize: dict[str, int], rungs: list[Rung]) -> list[Move]:
+def plan_moves(
+    attribution: Attribution, manifest: dict, itemsize: dict[str, int], rungs: list[Rung], *, alone: bool = False
+) -> list[Move]:
     """Every move worth making, best estimated KLD drop per extra byte first (module doc).
-    `itemsize`: bytes per element of each base tensor (`weight_itemsizes`), for full precision."""
+    `itemsize`: bytes per element of each base tensor (`weight_itemsizes`), for full precision.
+    `alone`: each linear is a unit of its own (a GGUF file's tensors, which nothing fuses)."""
     scheme = artifact_scheme(manifest)
     shapes = {layer["name"]: layer["shape"] for layer in manifest["layers"]}
     on = layer_rungs(manifest)
@@ -89,7 +93,8 @@ def plan_moves(attribution: Attribution, manifest: dict, itemsize: dict[str, int
     by_name = {layer.name: layer for layer in attribution.layers}
     resolved = sorted({r.resolve(scheme) for r in rungs}, key=lambda r: nominal_bits(r, scheme))
     heap, hulls = [], []
-    for unit in fused_units([layer.name for layer in attribution.layers]):
+    names = [layer.name for layer in attribution.layers]
+    for unit in [[name] for name in names] if alone else fused_units(names):
         now = unit_bytes(unit, None)
         levels = [Level(None, 0.0, 0)]
         for rung in sorted(resolved, key=lambda r: unit_bytes(unit, r)):

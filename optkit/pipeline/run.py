@@ -145,9 +145,7 @@ def run_recipe(
     # smallest) for the smallest mixed artifact that passes, whatever the gate said of this one
     repair_options = recipe.gate.repair
     if repair_options is not None and (not result.passed or repair_options.start == "smallest"):
-        staged.artifact, staged.manifest = _repair_stage(
-            recipe, base, staged.artifact, staged.manifest, work, result, device
-        )
+        staged.artifact, staged.manifest = _repair_stage(recipe, base, staged, work, result, device)
     head = _speculator_stage(recipe, base, staged.artifact, work, result) if recipe.speculator else None
     # compile: only what will be released is worth warming
     compiled = _compile_stage(recipe, staged.manifest, staged.artifact, work, result) if recipe.compile else None
@@ -270,40 +268,43 @@ def _package_stage(
     result.ran("package", start)
 
 
-def _repair_stage(
-    recipe: Recipe, base: Path, artifact: Path, manifest: dict, work: Path, result: RunResult, device: str
-):
-    """Repair the artifact the gate rejected (pipeline/repair.py) into work/repaired; returns the
-    artifact and manifest to package, and sets the run's gate result and verdict to the repaired's."""
-    from optkit.pipeline.repair import publish, record_pass_without_repair, repair, start_options
+def _repair_stage(recipe: Recipe, base: Path, staged: _Staged, work: Path, result: RunResult, device: str):
+    """Repair the artifact the gate rejected (pipeline/repair.py) into work/repaired (a .gguf: the
+    file in it); returns the artifact and manifest to package, and sets the run's gate result and
+    verdict to the repaired's."""
+    from optkit.pipeline.repair import record_pass_without_repair, repair, start_options
+    from optkit.pipeline.repair_artifact import candidate_path, copy_candidate, publish_candidate, released_manifest
 
     start = time.perf_counter()
-    inputs = _digest({"artifact": manifest["files"], "gate": recipe.gate.model_dump()})
+    artifact, one_file = staged.artifact, staged.one_file
+    inputs = _digest({"artifact": staged.manifest["files"], "gate": recipe.gate.model_dump()})
     repaired = work / "repaired"
+    released = repaired / artifact.name if one_file else repaired
     done = _record(work, "repair")
-    kept = read_manifest(repaired) if repaired.exists() else None
-    if done and done["inputs"] == inputs and kept and not verify_files(repaired, kept):
+    kept = _intact_manifest(released, one_file, done) if done and done["inputs"] == inputs else None
+    if kept:
         result.skipped("repair")
         engine_gate = done.get("engine_gate")
     else:
         with scratch_dir(work / "repair-steps") as steps:
             if recipe.gate.repair.start == "smallest":  # every layer on the ladder's smallest rung first
-                artifact = steps / "start"
+                artifact = candidate_path(steps, "start", artifact)
                 options = start_options(recipe.quantize, recipe.gate)
                 quantize_model(base, artifact, options, overwrite=True, device=device)
             outcome = repair(artifact, base, recipe.gate, steps)
             if outcome.artifact == artifact:  # it passed as it was: package a copy, keep the stage's
-                shutil.copytree(artifact, steps / "as-is")
-                outcome.artifact = steps / "as-is"
-                record_pass_without_repair(outcome)
-            publish(outcome.artifact, repaired)
-        kept = read_manifest(repaired)
-        engine_gate = _engine_gate(recipe, base, repaired)
-        _write_record(work, "repair", {"inputs": inputs, "engine_gate": engine_gate})
+                outcome.artifact = candidate_path(steps, "as-is", artifact)
+                copy_candidate(artifact, outcome.artifact)
+                record_pass_without_repair(outcome, base)
+            publish_candidate(outcome.artifact, repaired, released.name, steps / "released")
+        kept = released_manifest(released)
+        engine_gate = _engine_gate(recipe, base, released)
+        record = {"inputs": inputs, "engine_gate": engine_gate, **({"manifest": kept} if one_file else {})}
+        _write_record(work, "repair", record)
         result.ran("repair", start)
     result.gate = engine_gate or kept["gate"]
     result.verdict = release_verdict(result.gate)
-    return repaired, kept
+    return released, kept
 
 
 def _engine_gate(recipe: Recipe, base: Path, repaired: Path) -> dict | None:

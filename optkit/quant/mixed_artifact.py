@@ -42,9 +42,13 @@ def overrides(manifest: dict) -> dict[str, Rung]:
 
 
 def layer_rungs(manifest: dict) -> dict[str, Rung]:
-    """The rung of every quantized linear of an artifact."""
+    """The rung of every quantized linear of an artifact (of a GGUF file: its ggml type, `gguf_type`)."""
     uniform = Rung.of(artifact_scheme(manifest))
-    return {**{layer["name"]: uniform for layer in manifest["layers"]}, **overrides(manifest)}
+    on = {
+        layer["name"]: Rung.gguf(layer["gguf_type"]) if "gguf_type" in layer else uniform
+        for layer in manifest["layers"]
+    }
+    return {**on, **overrides(manifest)}
 
 
 def write_mixed_artifact(source: Path, base: Path, rungs: dict[str, Rung | int | str], out: Path, record: dict) -> dict:

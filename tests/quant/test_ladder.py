@@ -33,3 +33,20 @@ def test_2_bit_rungs_are_priced_and_labelled_like_the_others():
 def test_a_value_that_is_no_rung_names_what_is_accepted(value):
     with pytest.raises(ValueError, match="is not a precision: use 8 or 16"):
         parse_rung(value)
+
+
+def test_the_gguf_ladder_climbs_ggmls_types_in_their_block_bytes():
+    """A GGUF rung is a ggml type: its bytes are the type's blocks (Q4_K: 144 bytes per 256 values),
+    its scheme the type's grid, and a manifest's {"gguf_type": ...} reads back as the same rung."""
+    from optkit.quant.ladder import GGUF_LADDER
+    from optkit.weights.stored import k_type
+
+    rungs = [parse_rung(x) for x in GGUF_LADDER]
+    sizes = [layer_bytes([512, 768], r, ARTIFACT) for r in rungs]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+    assert [r.label for r in rungs] == ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "16"]
+    q4_k = parse_rung("Q4_K")
+    assert layer_bytes([1, 512], q4_k, ARTIFACT) == 2 * 144 and q4_k.describe() == "Q4_K"
+    assert k_type(q4_k.scheme(ARTIFACT)) == "Q4_K" and parse_rung(q4_k.to_json()) == q4_k == Rung.gguf("Q4_K")
+    assert Rung.gguf("BF16").full and smallest(rungs, ARTIFACT) == Rung.gguf("Q2_K")
+    assert not q4_k.fits(384) and parse_rung("Q8_0").fits(384)  # 256-value super-blocks, 32-value blocks
