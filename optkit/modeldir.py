@@ -202,12 +202,22 @@ def load_tokenizer(name_or_path: str | Path):
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except ValueError as e:
+        if "trust_remote_code" not in str(e) and _model_file_alone(path):
+            raise OptkitError(
+                f"{path}: transformers reads a tokenizer.model without a tokenizer.json only with protobuf installed "
+                "(pip install protobuf): install it, or add the tokenizer.json transformers saves for the model"
+            ) from e
         if "trust_remote_code" not in str(e):
             raise
         raise OptkitError(
             f"{path}: its tokenizer is custom code (auto_map {_auto_map(path)}), and optkit never runs code "
             "from a model directory: give a tokenizer transformers ships (tokenizer_class) or a tokenizer.json"
         ) from e
+
+
+def _model_file_alone(path: Path) -> bool:
+    """A SentencePiece tokenizer.model without the tokenizer.json transformers would read instead."""
+    return (path / "tokenizer.model").is_file() and not (path / "tokenizer.json").is_file()
 
 
 def _check_tokenizer_config(path: Path) -> None:

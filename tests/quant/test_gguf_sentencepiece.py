@@ -165,6 +165,25 @@ def test_a_tokenizer_model_that_normalizes_text_is_refused_in_one_line(models, t
     assert "tokenizer.model" in errors[0] and not out.exists()
 
 
+def _has_protobuf() -> bool:
+    try:
+        import google.protobuf  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_protobuf(), reason="with protobuf transformers reads the .model alone")
+def test_a_tokenizer_model_without_its_tokenizer_json_is_one_line(models, tmp_path, run_cli):
+    """transformers converts a tokenizer.model alone only with protobuf: without it, one line."""
+    model = _copy(models["gemma2"][0], tmp_path)
+    (model / "tokenizer.json").unlink()
+    code, _, err = run_cli("quantize", model, "--format", "gguf", "--bits", "8", "--sym", "--group-size", "32",
+                           "--out", tmp_path / "model.gguf")  # fmt: skip
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "pip install protobuf" in errors[0], err
+
+
 def test_a_broken_tokenizer_model_is_one_line(models, tmp_path):
     model = _copy(models["gemma2"][0], tmp_path)
     (model / "tokenizer.model").write_bytes(b"\x0a\xff\xff not a protobuf")
