@@ -184,9 +184,16 @@ def test_a_tokenizer_model_without_its_tokenizer_json_is_one_line(models, tmp_pa
     assert code == 2 and len(errors) == 1 and "pip install protobuf" in errors[0], err
 
 
-def test_a_broken_tokenizer_model_is_one_line(models, tmp_path):
+@pytest.mark.parametrize("damage", ["not a protobuf", "a piece that is not UTF-8"])
+def test_a_broken_tokenizer_model_is_one_line(models, tmp_path, damage):
     model = _copy(models["gemma2"][0], tmp_path)
-    (model / "tokenizer.model").write_bytes(b"\x0a\xff\xff not a protobuf")
+    proto = (model / "tokenizer.model").read_bytes()
+    if damage == "not a protobuf":
+        proto = b"\x0a\xff\xff not a protobuf"
+    else:  # sentencepiece loads it; reading the piece fails
+        assert b"<end_of_turn>" in proto
+        proto = proto.replace(b"<end_of_turn>", b"<end_of_tur\xff>")
+    (model / "tokenizer.model").write_bytes(proto)
     with pytest.raises(OptkitError, match="tokenizer.model is not a SentencePiece model"):
         check_tokenizer(model, read_config(model))
 

@@ -79,7 +79,9 @@ def load_model(model_dir: Path):
     processor = SentencePieceProcessor()
     try:
         processor.LoadFromSerializedProto(file.read_bytes())
-    except (OSError, RuntimeError) as e:
+        for i in range(processor.get_piece_size()):  # every piece is text (sentencepiece checks no UTF-8)
+            processor.id_to_piece(i)
+    except (OSError, RuntimeError, UnicodeDecodeError) as e:
         raise OptkitError(f"{file} is not a SentencePiece model ({e}): repair or remove it") from e
     return processor
 
