@@ -32,7 +32,7 @@ def check_tokenizer(model_dir: Path, config: dict) -> None:
 
     arch = gguf_architecture(config).name
     if spm.uses_sentencepiece(model_dir, arch):
-        spm.check_normalizer(spm.load_model(model_dir), model_dir, arch)
+        spm.check_normalizer(spm.load_model(model_dir), model_dir)
         spm.check_merges(load_tokenizer(model_dir), model_dir)
         return
     tokenizer_json = model_dir / "tokenizer.json"
