@@ -81,6 +81,9 @@ def _kept_at_higher_precision(manifest: dict) -> str:
     steps = repair.get("steps") or []
     weights = (manifest.get("options") or {}).get("weights") or {}
     start = f"{weights.get('bits', '?')}-bit, group size {weights.get('group_size', '?')}"
+    gguf = (manifest.get("options") or {}).get("gguf")
+    if isinstance(gguf, dict):  # a K mix: its linears' types, not one scheme
+        start = f"GGUF {gguf.get('type', '?')}"
     history = " → ".join(f"{s['kld_mean']:.5f}" for s in steps)
     return f"""## Layers kept at higher precision
 

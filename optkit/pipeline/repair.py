@@ -335,6 +335,10 @@ def quantize_and_repair(
     rejected = out.with_name(f"{out.name}.rejected")
     check_output_dir(out, overwrite)
     check_replaceable(rejected, "--out")  # where a failed repair goes, replaced as --out is
+    if options.format == "gguf":
+        raise OptkitError(
+            "--target-kld repairs artifact directories: repair a GGUF K mix with gate.repair in a recipe (optkit run)"
+        )
     check_mixed(options.format)
     base = resolve_model_dir(model)
     with scratch_dir(out) as work:

@@ -36,3 +36,12 @@ def test_start_smallest_quantizes_a_gguf_release_in_the_smallest_types_file_type
     assert smallest.gguf.type == "Q2_K" and smallest.weights == k_scheme("Q2_K")
     from_q4 = RepairOptions(start="smallest", precisions=["Q4_K", "Q8_0", 16])
     assert start_options(options, GateOptions(max_kld=0.01, repair=from_q4)).gguf.type == "Q4_K_S"
+
+
+def test_quantize_target_kld_names_optkit_run_for_a_gguf_file(tmp_path):
+    from optkit.pipeline.repair import quantize_and_repair
+
+    options = QuantizeOptions(method="rtn", format="gguf", gguf={"type": "Q3_K_M"})
+    with pytest.raises(OptkitError, match="gate.repair in a recipe"):
+        quantize_and_repair("small", tmp_path / "m.gguf", options, GateOptions(max_kld=0.004))
+    assert not list(tmp_path.iterdir())

@@ -77,6 +77,8 @@ def test_repair_climbs_the_k_quant_ladder_to_a_file_smaller_than_the_uniform_typ
     layers = {layer["name"]: layer["gguf_type"] for layer in manifest["layers"]}
     assert types["Q3_K"] == sum(t == "Q3_K" for t in layers.values()) < 14  # Q3_K_M holds 14 Q3_K linears
     assert sum(types.values()) == 38 and all(layers[name] == value["gguf_type"] for name, value in raised.items())
+    card = (release / "README.md").read_text()
+    assert "from a uniform artifact (GGUF Q3_K_M)" in card and all(f"`{name}`" in card for name in raised)
 
     uniform = tmp_path / "q4_k_s.gguf"
     assert (
