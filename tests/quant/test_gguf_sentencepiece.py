@@ -209,16 +209,17 @@ def _converter() -> Path | None:
     return script if script.is_file() else None
 
 
-def _as_transformers_4_saved(model: Path, out: Path) -> Path:
+def _as_transformers_4_saved(model: Path, out: Path, **settings) -> Path:
     """The directory as transformers 4 saved it: tokenizer_config.json lists the added tokens
-    (added_tokens_decoder) and the add-BOS/EOS flags, as Llama 2's and Gemma's on the Hub do."""
+    (added_tokens_decoder) and the add-BOS/EOS flags, as Llama 2's and Gemma's on the Hub do
+    (and `settings`)."""
     import shutil
 
     shutil.copytree(model, out)
     config = json.loads((out / "tokenizer_config.json").read_text())
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
-    config.update(add_bos_token=True, add_eos_token=False)
+    config.update(add_bos_token=True, add_eos_token=False, **settings)
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
@@ -239,12 +240,14 @@ def _vocabulary_file(model: Path, out: Path) -> Path:
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3"])
 def test_the_vocabulary_is_the_converters_own(models, tmp_path, family):
     """Against llama.cpp's convert_hf_to_gguf.py --vocab-only itself, on the directory as the Hub
-    holds such models: every tokenizer key and value the same, but add_sep_token, which optkit
-    leaves out (transformers adds no separator to one text)."""
-    model = _as_transformers_4_saved(models[family][0], tmp_path / "model")
+    holds such models: every tokenizer key and value the same, in the same order, but add_sep_token,
+    which optkit leaves out (transformers adds no separator to one text)."""
+    # Llama's set_vocab writes tokenizer_config.json's add_prefix_space where it is set
+    settings = {"add_prefix_space": True} if family == "llama" else {}
+    model = _as_transformers_4_saved(models[family][0], tmp_path / "model", **settings)
     converted = tmp_path / "converted.gguf"
     command = [sys.executable, str(_converter()), str(model), "--vocab-only", "--outfile", str(converted)]
     subprocess.run(command, check=True, capture_output=True)
     theirs, ours = _fields(converted), _fields(_vocabulary_file(model, tmp_path / "optkit.gguf"))
     assert theirs.pop("tokenizer.ggml.add_sep_token") is False
-    assert ours == theirs
+    assert ours == theirs and list(ours) == list(theirs)  # the values, and the keys in the converter's order

@@ -71,12 +71,15 @@ def add_tokenizer(writer, model_dir: Path, config: dict) -> None:
     else:
         _add_byte_level_bpe(writer, tokenizer_json, model_dir / "tokenizer.json", vocab_size, tokenizer)
     _add_special_tokens(writer, model_dir, vocab_size, tokenizer, merges=not sentencepiece)
+    if sentencepiece and spm.RULES[arch].space_prefix is not None:  # Gemma2Model/Gemma3Model.set_vocab, last
+        writer.add_add_space_prefix(spm.RULES[arch].space_prefix)
 
 
 def _add_sentencepiece(writer, model_dir: Path, vocab_size: int, arch: str) -> None:
-    """_set_vocab_sentencepiece, with the space prefix of the architecture's set_vocab."""
+    """_set_vocab_sentencepiece's vocabulary, after LlamaModel.set_vocab's space prefix where
+    tokenizer_config.json sets add_prefix_space."""
     tokens, scores, types = spm.vocabulary(model_dir, vocab_size, arch)
-    if (prefix := spm.space_prefix(model_dir, arch)) is not None:
+    if spm.RULES[arch].prefix_from_config and (prefix := spm.space_prefix(model_dir, arch)) is not None:
         writer.add_add_space_prefix(prefix)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
