@@ -6,6 +6,7 @@ import pytest
 
 from optkit.gate.llama_cpp import llama_cpp_available
 from optkit.manifest import verify_files
+from optkit.quant.mixed_gguf import gguf_manifest
 from tests.cli.test_bad_input import assert_user_error
 from tests.pipeline.test_run import stage_status, write_recipe
 
@@ -98,3 +99,19 @@ def test_repair_climbs_the_k_quant_ladder_to_a_file_smaller_than_the_uniform_typ
         "repair": "skipped",
         "package": "ran",
     }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
+def test_start_smallest_releases_the_q2_k_file_when_it_passes_as_it_is(run_cli, tmp_path, small_dir):
+    """`start: smallest` on a K mix quantizes the ladder's smallest type's file type (Q2_K) and, when
+    that passes, releases it with the one step recorded in the file's manifest and the release's."""
+    gate = {"max_windows": 4, "max_kld": 0.05, "repair": {"start": "smallest", "windows": 4, "max_evaluations": 2}}
+    quantize = {"method": "rtn", "format": "gguf", "gguf": {"type": "Q3_K_M"}}
+    code, _, err = run_cli("run", write_recipe(tmp_path, small_dir, quantize=quantize, gate=gate), "--json")
+    assert code == 0, err
+    release = tmp_path / "release"
+    manifest = json.loads((release / "optkit.json").read_text())
+    assert manifest["options"]["gguf"] == {"type": "Q2_K"} and manifest["repair"]["result"] == "passed without repair"
+    assert gguf_manifest(release / "model.gguf")["repair"] == manifest["repair"]
+    assert run_cli("verify", release)[0] == 0
