@@ -62,13 +62,10 @@ def uses_sentencepiece(model_dir: Path, arch: str) -> bool:
     return arch in RULES and (model_dir / MODEL_FILE).is_file()
 
 
-def space_prefix(model_dir: Path, arch: str) -> bool | None:
-    """The add_space_prefix the converter writes (None: not written)."""
-    rule = RULES[arch]
-    if rule.prefix_from_config:
-        value = _tokenizer_config(model_dir).get("add_prefix_space")
-        return value if isinstance(value, bool) else None
-    return rule.space_prefix
+def configured_space_prefix(model_dir: Path) -> bool | None:
+    """tokenizer_config.json's add_prefix_space, which LlamaModel.set_vocab writes where it is set."""
+    value = _tokenizer_config(model_dir).get("add_prefix_space")
+    return value if isinstance(value, bool) else None
 
 
 def load_model(model_dir: Path):

@@ -79,7 +79,7 @@ def _add_sentencepiece(writer, model_dir: Path, vocab_size: int, arch: str) -> N
     """_set_vocab_sentencepiece's vocabulary, after LlamaModel.set_vocab's space prefix where
     tokenizer_config.json sets add_prefix_space."""
     tokens, scores, types = spm.vocabulary(model_dir, vocab_size, arch)
-    if spm.RULES[arch].prefix_from_config and (prefix := spm.space_prefix(model_dir, arch)) is not None:
+    if spm.RULES[arch].prefix_from_config and (prefix := spm.configured_space_prefix(model_dir)) is not None:
         writer.add_add_space_prefix(prefix)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
