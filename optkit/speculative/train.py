@@ -87,28 +87,24 @@ def frozen_target(target_dir: Path) -> torch.nn.Module:
 
 class TargetFeatures:
     """The frozen target's features of the training windows [N, T] (after the final norm, the LM
-    head's input), computed in fixed chunks of windows, so that a window's features never depend on
-    which step asks first, and kept while they fit in `max_bytes`."""
-
-    CHUNK = 16
+    head's input), each window run alone, so that its features never depend on which step asks
+    first or what else it asks for, and kept while they fit in `max_bytes`."""
 
     def __init__(self, target: torch.nn.Module, windows: torch.Tensor, max_bytes: int = 1 << 30):
-        self.target, self.windows, self.chunks = target, windows, {}
-        per_chunk = self.CHUNK * windows.shape[1] * target.config.hidden_size * 4
-        self.max_chunks = max_bytes // per_chunk
+        self.target, self.windows, self.kept = target, windows, {}
+        self.max_windows = max_bytes // (windows.shape[1] * target.config.hidden_size * 4)
 
     @torch.no_grad()
-    def _chunk(self, c: int) -> torch.Tensor:
-        if c in self.chunks:
-            return self.chunks[c]
-        tokens = self.windows[c * self.CHUNK : (c + 1) * self.CHUNK]
-        features = self.target.get_decoder()(tokens).last_hidden_state.float()  # [chunk, T, H]
-        if len(self.chunks) < self.max_chunks:
-            self.chunks[c] = features
+    def _window(self, i: int) -> torch.Tensor:
+        if i in self.kept:
+            return self.kept[i]
+        features = self.target.get_decoder()(self.windows[i : i + 1]).last_hidden_state[0].float()  # [T, H]
+        if len(self.kept) < self.max_windows:
+            self.kept[i] = features
         return features
 
     def __call__(self, indices: torch.Tensor) -> torch.Tensor:
-        return torch.stack([self._chunk(i // self.CHUNK)[i % self.CHUNK] for i in indices.tolist()])
+        return torch.stack([self._window(i) for i in indices.tolist()])
 
 
 def train_step(head: EagleHeadModel, target, embed, batch: torch.Tensor, features, step: int, options) -> DistillLoss:
