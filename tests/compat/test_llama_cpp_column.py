@@ -1,13 +1,19 @@
 """The compatibility matrix's llama.cpp column: every GGUF kind optkit writes loads in llama.cpp (and
-computes what optkit's runtime computes on the file's weights), for the trained draft model and each
-family llama.cpp shares with optkit; no other loader reads GGUF, and llama.cpp reads nothing else."""
+computes what optkit's runtime computes on the file's weights), for the trained draft model, every
+file type on the trained small model (widths of 256: the K-quants apply) and each family llama.cpp
+shares with optkit (every family in every type: test_llama_cpp_families.py); no other loader reads
+GGUF, and llama.cpp reads nothing else."""
 
 import pytest
 import torch
 
 from optkit.compat import matrix
+from optkit.data.eval_sets import load_text_set
+from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
+from optkit.modeldir import load_tokenizer
 from optkit.models.loader import load_runtime_model
+from optkit.quant.formats.gguf_mix import linear_scheme
 from optkit.quant.formats.gguf_read import read_config, write_model_dir
 from optkit.quant.formats.kind import ArtifactKind
 from optkit.quant.quantize import QuantizeOptions, quantize_model
@@ -17,6 +23,10 @@ from tests.models.paged import run_paged, whole_prefills
 from tests.tiny_families import FAMILIES, save_tiny_family
 
 KINDS = {"Q4_0": ("gptq", 4, True), "Q4_1": ("awq", 4, False), "Q8_0": ("rtn", 8, True)}
+# every --gguf-type that quantizes, on small: RTN, and Q4_K_M (what a llama.cpp user downloads) by GPTQ
+FILE_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S"]
+FILE_TYPES += ["Q2_K"]
+HELDOUT_WINDOWS, WINDOW = 48, 128
 CALIB = {"num_samples": 8, "seq_len": 64}
 
 
@@ -68,6 +78,51 @@ def test_gguf_loads_in_llama_cpp_where_the_matrix_says(
     versions = {**_versions(), "llama-cpp-python": matrix.installed_version("llama-cpp-python")}
     cell = {"row": label, "method": method, "kind": kind.describe(), "format": "gguf", "versions": versions}
     cell.update(bits=bits, symmetric=symmetric, w8a8=False, type="int")
+    record({**cell, "loader": matrix.LLAMA_CPP, "status": "loads"})
+    for loader in (matrix.OPTKIT, matrix.TRANSFORMERS, matrix.GPTQMODEL, matrix.VLLM):
+        record({**cell, "loader": loader, "status": "no"})
+
+
+def heldout_windows(model_dir, count: int = HELDOUT_WINDOWS, seq_len: int = WINDOW) -> torch.Tensor:
+    """The first `count` windows of the heldout eval set, tokenized for `model_dir`: [count, seq_len]."""
+    return pack_windows(tokenize_stream(load_tokenizer(model_dir), load_text_set("heldout").texts), seq_len, count)
+
+
+def assert_llama_cpp_agrees(path, tokens: torch.Tensor, reference_dir, n_ctx: int | None = None, first: int = 1):
+    """llama.cpp on the .gguf at `path` against optkit's runtime on its weights (`reference_dir`,
+    the file's dequantized weights), at the positions that predict tokens[:, first:]: the same top
+    token at ≥ 98% of them and a perplexity within 1% (issues 33 and 34)."""
+    llama = LlamaCppModel(path, n_ctx=n_ctx or tokens.shape[1])
+    got = llama(tokens).logits[:, first - 1 : -1]
+    llama.close()
+    runtime = load_runtime_model(reference_dir)
+    with torch.inference_mode():
+        want = torch.stack(run_paged(runtime, tokens.tolist(), whole_prefills([tokens.shape[1]] * len(tokens))))
+    want, targets = want[:, first - 1 : -1], tokens[:, first:]
+    same_top = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+    assert same_top >= 0.98, f"the same top token at {same_top:.2%} of the positions"
+    assert _perplexity(got, targets) == pytest.approx(_perplexity(want, targets), rel=0.01)
+
+
+def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).exp().item()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
+@pytest.mark.parametrize("file_type", FILE_TYPES)
+def test_every_file_type_of_small_computes_in_llama_cpp_what_optkit_does(tmp_path, small_dir, record, file_type):
+    method = "gptq" if file_type == "Q4_K_M" else "rtn"
+    path = tmp_path / "model.gguf"
+    options = QuantizeOptions(method=method, format="gguf", gguf={"type": file_type}, calibration=CALIB)
+    quantize_model(small_dir, path, options)
+    reference = write_model_dir(path, tmp_path / "reference")
+    assert_llama_cpp_agrees(path, heldout_windows(small_dir), reference)
+    scheme = linear_scheme(file_type)
+    scheme = scheme if isinstance(scheme, dict) else scheme.model_dump()
+    versions = {**_versions(), "llama-cpp-python": matrix.installed_version("llama-cpp-python")}
+    cell = {"row": "small (llama, trained)", "method": method, "kind": f"gguf {file_type}", "format": "gguf"}
+    cell.update(versions=versions, bits=scheme["bits"], symmetric=scheme["symmetric"], w8a8=False, type="int")
     record({**cell, "loader": matrix.LLAMA_CPP, "status": "loads"})
     for loader in (matrix.OPTKIT, matrix.TRANSFORMERS, matrix.GPTQMODEL, matrix.VLLM):
         record({**cell, "loader": loader, "status": "no"})
