@@ -14,7 +14,7 @@ app = typer.Typer(help="Train EAGLE speculative-decoding heads.", no_args_is_hel
 def train(
     model: Annotated[str, typer.Argument(help="The target: a base model or an optkit artifact (its own features).")],
     out: Annotated[Path, typer.Option("--out", "-o", help="The head directory to write.")],
-    data: Annotated[str, typer.Option(help="Training text: a bundled set or a .txt/.jsonl/.parquet file.")] = "calib",
+    data: Annotated[str, typer.Option(help="Training text: a bundled set or a .txt/.jsonl/.parquet file.")] = "distill",
     steps: Annotated[int, typer.Option(help="Training steps (windows of --seq-len, --batch-size a step).")] = 800,
     batch_size: Annotated[int, typer.Option(help="Windows per step.")] = 8,
     seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 256,

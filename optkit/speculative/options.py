@@ -9,7 +9,7 @@ TRAINING_FIELDS = ("data", "steps", "batch_size", "seq_len", "learning_rate", "w
 class SpeculatorTrainOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    data: str = "calib"  # bundled text set or a local .txt/.jsonl/.parquet file: any text the target reads
+    data: str = "distill"  # bundled text set or a local .txt/.jsonl/.parquet file: any text the target reads
     steps: int = Field(800, ge=1)
     batch_size: int = Field(8, ge=1)  # windows per step
     seq_len: int = Field(256, ge=4)

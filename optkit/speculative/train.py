@@ -17,7 +17,7 @@ import torch
 
 from optkit.artifacts import check_output_dir, check_replaceable
 from optkit.data.eval_sets import load_text_set
-from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.data.packing import pack_windows, tokenize_stream_prefix
 from optkit.errors import OptkitError
 from optkit.modeldir import load_tokenizer, resolve_model_dir
 from optkit.progress import progress_bar
@@ -73,7 +73,8 @@ def feature_noise(shape: torch.Size, step: int, options: SpeculatorTrainOptions)
 
 def training_windows(tokenizer, options: SpeculatorTrainOptions) -> torch.Tensor:
     texts = load_text_set(options.data, flag="--data").texts
-    windows = pack_windows(tokenize_stream(tokenizer, texts), options.seq_len)
+    used = options.steps * options.batch_size * options.seq_len  # the tokens one pass of the steps reads
+    windows = pack_windows(tokenize_stream_prefix(tokenizer, texts, used), options.seq_len)
     if len(windows) == 0:
         raise OptkitError(f"--data {options.data} has fewer tokens than --seq-len {options.seq_len}: give more text")
     return windows

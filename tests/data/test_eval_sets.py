@@ -1,15 +1,16 @@
 import json
 
 import pytest
+import torch
 
 from optkit.data.corpus import stdlib_files
 from optkit.data.eval_sets import bundled_names, load_definition, load_text_set, materialize
-from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.data.packing import pack_windows, tokenize_stream, tokenize_stream_prefix
 from optkit.errors import OptkitError
 
 
 def test_bundled_sets_are_defined():
-    assert {"heldout", "calib", "next_line"} <= set(bundled_names())
+    assert {"heldout", "calib", "distill", "next_line"} <= set(bundled_names())
 
 
 def test_materialising_is_deterministic(tmp_path, monkeypatch):
@@ -22,8 +23,9 @@ def test_materialising_is_deterministic(tmp_path, monkeypatch):
 def test_heldout_text_never_comes_from_training_files():
     train = {p.read_text(encoding="utf-8", errors="replace") for p in stdlib_files("train")}
     heldout = [json.loads(line) for line in materialize("heldout").read_text().splitlines()]
-    calib = [json.loads(line) for line in materialize("calib").read_text().splitlines()]
-    assert {r["source"] for r in heldout}.isdisjoint({r["source"] for r in calib})
+    for training_set in ("calib", "distill"):
+        records = [json.loads(line) for line in materialize(training_set).read_text().splitlines()]
+        assert {r["source"] for r in heldout}.isdisjoint({r["source"] for r in records})
     assert not any(r["text"] in train for r in heldout if len(r["text"]) > 200)
     assert sum(len(r["text"]) for r in heldout) <= load_definition("heldout").max_chars
 
@@ -77,3 +79,15 @@ def test_packing_joins_texts_with_eos_and_cuts_windows(draft_dir):
     windows = pack_windows(stream, 3)
     assert windows.shape == (stream.numel() // 3, 3)
     assert pack_windows(stream, 3, max_windows=1).shape == (1, 3)
+
+
+def test_a_stream_prefix_is_the_streams_first_texts_holding_the_tokens_asked_for(draft_dir):
+    from optkit.modeldir import load_tokenizer
+
+    tokenizer = load_tokenizer(draft_dir)
+    texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(100)]
+    whole = tokenize_stream(tokenizer, texts)
+    assert torch.equal(tokenize_stream_prefix(tokenizer, texts, whole.numel() + 1), whole)
+    prefix = tokenize_stream_prefix(tokenizer, texts, 10)
+    assert 10 <= prefix.numel() < whole.numel() and torch.equal(prefix, whole[: prefix.numel()])
+    assert prefix[-1] == tokenizer.eos_token_id  # whole texts only
