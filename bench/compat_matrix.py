@@ -47,7 +47,7 @@ COLUMNS = (
 def run_tests(results: Path, vllm: bool = False) -> None:
     """The compatibility tests, or with `vllm` the whole vLLM column alone."""
     env = {**os.environ, "OPTKIT_COMPAT_RESULTS": str(results)}
-    tests = ["tests/compat/test_matrix.py", "tests/compat/test_llama_cpp_column.py"]
+    tests = ["tests/compat/test_matrix.py", *(f"tests/compat/test_llama_cpp_{p}.py" for p in ("column", "families"))]
     if vllm:
         env["OPTKIT_VLLM_COLUMN"] = "full"
         tests = ["tests/compat/test_vllm_column.py"]
