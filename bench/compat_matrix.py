@@ -24,6 +24,7 @@ no kernel for it, named); "—" the loader does not read that format; "untested"
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,9 @@ COLUMNS = (
     matrix.VLLM,
     matrix.LLAMA_CPP,
 )
+
+
+REFUSAL_NOTE = re.compile(r"^\((\d+)\) vLLM-CPU refuses it: `(.*)`\.$", re.MULTILINE)
 
 
 def run_tests(results: Path, vllm: bool = False) -> None:
@@ -75,11 +79,22 @@ def parse_matrix(text: str) -> tuple[dict[tuple, dict[str, str]], list[str]]:
     return rows, [v for v in measured.removeprefix("Measured with ").removesuffix(".").split("; ") if v]
 
 
-def render(cells: list[dict], kept: tuple[dict[tuple, dict[str, str]], list[str]] | None = None) -> str:
-    """The matrix of `cells`; with `kept` (parse_matrix's answer), on top of those cells."""
+def parse_refusals(text: str) -> list[str]:
+    """A rendered matrix's vLLM-CPU refusal footnotes, (3), (4), ... in their order: the kept cells'
+    marks `✘ (N)` point at them."""
+    notes = dict(REFUSAL_NOTE.findall(text))
+    return [notes[str(n)] for n in range(3, 3 + len(notes)) if str(n) in notes]
+
+
+def render(
+    cells: list[dict], kept: tuple[dict[tuple, dict[str, str]], list[str]] | None = None, kept_refusals=()
+) -> str:
+    """The matrix of `cells`; with `kept` (parse_matrix's answer), on top of those cells, and the
+    kept cells' refusal footnotes (parse_refusals) under their numbers."""
     rows: dict[tuple, dict[str, str]] = {key: dict(marks) for key, marks in (kept[0] if kept else {}).items()}
     version_sets = {json.dumps(cell["versions"], sort_keys=True) for cell in cells}
-    refusals = [vllm_load.NO_BNB.message]  # vLLM-CPU's own messages, numbered from (3)
+    # vLLM-CPU's own messages, numbered from (3)
+    refusals = list(kept_refusals) or [vllm_load.NO_BNB.message]
     for cell in cells:
         key = (cell["row"], cell["method"], cell["kind"])
         rows.setdefault(key, {})[cell["loader"]] = _mark(cell, refusals)
@@ -147,8 +162,9 @@ def main() -> None:
         results = [Path(tempfile.mkdtemp()) / "compat.jsonl"]
         run_tests(results[0], vllm=args.vllm)
     cells = [json.loads(line) for file in results for line in file.read_text().splitlines() if line.strip()]
-    kept = parse_matrix(args.keep.read_text()) if args.keep else None
-    text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells, kept))
+    kept_text = args.keep.read_text() if args.keep else ""
+    kept = parse_matrix(kept_text) if args.keep else None
+    text = TEMPLATE.read_text().replace("{{MATRIX}}", render(cells, kept, parse_refusals(kept_text)))
     tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, args.out)

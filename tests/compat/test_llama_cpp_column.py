@@ -26,6 +26,7 @@ KINDS = {"Q4_0": ("gptq", 4, True), "Q4_1": ("awq", 4, False), "Q8_0": ("rtn", 8
 # every --gguf-type that quantizes, on small: RTN, and Q4_K_M (what a llama.cpp user downloads) by GPTQ
 FILE_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q6_K", "Q5_K_M", "Q5_K_S", "Q4_K_M", "Q4_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S"]
 FILE_TYPES += ["Q2_K"]
+K_MIXES = ("Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M")
 HELDOUT_WINDOWS, WINDOW = 48, 128
 CALIB = {"num_samples": 8, "seq_len": 64}
 
@@ -42,11 +43,14 @@ def test_the_matrix_says_only_llama_cpp_reads_gguf_and_it_reads_only_gguf():
 
 
 def _cells():
-    """Every kind on the trained draft model; each family once (the block types do not depend on it)."""
+    """Every kind on the trained draft model; each family once in each legacy type, and in the K mixes
+    a llama.cpp user picks (these tiny models' widths are not multiples of 256: the mixes' fallback
+    blocks, Q5_0/Q5_1/Q8_0/Q4_0, come with them)."""
     for qtype in KINDS:
         yield pytest.param("draft", qtype, id=f"draft-{qtype}")
     for row in ("llama", "mistral", "qwen2", "qwen3"):
-        yield pytest.param(row, "Q8_0", id=f"{row}-Q8_0")
+        for qtype in ("Q8_0", *K_MIXES):
+            yield pytest.param(row, qtype, id=f"{row}-{qtype}")
 
 
 @pytest.mark.skipif(not llama_cpp_available(), reason="llama.cpp: pip install 'optkit[gguf]'")
@@ -54,17 +58,25 @@ def _cells():
 def test_gguf_loads_in_llama_cpp_where_the_matrix_says(
     tmp_path, monkeypatch, draft_dir, family_dir, record, row, qtype
 ):
-    method, bits, symmetric = KINDS[qtype]
     if row == "qwen3":  # as Qwen3 ships: llama.cpp has no place for attention biases
         monkeypatch.setitem(FAMILIES, "qwen3", {**FAMILIES["qwen3"], "attention_bias": False})
         model = save_tiny_family("qwen3", tmp_path / "qwen3", draft_dir)
     else:
         model = draft_dir if row == "draft" else family_dir(row)
-    scheme = WeightScheme(bits=bits, group_size=32, symmetric=symmetric)
     path = tmp_path / "model.gguf"
-    quantize_model(model, path, QuantizeOptions(method=method, format="gguf", weights=scheme, calibration=CALIB))
-    kind = ArtifactKind("gguf", bits, symmetric)
-    assert matrix.expected_status(kind, matrix.LLAMA_CPP) == "loads"
+    if qtype in K_MIXES:
+        method, scheme = "rtn", linear_scheme(qtype)
+        scheme = scheme if isinstance(scheme, dict) else scheme.model_dump()
+        bits, symmetric, kind_name = scheme["bits"], scheme["symmetric"], f"gguf {qtype}"
+        quantize_model(model, path, QuantizeOptions(method=method, format="gguf", gguf={"type": qtype}))
+    else:
+        method, bits, symmetric = KINDS[qtype]
+        scheme = WeightScheme(bits=bits, group_size=32, symmetric=symmetric)
+        options = QuantizeOptions(method=method, format="gguf", weights=scheme, calibration=CALIB)
+        quantize_model(model, path, options)
+        kind = ArtifactKind("gguf", bits, symmetric)
+        assert matrix.expected_status(kind, matrix.LLAMA_CPP) == "loads"
+        kind_name = f"gguf {qtype}"
     tokens = torch.randint(0, read_config(path)["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0))
     llama = LlamaCppModel(path, n_ctx=48)
     got = llama(tokens).logits
@@ -76,7 +88,7 @@ def test_gguf_loads_in_llama_cpp_where_the_matrix_says(
     assert (got - want).abs().mean().item() < 0.05 * want.std().item()
     label = "draft (llama, trained)" if row == "draft" else f"{row} (tiny, random)"
     versions = {**_versions(), "llama-cpp-python": matrix.installed_version("llama-cpp-python")}
-    cell = {"row": label, "method": method, "kind": kind.describe(), "format": "gguf", "versions": versions}
+    cell = {"row": label, "method": method, "kind": kind_name, "format": "gguf", "versions": versions}
     cell.update(bits=bits, symmetric=symmetric, w8a8=False, type="int")
     record({**cell, "loader": matrix.LLAMA_CPP, "status": "loads"})
     for loader in (matrix.OPTKIT, matrix.TRANSFORMERS, matrix.GPTQMODEL, matrix.VLLM):
