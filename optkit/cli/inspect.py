@@ -32,6 +32,7 @@ def inspect(
     from optkit.errors import OptkitError
     from optkit.manifest import read_manifest
     from optkit.modeldir import resolve_model_dir
+    from optkit.quant.head import head_summary
 
     path = resolve_model_dir(artifact)
     manifest = read_manifest(path)
@@ -52,6 +53,7 @@ def inspect(
         ("base model", f"{manifest['base_model']['path']} (sha256 {manifest['base_model']['sha256'][:12]})"),
         ("calibration", manifest["calibration"].get("name") or "none"),
         ("ignored layers", ", ".join(manifest["ignored_layers"]) or "none"),
+        ("output head", head_summary(manifest.get("head"))),
         ("files", ", ".join(manifest["files"])),
         ("versions", ", ".join(f"{k} {v}" for k, v in manifest["versions"].items())),
         ("created", f"{manifest['created']} in {manifest['wall_time_s']:.1f}s"),
@@ -105,6 +107,16 @@ def shown_fields(manifest: dict, path: Path) -> None:
         refuse("calibration.name", "a string or null")
     if not all(isinstance(name, str) for name in manifest["ignored_layers"]):
         refuse("ignored_layers", "a list of layer names")
+    head = manifest.get("head")
+    if head is not None and not (
+        isinstance(head, dict)
+        and all(isinstance(head.get(key), str) for key in ("setting", "method"))
+        and len(head["setting"] + head["method"]) < 64
+        and isinstance(head.get("untied"), bool)
+        and isinstance(head.get("added_bytes"), int)
+        and not isinstance(head["added_bytes"], bool)
+    ):
+        refuse("head", "a head record (setting, method, untied, added_bytes)")
     for key in ("options", "versions"):
         if len(json.dumps(manifest[key], default=str)) > MAX_SHOWN_CHARS:
             refuse(key, f"what optkit writes there (at most {MAX_SHOWN_CHARS:,} characters)")

@@ -80,7 +80,7 @@ def quantize(
     seed: Annotated[int, typer.Option(help="Seed of the calibration sampling.")] = 0,
     moe_calibration: MoeCalibration = "all",
     quantize_router: QuantizeRouter = False,
-    head: HeadSetting = "full",
+    head: HeadSetting = "auto",
     double_quant: DoubleQuant = False,
     device: Device = "auto",
     target_kld: TargetKld = None,
@@ -232,6 +232,8 @@ def _print_summary(out, method: str, options, manifest: dict) -> None:
         kept = options.gguf.type if options.gguf is not None else "full precision"
         console().print(f"[bold green]wrote[/] {out}  (no linear quantized: {kept}, {manifest['wall_time_s']:.1f}s)")
         return
+    from optkit.quant.head import head_summary
+
     summary = f"mean rel. weight error {sum(x['rel_error'] for x in layers) / len(layers):.4f}"
     if all("rtn_loss" in x for x in layers):  # GPTQ's layers compare their output error with RTN's
         loss, rtn_loss = sum(x["loss"] for x in layers), sum(x["rtn_loss"] for x in layers)
@@ -244,7 +246,7 @@ def _print_summary(out, method: str, options, manifest: dict) -> None:
     console().print(
         f"[bold green]wrote[/] {out}  ({method} {options.gguf.type if options.gguf else options.weights.describe()}, "
         f"{len(layers)} layers, "
-        f"{summary}, {manifest['wall_time_s']:.1f}s)"
+        f"{summary}, {manifest['wall_time_s']:.1f}s; head {head_summary(manifest.get('head'))})"
     )
 
 

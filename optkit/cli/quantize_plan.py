@@ -32,6 +32,9 @@ def print_plan(model: str, options, json_output: bool) -> None:
     for k in plan.kept:
         kept.add_row(k.what, str(k.count), f"{k.bytes / 2**20:.1f}", k.reason)
     print_table(kept, out)
+    if plan.head != "full":
+        head_mb = plan.head_bytes / 2**20
+        out.print(f"output head: {plan.head}, {head_mb:.1f} MB (a tied head unties: the embedding stays)")
     peak = ", ".join(f"{k.replace('_', ' ')} {v / 2**20:.0f} MB" for k, v in plan.peak_bytes.items() if k != "total")
     out.print(
         f"artifact ≈ {plan.artifact_bytes / 2**20:.1f} MB (base {plan.base_bytes / 2**20:.1f} MB, "

@@ -1,6 +1,11 @@
 """The output head (the vocabulary projection, `lm_head`) quantized like a decoder linear: `--head`.
 
-- `full`: the head stays as stored (the default).
+- `auto` (the default): the measured default, made concrete before anything is written
+  (`resolve_head`): `int8` where the run can carry a quantized head and the format says its
+  serving runtime loads one (the format's `default_head`), `full` everywhere else. The rule it
+  rests on: the smallest head whose gate KLD stays within 10% of the decoder's own
+  (docs/results.md, issue 38).
+- `full`: the head stays as stored.
 - `int8`: 8 bits per output channel (the artifact's symmetry). optkit's runtime runs a symmetric
   one with int8 activations per token (models/loader.py: the int8 head kernel); transformers and
   vLLM dequantize it.
@@ -31,11 +36,12 @@ from optkit.safetensors_stream import lazy_tensors_in
 from optkit.weights.schemes import WeightScheme
 
 HEAD = "lm_head"
-HEAD_SETTINGS = ("full", "int8", "int4")
+HEAD_SETTINGS = ("auto", "full", "int8", "int4")
 
 
 def head_scheme(setting: str, decoder: WeightScheme) -> WeightScheme | None:
-    """The head's scheme for `--head setting` beside the decoder's; None: full precision."""
+    """The head's scheme for a resolved `--head setting` beside the decoder's; None: full precision."""
+    assert setting != "auto", "resolve_head first"
     if setting == "full":
         return None
     if setting == "int8":
@@ -45,28 +51,49 @@ def head_scheme(setting: str, decoder: WeightScheme) -> WeightScheme | None:
 
 def check_head(options, fmt, hf_config, outside: list[str]) -> None:
     """What `--head` cannot do, in one line each: non-integer or W8A8 schemes, a format whose
-    loaders read no quantized head, a model whose head is not `lm_head`."""
+    loaders read no quantized head, a model whose head is not `lm_head`. `auto` is resolved first."""
     if options.head not in HEAD_SETTINGS:  # the command line's value (a recipe's is validated by QuantizeOptions)
         raise OptkitError(f"--head {options.head!r} is invalid: choose one of {', '.join(HEAD_SETTINGS)}")
-    if options.head == "full":
-        return
-    w8a8_head = options.activations == "dynamic" and options.head == "int8" and _int8_per_channel(options.weights)
+    problem = _head_problem(options.head, options, fmt, outside)
+    if problem is not None:
+        raise OptkitError(problem)
+    if options.head not in ("auto", "full"):
+        head_scheme(options.head, options.weights).check_layer(HEAD, hf_config.get_text_config().hidden_size)
+
+
+def resolve_head(options, fmt, outside: list[str]) -> str:
+    """The concrete head setting of this run: `auto` becomes `int8` where the run carries an int8
+    head and the format's serving runtime loads it (the format's `default_head(options)`), `full`
+    elsewhere (GGUF keeps its file type's own output type; bitsandbytes, AWQ, FP8 and static W8A8
+    write no quantized head); any other setting as given."""
+    if options.head != "auto":
+        return options.head
+    default_head = getattr(fmt, "default_head", None)
+    if default_head is None or _head_problem("int8", options, fmt, outside) is not None:
+        return "full"
+    return default_head(options)
+
+
+def _head_problem(setting: str, options, fmt, outside: list[str]) -> str | None:
+    """Why this run cannot carry head `setting` (one line naming the fix), or None."""
+    if setting in ("auto", "full"):
+        return None
+    w8a8_head = options.activations == "dynamic" and setting == "int8" and _int8_per_channel(options.weights)
     if (options.activations is not None and not w8a8_head) or options.weights.type != "int":
         what = "quantized activations" if options.activations is not None else f"{options.weights.type} weights"
-        raise OptkitError(
-            f"--head {options.head} quantizes the head's integer weights alone; --method {options.method} "
+        return (
+            f"--head {setting} quantizes the head's integer weights alone; --method {options.method} "
             f"writes {what}: drop --head"
         )
     if getattr(fmt, "with_quantized_head", None) is None:
-        raise OptkitError(
-            f"--head {options.head}: --format {options.format} carries no quantized head "
+        return (
+            f"--head {setting}: --format {options.format} carries no quantized head "
             "(GGUF's output.weight type follows its --gguf-type): use --format compressed-tensors or gptq, "
             "or drop --head"
         )
     if HEAD not in outside:
-        raise OptkitError(f"--head {options.head}: this model's output head is not `{HEAD}`: drop --head")
-    text = hf_config.get_text_config()
-    head_scheme(options.head, options.weights).check_layer(HEAD, text.hidden_size)
+        return f"--head {setting}: this model's output head is not `{HEAD}`: drop --head"
+    return None
 
 
 def _int8_per_channel(scheme: WeightScheme) -> bool:
@@ -155,12 +182,15 @@ def with_head(layers: Iterator[LayerResult], base: Path, options, scheme) -> Ite
     yield LayerResult(HEAD, {HEAD: (qw, weight_error(weight, qw.dequantize()))}, {})
 
 
-def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, base: Path, hf_config) -> dict:
+def quantized_head(
+    config: dict, fmt, options, scheme: WeightScheme, out: Path, base: Path, hf_config, asked: str
+) -> dict:
     """config.json (in `config`) with the head quantized: the format's own flag (GPTQ's `lm_head:
     true`; compressed-tensors targets every Linear not ignored), a per-layer override where its
     scheme is not the decoder's (also a `precision_overrides` entry, as repair writes one, so that
     attribution and repair price and keep the head's rung), untied where the base ties it. Returns
-    the manifest's fields: `head` (setting, method, bytes) and the override."""
+    the manifest's fields: `head` (setting, what was asked: `auto` or the setting, method, bytes)
+    and the override."""
     quant_config = fmt.with_quantized_head(config["quantization_config"])
     decoder, rung = options.weights, Rung(scheme.bits, scheme.group_size)
     overrides = {} if rung == Rung.of(decoder) else {"precision_overrides": {HEAD: rung.to_json()}}
@@ -179,6 +209,7 @@ def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, 
     full = weight.numel() * weight.element_size()
     record = {
         "setting": options.head,
+        "asked": asked,
         "method": head_method(options.composition),
         "scheme": scheme.model_dump(),
         "untied": tied,  # the base's head was its embedding: the artifact stores both
@@ -187,3 +218,14 @@ def quantized_head(config: dict, fmt, options, scheme: WeightScheme, out: Path, 
         "added_bytes": stored if tied else stored - full,
     }
     return {"head": record, **overrides}
+
+
+def head_summary(record: dict | None) -> str:
+    """The manifest's `head` record in words, for quantize's summary line and inspect."""
+    if record is None:
+        return "as stored"
+    words = f"{record['setting']} ({record['method']}"
+    words += ", the auto default)" if record.get("asked") == "auto" else ")"
+    if record.get("untied"):
+        return f"{words}, untied from the embedding: +{record['added_bytes']:,} bytes"
+    return f"{words}, {record['added_bytes']:+,} bytes against the full-precision head"

@@ -67,6 +67,8 @@ class QuantizePlan:
     layers: list[tuple[str, list[list[str]]]]
     linears: dict[str, tuple[int, int]]  # full name -> (out_features, in_features)
     kept: list[Kept]
+    head: str  # the output head as the run writes it: full, int8 or int4 (`--head auto` resolved)
+    head_bytes: int  # the quantized head's bytes (0 for full); a tied base's embedding stays besides
     base_bytes: int
     artifact_bytes: int
     peak_bytes: dict[str, int]  # the pipeline's peak memory, by part, and "total"
@@ -81,6 +83,7 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
 
     from optkit.modeldir import read_config, resolve_model_dir
     from optkit.quant.formats import get_format
+    from optkit.quant.head import check_head, head_scheme, head_target, resolve_head
     from optkit.quant.targets import decoder_linears, full_precision_gates, outside_decoder_linears, select_targets
 
     base = resolve_model_dir(model)
@@ -97,14 +100,25 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
     fmt = get_format(options.format)
     shapes = [(t.name, t.in_features, t.out_features) for t in targets]
     fmt.check(options.weights, options.act_order, shapes, options.activations)
+    outside = outside_decoder_linears(hf_config)
+    check_head(options, fmt, hf_config, outside)
+    setting = resolve_head(options, fmt, outside)
+    head = head_scheme(setting, options.weights)
     headers = read_headers(base)
     linears = {t.name: (t.out_features, t.in_features) for t in targets}
     gates = full_precision_gates(hf_config, quantize_router=options.quantize_router)
-    kept = _kept(headers, linears, ignored, gates, outside_decoder_linears(hf_config))
+    kept = _kept(headers, linears, ignored, gates, outside, head_quantized=head is not None)
     size_of = _linear_size_law(fmt, options)
     kept_bytes = sum(k.bytes for k in kept)
     quantized_bytes = sum(size_of(out, inp) for out, inp in linears.values())
-    artifact = kept_bytes + quantized_bytes + _HEADER_BYTES * (len(headers) + 3 * len(linears))
+    head_bytes = 0
+    if head is not None:  # one more linear, on its own scheme; a tied base's embedding is kept too
+        target = head_target(hf_config)
+        head_bytes = _linear_size_law(fmt, options.model_copy(update={"weights": head}))(
+            target.out_features, target.in_features
+        )
+    artifact = kept_bytes + quantized_bytes + head_bytes
+    artifact += _HEADER_BYTES * (len(headers) + 3 * (len(linears) + (head is not None)))
     artifact += sum(p.stat().st_size for p in base.iterdir() if p.is_file() and p.suffix != ".safetensors")
     return QuantizePlan(
         model=str(base),
@@ -116,6 +130,8 @@ def plan_quantization(model: str | Path, options) -> QuantizePlan:
         layers=_layers(family, linears),
         linears=linears,
         kept=kept,
+        head=setting,
+        head_bytes=head_bytes,
         base_bytes=sum(_nbytes(*v) for v in headers.values()),
         artifact_bytes=artifact,
         peak_bytes=_peak_bytes(headers, hf_config, linears, _layers(family, linears), options),
@@ -143,12 +159,13 @@ def _layers(family: Family, linears: dict[str, tuple[int, int]]) -> list[tuple[s
     return layers
 
 
-def _kept(headers, linears, ignored, gates, outside) -> list[Kept]:
-    """Every tensor that is not a quantized linear's weight, by kind, with why it stays as stored."""
+def _kept(headers, linears, ignored, gates, outside, head_quantized: bool = False) -> list[Kept]:
+    """Every tensor that is not a quantized linear's weight (nor, `head_quantized`, the head's),
+    by kind, with why it stays as stored."""
     kinds = {
         "ignored": Kept("linears matched by --ignore", "you asked for them to stay in full precision"),
         "gates": Kept("routers and shared-expert gates", "they choose experts rather than compute; tiny"),
-        "head": Kept("lm_head", "the output projection stays as stored (transformers and vLLM expect it so)"),
+        "head": Kept("lm_head", "--head full (auto: where the format's serving runtime reads no quantized head)"),
         "outside": Kept("linears outside the decoder layers", "e.g. a vision tower: copied, never quantized"),
         "embed": Kept("embeddings", "a lookup, not a matmul"),
         "norms": Kept("norms", "vectors; AWQ and SmoothQuant fold their scales into them"),
@@ -159,7 +176,7 @@ def _kept(headers, linears, ignored, gates, outside) -> list[Kept]:
     outside = [n for n in outside if n != "lm_head"]
     for name, (dtype, shape) in headers.items():
         module, _, leaf = name.rpartition(".")
-        if module in linears and leaf == "weight":
+        if (module in linears or head_quantized and module == "lm_head") and leaf == "weight":
             continue
         if module in linears:
             kind = "biases"

@@ -69,8 +69,9 @@ class QuantizeOptions(BaseModel):
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     # mixture-of-experts models: quantize the routers too (by default they stay in full precision)
     quantize_router: bool = False
-    # the output head (lm_head): full (as stored), int8 or int4 (quant/head.py; a tied head unties)
-    head: str = "full"
+    # the output head (lm_head): auto (int8 where the format's runtime loads one, else full), full
+    # (as stored), int8 or int4 (quant/head.py; a tied head unties); the manifest records the resolved one
+    head: str = "auto"
     # `format: gguf`: llama.cpp's file type (Q8_0, F16, ...: formats/gguf_mix.py)
     gguf: GgufOptions | None = Field(None, exclude_if=lambda g: g is None)
     _sections: dict[str, BaseModel] = PrivateAttr(default_factory=dict)
@@ -237,6 +238,10 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
     fmt = get_format(options.format)
     checked = _checked_model(model, options, fmt)
     base, config_dict, hf_config = checked.base, checked.config, checked.hf_config
+    asked_head = options.head
+    options = options.model_copy(
+        update={"head": output_head.resolve_head(options, fmt, outside_decoder_linears(hf_config))}
+    )
     constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
     work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
     linear_schemes = getattr(fmt, "linear_schemes", None)  # per-linear types (GGUF's Q4_K_M raises some)
@@ -261,7 +266,9 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
             options.activations,
         )
         extra = (
-            {} if head is None else output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config)
+            {}
+            if head is None
+            else output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config, asked_head)
         )
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)

