@@ -69,8 +69,9 @@ HeadSetting = Annotated[
     str,
     typer.Option(
         "--head",
-        help="Output head (lm_head): auto (the measured default: int8 where the format's serving runtime loads "
-        "a quantized head, else full; docs/quantization.md), full (as stored), int8 (per channel; optkit runs it "
+        help="Output head (lm_head): auto (int8 where the format's serving runtime loads a quantized head, else "
+        "full: today full everywhere, vLLM 0.32 loads none; docs/quantization.md), full (as stored), int8 (per "
+        "channel; optkit runs it "
         "with int8 activations) or int4 (the artifact's group size), quantized by GPTQ on the final hidden states "
         "(else round to nearest) and gated like any layer. A tied head unties: the quantized head's bytes are "
         "added, the embedding stays (the manifest's head.added_bytes).",

