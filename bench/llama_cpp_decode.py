@@ -11,6 +11,10 @@ import ctypes
 
 import numpy as np
 
+from optkit.gate.llama_cpp_buffers import configure_llama_cpp
+
+configure_llama_cpp()  # before any model is loaded: where ggml's AMX kernels fault, without them
+
 _QUIET = None  # the ctypes callback must outlive every call into llama.cpp
 
 

@@ -17,6 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from optkit.gate.llama_cpp_buffers import configure_llama_cpp
+
+configure_llama_cpp()  # before any model is loaded: where ggml's AMX kernels fault, without them
+
 GGML_MAX_DIMS, GGML_MAX_SRC, GGML_MAX_OP_PARAMS, GGML_MAX_NAME = 4, 10, 64, 64
 GGML_TYPE_F32 = 0
 MIN_ROWS = 16  # collect_imatrix skips smaller batches

@@ -12,7 +12,7 @@ app = typer.Typer(help="Build and list the bundled reference models.", no_args_i
 
 @app.command("build")
 def build(
-    name: Annotated[str, typer.Argument(help="Reference model: small, draft, small-moe or deep.")],
+    name: Annotated[str, typer.Argument(help="Reference model: small, draft, small-moe, deep or small-qwen3.")],
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Where to write it (default: the bundled location).")
     ] = None,

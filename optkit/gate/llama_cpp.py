@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from optkit.errors import OptkitError
+from optkit.gate.llama_cpp_buffers import configure_llama_cpp
 from optkit.gate.llama_cpp_probe import probe_load
 
 INSTALL_HINT = "pip install 'optkit[gguf]' (llama-cpp-python, built from source)"
@@ -55,6 +56,7 @@ class LlamaCppModel:
             from llama_cpp import Llama
         except ImportError as e:
             raise OptkitError(f"evaluating a .gguf runs llama.cpp: {INSTALL_HINT}") from e
+        configure_llama_cpp()
         self.n_ctx = n_ctx
         self.n_threads = n_threads or _threads_from_env() or idle_cores()
         problem = probe_load(path, n_ctx=n_ctx)  # in a child: a file that makes llama.cpp abort ends only it

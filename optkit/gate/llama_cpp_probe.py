@@ -65,6 +65,9 @@ def _probe(path: str, n_ctx: int) -> str | None:
     import numpy as np
     from llama_cpp import Llama
 
+    from optkit.gate.llama_cpp_buffers import configure_llama_cpp
+
+    configure_llama_cpp()
     try:
         llm = Llama(
             model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, logits_all=True, verbose=True

@@ -7,7 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from optkit.artifacts import atomic_output_dir, check_output_dir
 from optkit.cache import cache_dir
@@ -31,6 +40,11 @@ class BuildResult:
     # a mixture of experts: [layer][expert], the share of held-out routing choices each expert gets
     expert_shares: list[list[float]] | None = None
 
+
+# gemma3's vision tower: the smallest SigLIP that makes a Gemma3ForConditionalGeneration checkpoint
+GEMMA3_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 
 # What save_pretrained writes for a reference model and its tokenizer: a bundled model's folder
 # (optkit's own, kept without an optkit.json) is replaced only when it holds nothing else.
@@ -67,56 +81,37 @@ def learning_rate(step: int, spec: ZooSpec, total_steps: int) -> float:
 
 def new_model(
     spec: ZooSpec, vocab_size: int, eos_token_id: int, *, experts_implementation: str | None = None
-) -> LlamaForCausalLM | MixtralForCausalLM:
-    """The spec's untrained model. An MoE trains with the load-balancing loss added to its loss, and
-    with transformers' default experts forward (grouped_mm: bench/zoo_moe_step.py measured it
-    fastest on CPU) unless `experts_implementation` names another."""
+) -> PreTrainedModel:
+    """The spec's untrained model: its family's CausalLM class (AutoModelForCausalLM's for the
+    model_type; a multimodal family's whole model, gemma3's vision tower included) on its config
+    class. An MoE trains with the load-balancing loss added to its loss, and with transformers'
+    default experts forward (grouped_mm: bench/zoo_moe_step.py measured it fastest on CPU) unless
+    `experts_implementation` names another."""
     kwargs = spec.config_kwargs(vocab_size, eos_token_id)
-    if not spec.is_moe:
+    if spec.model_type == "llama":  # small, draft and deep, built as they always were
         return LlamaForCausalLM(LlamaConfig(**kwargs))
-    config = MixtralConfig(**kwargs, output_router_logits=True)
-    return MixtralForCausalLM._from_config(config, experts_implementation=experts_implementation)
+    if spec.model_type == "mixtral":
+        config = MixtralConfig(**kwargs, output_router_logits=True)
+        return MixtralForCausalLM._from_config(config, experts_implementation=experts_implementation)
+    config = family_config(spec.model_type, kwargs)
+    if spec.is_moe:
+        config.output_router_logits = True
+        return AutoModelForCausalLM.from_config(config, experts_implementation=experts_implementation)
+    return AutoModelForCausalLM.from_config(config)
 
 
-@torch.no_grad()
-def perplexity(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> float:
-    """exp(mean next-token NLL) over token windows [N, T]."""
-    total_nll, total_tokens = 0.0, 0
-    for batch in windows.split(batch_size):
-        logits = model(batch).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total_nll += nll.item()
-        total_tokens += batch[:, 1:].numel()
-    return math.exp(total_nll / total_tokens)
+def family_config(model_type: str, kwargs: dict):
+    """The config of `model_type` with `kwargs` on its defaults; gemma3 (image and text) with them on
+    its text config, beside a small SigLIP tower (the language model is what is trained)."""
+    if model_type != "gemma3":
+        return AutoConfig.for_model(model_type, **kwargs)
+    text = {**kwargs, "model_type": "gemma3_text"}
+    return AutoConfig.for_model("gemma3", text_config=text, vision_config=GEMMA3_VISION, mm_tokens_per_image=4)
 
 
-@torch.no_grad()
-def expert_token_shares(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
-    """[layers, experts]: the fraction of the routing choices (token, top-k slot) on `windows` [N, T]
-    that go to each expert; every row sums to 1 (an even router: 1/experts each, a dead expert: 0)."""
-    top_k = model.config.num_experts_per_tok
-    counts = torch.zeros(model.config.num_hidden_layers, model.config.num_local_experts)
-    for batch in windows.split(batch_size):
-        for layer, logits in enumerate(model(batch, output_router_logits=True).router_logits):  # [B·T, E] each
-            counts[layer] += torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=counts.shape[1])
-    return counts / counts.sum(dim=1, keepdim=True)
-
-
-def build_reference_model(
-    spec: ZooSpec, out_dir: Path, *, steps: int | None = None, overwrite: bool = True
-) -> BuildResult:
-    """Train `spec` for `steps` (default: the spec's) and save it, bf16 safetensors, to `out_dir`."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    bundled = Path(out_dir).resolve().parent == BUNDLED_DIR.resolve()
-    own_files = SAVED_FILES if bundled else frozenset()
-    check_output_dir(out_dir, overwrite, own_files=own_files)  # before the training, not after
-    torch.manual_seed(spec.seed)
-    train_texts = read_texts("train")
-    tokenizer = reference_tokenizer(train_texts)
-    windows = pack_windows(tokenize_stream(tokenizer, train_texts), spec.seq_len)
-    heldout = pack_windows(tokenize_stream(tokenizer, load_text_set("heldout").texts), spec.seq_len)
-
-    model = new_model(spec, len(tokenizer), tokenizer.eos_token_id)
+def train_steps(model: PreTrainedModel, spec: ZooSpec, windows: torch.Tensor, total_steps: int, start: float) -> None:
+    """`total_steps` of AdamW on batches of `windows` [N, T] drawn in the spec's seeded order (the
+    recipe: its learning rate, warmup, weight decay off the embeddings and 1-d weights, clipping)."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "embed" in n]
     optimizer = torch.optim.AdamW(
@@ -124,7 +119,6 @@ def build_reference_model(
         lr=spec.learning_rate,
         betas=(0.9, 0.95),
     )
-    total_steps = steps if steps is not None else spec.steps
     generator = torch.Generator().manual_seed(spec.seed)
     order = torch.randperm(len(windows), generator=generator)
     cursor = 0
@@ -147,6 +141,50 @@ def build_reference_model(
             tokens_per_s = (step + 1) * batch.numel() / (time.perf_counter() - start)
             bar.update(task, advance=1, info=f"loss {loss.item():.3f}  {tokens_per_s:,.0f} tok/s")
 
+
+@torch.no_grad()
+def perplexity(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> float:
+    """exp(mean next-token NLL) over token windows [N, T]."""
+    total_nll, total_tokens = 0.0, 0
+    for batch in windows.split(batch_size):
+        logits = model(batch).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total_nll += nll.item()
+        total_tokens += batch[:, 1:].numel()
+    return math.exp(total_nll / total_tokens)
+
+
+@torch.no_grad()
+def expert_token_shares(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> torch.Tensor:
+    """[layers, experts]: the fraction of the routing choices (token, top-k slot) on `windows` [N, T]
+    that go to each expert; every row sums to 1 (an even router: 1/experts each, a dead expert: 0)."""
+    config = model.config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts  # Mixtral's name, Qwen's
+    counts = torch.zeros(config.num_hidden_layers, experts)
+    top_k = config.num_experts_per_tok
+    for batch in windows.split(batch_size):
+        for layer, logits in enumerate(model(batch, output_router_logits=True).router_logits):  # [B·T, E] each
+            counts[layer] += torch.bincount(logits.topk(top_k, dim=-1).indices.flatten(), minlength=counts.shape[1])
+    return counts / counts.sum(dim=1, keepdim=True)
+
+
+def build_reference_model(
+    spec: ZooSpec, out_dir: Path, *, steps: int | None = None, overwrite: bool = True
+) -> BuildResult:
+    """Train `spec` for `steps` (default: the spec's) and save it, bf16 safetensors, to `out_dir`."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    bundled = Path(out_dir).resolve().parent == BUNDLED_DIR.resolve()
+    own_files = SAVED_FILES if bundled else frozenset()
+    check_output_dir(out_dir, overwrite, own_files=own_files)  # before the training, not after
+    torch.manual_seed(spec.seed)
+    train_texts = read_texts("train")
+    tokenizer = reference_tokenizer(train_texts)
+    windows = pack_windows(tokenize_stream(tokenizer, train_texts), spec.seq_len)
+    heldout = pack_windows(tokenize_stream(tokenizer, load_text_set("heldout").texts), spec.seq_len)
+
+    model = new_model(spec, len(tokenizer), tokenizer.eos_token_id)
+    total_steps = steps if steps is not None else spec.steps
+    train_steps(model, spec, windows, total_steps, start)
     model.eval()
     model.config.output_router_logits = False  # the auxiliary loss is for training only
     heldout_ppl = perplexity(model, heldout)

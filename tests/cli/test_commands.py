@@ -26,8 +26,9 @@ def test_console_script_runs():
         [sys.executable, "-m", "optkit.cli.main", "zoo", "list", "--json"], capture_output=True, text=True, check=True
     )
     names = {row["name"]: row["built"] for row in json.loads(result.stdout)}
-    assert set(names) == {"small", "draft", "small-moe", "deep"}
-    assert names["small"] and names["draft"] and names["small-moe"]  # committed; deep is built on demand
+    assert set(names) == {"small", "draft", "small-moe", "deep", "small-qwen3"}
+    # committed; deep and small-qwen3 are built on demand
+    assert names["small"] and names["draft"] and names["small-moe"]
 
 
 def test_quantize_inspect_eval_round_trip(run_cli, tmp_path, draft_dir):

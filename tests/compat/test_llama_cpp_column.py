@@ -11,6 +11,7 @@ from optkit.compat import matrix
 from optkit.data.eval_sets import load_text_set
 from optkit.data.packing import pack_windows, tokenize_stream
 from optkit.gate.llama_cpp import LlamaCppModel, llama_cpp_available
+from optkit.gate.llama_cpp_agreement import PPL_REL, SAME_TOP, llama_cpp_agreement
 from optkit.modeldir import load_tokenizer
 from optkit.models.loader import load_runtime_model
 from optkit.quant.formats.gguf_mix import linear_scheme
@@ -103,21 +104,10 @@ def heldout_windows(model_dir, count: int = HELDOUT_WINDOWS, seq_len: int = WIND
 def assert_llama_cpp_agrees(path, tokens: torch.Tensor, reference_dir, n_ctx: int | None = None, first: int = 1):
     """llama.cpp on the .gguf at `path` against optkit's runtime on its weights (`reference_dir`,
     the file's dequantized weights), at the positions that predict tokens[:, first:]: the same top
-    token at ≥ 98% of them and a perplexity within 1% (issues 33 and 34)."""
-    llama = LlamaCppModel(path, n_ctx=n_ctx or tokens.shape[1])
-    got = llama(tokens).logits[:, first - 1 : -1]
-    llama.close()
-    runtime = load_runtime_model(reference_dir)
-    with torch.inference_mode():
-        want = torch.stack(run_paged(runtime, tokens.tolist(), whole_prefills([tokens.shape[1]] * len(tokens))))
-    want, targets = want[:, first - 1 : -1], tokens[:, first:]
-    same_top = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
-    assert same_top >= 0.98, f"the same top token at {same_top:.2%} of the positions"
-    assert _perplexity(got, targets) == pytest.approx(_perplexity(want, targets), rel=0.01)
-
-
-def _perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).exp().item()
+    token at ≥ 98% of them and a perplexity within 1% (issues 33 and 34: optkit/gate/llama_cpp_agreement.py)."""
+    agreement = llama_cpp_agreement(path, tokens, reference_dir, n_ctx, first)
+    assert agreement.same_top >= SAME_TOP, agreement.describe()
+    assert agreement.ppl_llama_cpp == pytest.approx(agreement.ppl_runtime, rel=PPL_REL), agreement.describe()
 
 
 @pytest.mark.slow

@@ -59,6 +59,31 @@ def test_short_build_through_the_cli(run_cli, tmp_path):
     assert list(out.glob("*.safetensors")) and not list(out.glob("*.bin"))
 
 
+def test_a_spec_names_its_family_and_gets_that_familys_class():
+    """small-qwen3 is Qwen3ForCausalLM on Qwen3Config's defaults with small's sizes (heads of 64, q/k
+    norms, no attention biases); an MoE spec of Qwen3-MoE gets its experts under Qwen's names; a
+    Gemma 3 spec is the image-and-text model around the text config; experts on Llama are refused."""
+    from transformers import Gemma3ForConditionalGeneration, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+
+    from optkit.errors import OptkitError
+    from optkit.zoo.specs import ZooSpec
+    from optkit.zoo.train import new_model
+
+    model = new_model(SPECS["small-qwen3"], 4096, 0)
+    assert type(model) is Qwen3ForCausalLM and model.config.head_dim == 64
+    assert model.config.hidden_size == SPECS["small"].hidden_size and not model.config.attention_bias
+    assert model.model.layers[0].self_attn.q_norm.weight.shape == (64,)
+    sizes = dict(hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=256, steps=1)
+    moe = ZooSpec("m", **sizes, num_experts=4, experts_per_token=2, model_type="qwen3_moe", config={"head_dim": 64})
+    model = new_model(moe, 4096, 0)
+    assert type(model) is Qwen3MoeForCausalLM and model.config.num_experts == 4
+    assert model.config.moe_intermediate_size == 256 and model.config.output_router_logits
+    gemma = new_model(ZooSpec("g", **sizes, model_type="gemma3", config={"head_dim": 64}), 4096, 0)
+    assert type(gemma) is Gemma3ForConditionalGeneration and gemma.config.text_config.hidden_size == 256
+    with pytest.raises(OptkitError, match="experts need one of"):
+        ZooSpec("x", **sizes, num_experts=4, experts_per_token=2)
+
+
 def _heldout_windows(model_dir, count: int, length: int = 128) -> torch.Tensor:
     from optkit.data.eval_sets import load_text_set
     from optkit.data.packing import pack_windows, tokenize_stream
