@@ -256,9 +256,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[KVCache],
-    ) -> torch.Tensor:
+        aux_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: long [T] -> hidden [T, hidden_size], after the final norm. `meta`: one
-        for every layer, or one per layer (its KV cache group's block tables: runtime/kv_groups.py)."""
+        for every layer, or one per layer (its KV cache group's block tables: runtime/kv_groups.py).
+        With `aux_layers` (an EAGLE-3 head's features): also the residual stream entering each of those
+        layers (layer i's input: layer i-1's output, no norm; vLLM's aux_hidden_state_layers),
+        concatenated in their order, [T, len(aux_layers)·hidden_size]."""
         h = self.config.scale_embeddings(self.model.embed_tokens(input_ids))  # h: [T, hidden]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, 1, R]
         rope = [(cos, sin)] * len(self.model.layers)
@@ -266,9 +270,16 @@ class CausalLM(nn.Module):
             local = rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype)
             rope = [local if is_local else (cos, sin) for is_local in self.local_rope]
         metas = meta if isinstance(meta, list) else [meta] * len(self.model.layers)
-        for layer, kv_cache, (cos, sin), layer_meta in zip(self.model.layers, kv_caches, rope, metas, strict=True):
+        entering = {}  # layer index -> the residual stream entering it
+        for i, (layer, kv_cache, (cos, sin), layer_meta) in enumerate(
+            zip(self.model.layers, kv_caches, rope, metas, strict=True)
+        ):
+            if i in aux_layers:
+                entering[i] = h
             h = layer(h, cos, sin, layer_meta, kv_cache)
-        return self.model.norm(h)
+        if not aux_layers:
+            return self.model.norm(h)
+        return self.model.norm(h), torch.cat([entering[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

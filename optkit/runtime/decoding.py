@@ -5,9 +5,9 @@ it makes any) before the model runs, then to `sample` the model's logits into th
 sequence appends; it `release`s a sequence that finished, was aborted or was preempted, and reads
 its `stats` into EngineStats. `PlainDecoding` samples one token per sequence;
 `speculative.Speculator` proposes tokens and verifies them (runtime/speculative.py). A decoding whose
-proposer reads the target's features (EAGLE) says so in `needs_hidden`: the engine then runs the step
-with ModelRunner.run_with_hidden and, after `sample`, hands `observe` the hidden states of every token
-it ran.
+proposer reads the target's features (EAGLE) says so in `needs_hidden` and names them in
+`feature_layers`: the engine then runs the step with ModelRunner.run_with_hidden and, after `sample`,
+hands `observe` those features of every token it ran.
 """
 
 from typing import Protocol
@@ -32,6 +32,7 @@ class DecodingStats(Protocol):
 class Decoding(Protocol):
     stats: DecodingStats
     needs_hidden: bool  # sample wants the hidden states of every token the step ran
+    feature_layers: tuple[int, ...]  # which (ModelRunner.run_with_hidden): (-1,) the last, after the norm
 
     def propose(self, scheduled: list[ScheduledSequence]) -> None: ...
 
@@ -60,6 +61,7 @@ class PlainDecoding:
 
     stats = _NoStats()
     needs_hidden = False
+    feature_layers = ()
 
     def propose(self, scheduled: list[ScheduledSequence]) -> None:
         pass

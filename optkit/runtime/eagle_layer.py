@@ -82,9 +82,11 @@ class EagleLayer(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
+        real: bool = True,
     ) -> torch.Tensor:
-        """token_ids, positions: long [T]; features [T, H] (the target's at each position) -> the
-        predicted next features [T, H], the LM head's input."""
+        """token_ids, positions: long [T]; features [T, H] (the target's at each position, or, not
+        `real`, the head's own predictions: EAGLE-1 treats both alike) -> the predicted next
+        features [T, H], the LM head's input."""
         embeds = input_embeddings(target, token_ids)  # [T, H]
         x = F.linear(torch.cat((embeds, features.to(embeds.dtype)), dim=-1), self.fc_weight)
         if self.local_rope:
@@ -93,3 +95,7 @@ class EagleLayer(nn.Module):
             inv_freq, scaling = target.inv_freq, target.attention_scaling
         cos, sin = rope_cos_sin(positions, inv_freq, scaling, x.dtype)
         return self.layer(x, cos, sin, meta, kv_cache)
+
+    def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """Predicted features [N, H] -> float32 logits [N, V]: the target's own LM head."""
+        return target.compute_logits(hidden)

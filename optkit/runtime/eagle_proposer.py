@@ -1,5 +1,6 @@
-"""Proposals from an EAGLE-1 head (Li et al. 2024), inside continuous batching: a chain of k tokens
-per sequence from one decoder layer over the target's own features (runtime/eagle_layer.py).
+"""Proposals from an EAGLE head (Li et al. 2024; EAGLE-3, Li et al. 2025), inside continuous
+batching: a chain of k tokens per sequence from one decoder layer over the target's own features
+(runtime/eagle_layer.py for EAGLE-1, runtime/eagle3_layer.py for EAGLE-3, by the head's "kind").
 
 The head's row at position t reads (feature f_t, token x_{t+1}) and predicts f_{t+1}, whose logits
 through the target's LM head give x_{t+2}. For a sequence of L tokens whose real features f_0..f_{L-2}
@@ -7,6 +8,8 @@ the target has computed (it has not run x_{L-1} yet), one step is k passes:
   pass 1: rows t = V..L-2 with the real features, V = the positions the head's KV already holds;
           the last row's prediction f'_{L-1} gives d_1;
   pass j: one row at t = L+j-3 with (f'_{t}, d_{j-1}): f'_{t+1} gives d_j.
+EAGLE-3 reads, for real rows, the target's residual streams at three layers (fused by its fc), and
+for drafted rows its own pre-norm output one row back (vLLM's Eagle3); the rest is the same.
 Only pass 1's KV is stable (EAGLE's stable_kv, vLLM's EagleProposer): the head counts positions
 < L-1 as computed, so rows of passes 2..k, drafted from predicted features, lie past its
 num_computed_tokens and are overwritten next step by the same positions recomputed from the
@@ -29,12 +32,13 @@ import torch
 from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.llama import CausalLM, allocate_kv_caches
 from optkit.runtime.block_manager import BlockManager
+from optkit.runtime.eagle3_layer import Eagle3Layer, eagle3_layer_shapes
 from optkit.runtime.eagle_layer import EagleLayer, layer_shapes
 from optkit.runtime.proposers import DraftGenerators, Proposal, sample_proposals
 from optkit.runtime.sampler import is_greedy
 from optkit.runtime.sequence import Sequence, SequenceStatus
 from optkit.runtime.speculative import ProposalContext
-from optkit.speculative.eagle_head import EagleHead, load_head
+from optkit.speculative.eagle_head import KIND3, EagleHead, load_head
 
 
 def pair_ids(token_ids: list[int], vocab_size: int) -> list[int]:
@@ -55,19 +59,22 @@ class _Row:
     state: _HeadState
     k: int
     token_ids: list[int]
-    features: torch.Tensor  # [n, H]
+    features: torch.Tensor  # [n, F]: the target's features (real), or the head's own [n, H]
     start: int
+    real: bool = True
 
 
 class EagleProposer:
     name = "eagle"
-    feature_layers = (-1,)  # the LM head's input
 
     def __init__(self, target: CausalLM, head: EagleHead, num_blocks: int, block_size: int, prefix_caching: bool):
         embedding = target.get_input_embeddings().weight
         self.target, self.block_size = target, block_size
         self.device, self.dtype = embedding.device, embedding.dtype
-        self.layer = EagleLayer(target, head, self.dtype, self.device)
+        # EAGLE-1: (-1,), the LM head's input; EAGLE-3: the three layers whose input it reads
+        self.feature_layers = tuple(head.config.feature_layers)
+        layer_class = Eagle3Layer if head.config.kind == KIND3 else EagleLayer
+        self.layer = layer_class(target, head, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching)
         self.kv_cache = allocate_kv_caches(self.layer.config, num_blocks, block_size, self.dtype, self.device)[0]
         self._states: dict[int, _HeadState] = {}  # target seq_id -> state
@@ -79,7 +86,10 @@ class EagleProposer:
     def load(
         cls, head_dir: Path, target: CausalLM, target_dir: Path, num_blocks: int, block_size: int, prefix_caching: bool
     ) -> "EagleProposer":
-        head = load_head(head_dir, target_dir, lambda config: layer_shapes(target.config, config))
+        def shapes(config):
+            return (eagle3_layer_shapes if config.kind == KIND3 else layer_shapes)(target.config, config)
+
+        head = load_head(head_dir, target_dir, shapes)
         return cls(target, head, num_blocks, block_size, prefix_caching)
 
     def observe(self, seq: Sequence, start: int, hidden: torch.Tensor) -> None:
@@ -119,7 +129,7 @@ class EagleProposer:
                     row.state.shadow.num_computed_tokens = len(row.state.seq) - 1
                     self.block_manager.cache_full_blocks(row.state.shadow)
                 position = row.start + len(row.token_ids)  # the next row: (f'_position, d_{j+1})
-                rows[i] = _Row(row.state, row.k, [tokens[b]], predicted[b : b + 1], position)
+                rows[i] = _Row(row.state, row.k, [tokens[b]], predicted[b : b + 1], position, real=False)
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs, strict=True)]
 
     def _pass(self, rows: list[_Row], drafts: list[list[int]]) -> tuple[list[int], torch.Tensor | None, torch.Tensor]:
@@ -133,12 +143,13 @@ class EagleProposer:
         token_ids = torch.tensor([t for row in rows for t in row.token_ids], dtype=torch.long, device=device)
         positions = torch.tensor([t for span in spans for t in span], dtype=torch.long, device=device)
         features = torch.cat([row.features for row in rows])
-        out = self.layer(self.target, token_ids, features, positions, meta, self.kv_cache)  # [T, H]
+        real = rows[0].real  # a pass is all real rows (the first) or all drafted ones
+        out = self.layer(self.target, token_ids, features, positions, meta, self.kv_cache, real)  # [T, H]
         last = torch.tensor([sum(len(s) for s in spans[: b + 1]) - 1 for b in range(len(rows))], device=device)
         predicted = out[last]  # [B, H]
         seqs = [row.state.seq for row in rows]
         contexts = [ProposalContext(seq, d) for seq, d in zip(seqs, drafts, strict=True)]
-        tokens, q = sample_proposals(self.target.compute_logits(predicted), contexts, seqs, self._generators)
+        tokens, q = sample_proposals(self.layer.logits(self.target, predicted), contexts, seqs, self._generators)
         return tokens, q, predicted
 
     def _sync(self, seq: Sequence) -> _HeadState:
@@ -163,14 +174,17 @@ class EagleProposer:
         return unread[start - first : end - first]
 
     def _target_features(self, token_ids: list[int]) -> torch.Tensor:
-        """The target's hidden states [n, H] of `token_ids`, as one prefill over a scratch KV cache."""
+        """The target's features [n, F] of `token_ids` (those the head reads), as one prefill over a
+        scratch KV cache."""
         n, bs = len(token_ids), self.block_size
         num_blocks = -(-n // bs)
         caches = allocate_kv_caches(self.target.config, num_blocks, bs, self.dtype, self.device)
         meta = AttentionMetadata.build([n], [n], [list(range(num_blocks))], list(range(n)), self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         self.num_recomputed_tokens += n
-        return self.target(ids, torch.arange(n, device=self.device), meta, caches)
+        if self.feature_layers == (-1,):
+            return self.target(ids, torch.arange(n, device=self.device), meta, caches)
+        return self.target(ids, torch.arange(n, device=self.device), meta, caches, self.feature_layers)[1]
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq.seq_id, None)

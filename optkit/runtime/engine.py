@@ -175,7 +175,7 @@ class LLMEngine:
         self.decoding.propose(schedule.scheduled)
         hidden = None  # every token's hidden state, for a proposer that reads the target's features
         if self.decoding.needs_hidden:
-            logits, seqs, hidden = self.runner.run_with_hidden(schedule.scheduled)
+            logits, seqs, hidden = self.runner.run_with_hidden(schedule.scheduled, self.decoding.feature_layers)
         else:
             logits, seqs = self.runner.run(schedule.scheduled)
         tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)

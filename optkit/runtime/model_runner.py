@@ -133,21 +133,28 @@ class ModelRunner:
         return logits, seqs
 
     @torch.inference_mode()
-    def run_with_hidden(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
-        """`run`, and the hidden states [T, hidden_size] of every token the step ran (the LM head's
-        input, after the final norm: an EAGLE head's feature), in pack order: each scheduled
-        sequence's num_new_tokens rows, then one per proposal. Free: the forward computes them anyway
-        (a CUDA graph's are a view of its static output, valid until the next replay)."""
+    def run_with_hidden(
+        self, scheduled: list[ScheduledSequence], feature_layers: tuple[int, ...] = (-1,)
+    ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor]:
+        """`run`, and the features [T, F] of every token the step ran, in pack order: each scheduled
+        sequence's num_new_tokens rows, then one per proposal. `feature_layers` (-1,): the hidden
+        states [T, hidden_size] after the final norm (the LM head's input: an EAGLE-1 head's feature),
+        free, as the forward computes them anyway (a CUDA graph's are a view of its static output,
+        valid until the next replay); else the residual streams entering those layers, concatenated
+        [T, len·hidden_size] (an EAGLE-3 head's), from an eager forward."""
+        aux_layers = () if tuple(feature_layers) == (-1,) else tuple(feature_layers)
         # CUDA graphs (runtime/cuda_graphs.py): a decode-only step replays a captured graph
-        hidden = self.graphs.run(scheduled) if self.graphs is not None else None
+        hidden = self.graphs.run(scheduled) if self.graphs is not None and not aux_layers else None
         if hidden is not None:
             return self.model.compute_logits(hidden), [item.seq for item in scheduled], hidden
         batch = pack(scheduled, self.block_size, self.device, self.groups.num_groups)
         meta = batch.meta if self.groups.num_groups == 1 else [batch.group_metas[g] for g in self.groups.layer_groups]
-        hidden = self.model(batch.input_ids, batch.positions, meta, self.kv_caches)
+        hidden = features = self.model(batch.input_ids, batch.positions, meta, self.kv_caches, aux_layers)
+        if aux_layers:
+            hidden, features = hidden
         if not batch.sampling_seqs:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], hidden
-        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs, hidden
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], features
+        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs, features
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto", *, scales: bool = True) -> int:

@@ -155,7 +155,8 @@ class Speculator:
         self.proposer = proposer  # a proposers.Proposer: n-gram, draft model, EAGLE head
         self.k = num_speculative_tokens
         # a proposer that declares no feature_layers reads no features of the target
-        self.needs_hidden = bool(getattr(proposer, "feature_layers", ()))
+        self.feature_layers = tuple(getattr(proposer, "feature_layers", ()))
+        self.needs_hidden = bool(self.feature_layers)
         self.stats = SpecStats(proposer.name)
         self._draft_probs: dict[int, torch.Tensor] = {}  # seq_id -> q [n, V] for this step's proposals
         self._allowed: dict[int, int] = {}  # seq_id -> proposals it may make next (the adaptive length)

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from optkit.data.packing import pack_windows, tokenize_stream
+from optkit.speculative.distill3 import residual_streams
+from optkit.speculative.eagle3_model import Eagle3HeadModel
 from optkit.speculative.head_model import EagleHeadModel, first_layer_embedding
 
 
@@ -48,20 +50,43 @@ def draft_chain(head, embed, lm_head, embeds, features, k):
     return drafts
 
 
+def draft_chain3(head: Eagle3HeadModel, embed, embeds, residuals, k):
+    """An EAGLE-3 head's k greedy drafts after a context of real rows: embeds, residuals (fc of the
+    target's fused features) [1, S, H]; each drafted row feeds back the head's own h."""
+    drafts = []
+    for _ in range(k):
+        hidden = head(embeds, residuals, torch.arange(embeds.shape[1]))[:, -1:]  # [1, 1, H]
+        token = head.draft_ids[head.logits(hidden).argmax(-1)]  # [1, 1]: the target's id
+        drafts.append(token.item())
+        embeds = torch.cat((embeds, embed(token)), dim=1)
+        residuals = torch.cat((residuals, hidden), dim=1)
+    return drafts
+
+
 @torch.no_grad()
 def acceptance_lengths(
-    head: EagleHeadModel, target: nn.Module, sequences: torch.Tensor, prompt_len: int, k: int
+    head: EagleHeadModel | Eagle3HeadModel, target: nn.Module, sequences: torch.Tensor, prompt_len: int, k: int
 ) -> list[int]:
     """Accepted tokens + 1 of every simulated step over the greedy `sequences` [N, T] (a step whose k
     drafts would reach past the end is not taken)."""
     embed, lm_head = first_layer_embedding(target), target.get_output_embeddings()
-    features = target.get_decoder()(sequences).last_hidden_state.float()
     embeds = embed(sequences).float()
+    if isinstance(head, Eagle3HeadModel):
+        residuals = head.fc(residual_streams(target, sequences, head.feature_layers)[0])
+
+        def chain(n: int, s: int) -> list[int]:
+            return draft_chain3(head, embed, embeds[n : n + 1, 1 : s + 1], residuals[n : n + 1, :s], k)
+    else:
+        features = target.get_decoder()(sequences).last_hidden_state.float()
+
+        def chain(n: int, s: int) -> list[int]:
+            return draft_chain(head, embed, lm_head, embeds[n : n + 1, 1 : s + 1], features[n : n + 1, :s], k)
+
     lengths = []
     for n in range(sequences.shape[0]):
         s = prompt_len  # the target's first token, from its prefill
         while s + k < sequences.shape[1]:
-            drafts = draft_chain(head, embed, lm_head, embeds[n : n + 1, 1 : s + 1], features[n : n + 1, :s], k)
+            drafts = chain(n, s)
             accepted = 0
             while accepted < k and drafts[accepted] == sequences[n, s + 1 + accepted].item():
                 accepted += 1
@@ -71,7 +96,7 @@ def acceptance_lengths(
 
 
 def mean_acceptance_length(
-    head: EagleHeadModel, target: nn.Module, prompts: torch.Tensor, k: int, new_tokens: int = 64
+    head: EagleHeadModel | Eagle3HeadModel, target: nn.Module, prompts: torch.Tensor, k: int, new_tokens: int = 64
 ) -> float:
     """The head's mean acceptance length at `k` on the target's greedy continuations of `prompts`."""
     head.eval()

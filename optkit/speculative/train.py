@@ -1,10 +1,13 @@
-"""`optkit speculator train`: EAGLE-1 self-distillation of a head for one target (a base model or
+"""`optkit speculator train`: self-distillation of an EAGLE head for one target (a base model or
 an optkit artifact, whose dequantized or int8 layers are what the head learns from), on CPU.
 
 Every step draws `batch_size` windows of the text (a fresh seeded order each epoch), runs the
-frozen target for its features, and trains the head on them (head_model.py, distill.py). The
-window order and the feature noise of step n derive from the seed and n alone, and a checkpoint
-holds the rest (weights, AdamW's moments), so a resumed run equals an uninterrupted one.
+frozen target for its features, and trains the head on them: EAGLE-1 (head_model.py, distill.py)
+on the last hidden state with feature regression and noise, EAGLE-3 (eagle3_model.py, distill3.py)
+on three layers' residual streams with the training-time test and its own draft vocabulary (the
+most frequent tokens of the windows the steps read). The window order and the feature noise of
+step n derive from the seed and n alone, and a checkpoint holds the rest (weights, AdamW's
+moments), so a resumed run equals an uninterrupted one.
 """
 
 import math
@@ -30,7 +33,9 @@ from optkit.speculative.checkpoint import (
     save_checkpoint,
 )
 from optkit.speculative.distill import DistillLoss, chain_length_estimate, distillation_loss, head_inputs
-from optkit.speculative.eagle_head import target_digest
+from optkit.speculative.distill3 import draft_vocabulary, residual_streams, ttt_chain_estimate, ttt_loss
+from optkit.speculative.eagle3_model import Eagle3HeadModel, new_eagle3_head
+from optkit.speculative.eagle_head import eagle3_feature_layers, target_digest
 from optkit.speculative.head_files import HEAD_FILES, write_head
 from optkit.speculative.head_model import EagleHeadModel, first_layer_embedding, new_head
 from optkit.speculative.options import SpeculatorTrainOptions
@@ -87,19 +92,31 @@ def frozen_target(target_dir: Path) -> torch.nn.Module:
 
 
 class TargetFeatures:
-    """The frozen target's features of the training windows [N, T] (after the final norm, the LM
-    head's input), each window run alone, so that its features never depend on which step asks
-    first or what else it asks for, and kept while they fit in `max_bytes`."""
+    """The frozen target's features of the training windows [N, T] (EAGLE-1: after the final norm,
+    the LM head's input, [T, H]; with `feature_layers`, EAGLE-3's: the residual streams entering
+    them and the last hidden state, [T, 3H | H]), each window run alone, so that its features never
+    depend on which step asks first or what else it asks for, and kept while they fit in `max_bytes`."""
 
-    def __init__(self, target: torch.nn.Module, windows: torch.Tensor, max_bytes: int = 1 << 30):
-        self.target, self.windows, self.kept = target, windows, {}
-        self.max_windows = max_bytes // (windows.shape[1] * target.config.hidden_size * 4)
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        windows: torch.Tensor,
+        max_bytes: int = 1 << 30,
+        feature_layers: tuple[int, ...] | None = None,
+    ):
+        self.target, self.windows, self.kept, self.feature_layers = target, windows, {}, feature_layers
+        width = target.config.hidden_size * (1 if feature_layers is None else len(feature_layers) + 1)
+        self.max_windows = max_bytes // (windows.shape[1] * width * 4)
 
     @torch.no_grad()
     def _window(self, i: int) -> torch.Tensor:
         if i in self.kept:
             return self.kept[i]
-        features = self.target.get_decoder()(self.windows[i : i + 1]).last_hidden_state[0].float()  # [T, H]
+        window = self.windows[i : i + 1]
+        if self.feature_layers is None:
+            features = self.target.get_decoder()(window).last_hidden_state[0].float()  # [T, H]
+        else:
+            features = torch.cat(residual_streams(self.target, window, self.feature_layers), dim=-1)[0]
         if len(self.kept) < self.max_windows:
             self.kept[i] = features
         return features
@@ -117,6 +134,22 @@ def train_step(head: EagleHeadModel, target, embed, batch: torch.Tensor, feature
     loss = distillation_loss(predicted, features[:, 1:], target.get_output_embeddings())
     loss.loss.backward()
     return loss
+
+
+def train_step3(head: Eagle3HeadModel, target, embed, batch: torch.Tensor, features, options):
+    """batch: [B, T] tokens; features [B, T, 3H | H] (TargetFeatures with feature_layers)."""
+    hidden = target.config.hidden_size
+    loss = ttt_loss(
+        head, embed, target.get_output_embeddings(), batch, features[..., :-hidden], features[..., -hidden:],
+        options.ttt_steps,
+    )  # fmt: skip
+    loss.loss.backward()
+    return loss
+
+
+def default_draft_vocab_size(vocab_size: int) -> int:
+    """A quarter of the target's vocabulary (EAGLE-3: 32k of Llama 3's 128k), at least 1,024."""
+    return min(vocab_size, max(1024, -(-vocab_size // 4)))
 
 
 def _resume_step(checkpoint_dir: Path, head, optimizer, options, digest: str) -> tuple[int, float]:
@@ -158,15 +191,32 @@ def train_speculator(
     tokenizer = load_tokenizer(target_dir)
     windows = training_windows(tokenizer, options)
     target = frozen_target(target_dir)
-    head = new_head(target, options.seed)
-    features, embed = TargetFeatures(target, windows), first_layer_embedding(target)
+    embed = first_layer_embedding(target)
+    if options.kind == "eagle3":
+        vocab = target.config.vocab_size
+        size = options.draft_vocab_size or default_draft_vocab_size(vocab)
+        if size > vocab:
+            raise OptkitError(f"--draft-vocab-size {size} is more than the target's vocabulary ({vocab}): give less")
+        layers = eagle3_feature_layers(target.config.num_hidden_layers)
+        # the draft vocabulary: the most frequent tokens of the windows the steps read
+        read = [window_indices(n, options.batch_size, len(windows), options.seed) for n in range(options.steps)]
+        draft_ids = draft_vocabulary(windows[torch.cat(read).unique()], vocab, size)
+        head = new_eagle3_head(target, options.seed, draft_ids, layers)
+        features = TargetFeatures(target, windows, feature_layers=layers)
+    else:
+        head = new_head(target, options.seed)
+        features = TargetFeatures(target, windows)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     first, top1 = _resume_step(checkpoint_dir, head, optimizer, options, digest) if resume else (0, 0.0)
+    resumed = (read_checkpoint_state(checkpoint_dir) or {}) if first else {}
+    steps_top1 = resumed.get("steps_top1", [top1] * options.ttt_steps)  # EAGLE-3's, per unrolled step
     last = options.steps if stop_after is None else min(options.steps, first + stop_after)
     k = options.num_speculative_tokens
 
     def checkpoint(step: int) -> None:
         state = {"step": step, "options": options.training_values(), "target_sha256": digest, "top1": top1}
+        if isinstance(head, Eagle3HeadModel):
+            state["steps_top1"] = steps_top1
         save_checkpoint(checkpoint_dir, head, optimizer, state)
 
     head.train()
@@ -176,15 +226,26 @@ def train_speculator(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, options)
             indices = window_indices(step, options.batch_size, len(windows), options.seed)
-            loss = train_step(head, target, embed, windows[indices], features(indices), step, options)
+            if isinstance(head, Eagle3HeadModel):
+                loss = train_step3(head, target, embed, windows[indices], features(indices), options)
+                running = zip(steps_top1, loss.top1, strict=True)
+                steps_top1 = loss.top1 if step == 0 else [0.95 * a + 0.05 * b for a, b in running]
+                top1 = steps_top1[0]
+                info = (
+                    f"loss {loss.loss.item():.3f} (ce {loss.distribution:.2f})  top-1 "
+                    f"{'/'.join(f'{a:.0%}' for a in steps_top1)}  ~{ttt_chain_estimate(steps_top1, k):.2f} "
+                    f"tokens/step at k={k}"
+                )
+            else:
+                loss = train_step(head, target, embed, windows[indices], features(indices), step, options)
+                top1 = loss.top1 if step == 0 else 0.95 * top1 + 0.05 * loss.top1
+                info = (
+                    f"loss {loss.loss.item():.3f} (feature {loss.feature:.3f}, ce {loss.distribution:.2f})  "
+                    f"top-1 {top1:.0%}  ~{chain_length_estimate(top1, k):.2f} tokens/step at k={k}"
+                )
             torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            top1 = loss.top1 if step == 0 else 0.95 * top1 + 0.05 * loss.top1
-            info = (
-                f"loss {loss.loss.item():.3f} (feature {loss.feature:.3f}, ce {loss.distribution:.2f})  "
-                f"top-1 {top1:.0%}  ~{chain_length_estimate(top1, k):.2f} tokens/step at k={k}"
-            )
             bar.update(task, advance=1, info=info)
             if (step + 1) % options.checkpoint_every == 0 and step + 1 < options.steps:
                 checkpoint(step + 1)

@@ -66,7 +66,7 @@ def test_a_config_of_another_format_is_refused(tmp_path, small_dir):
     save_head(tmp_path / "head", head_config_for(small_dir), head_tensors(small_dir))
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "feature_layers": [2, 5, 9]}))
-    with pytest.raises(OptkitError, match="serves EAGLE-1 heads"):
+    with pytest.raises(OptkitError, match="an EAGLE-1 head.s feature is the last layer.s"):
         load_head(tmp_path / "head", small_dir)
     (tmp_path / "head" / "config.json").write_text(json.dumps({**config, "format": "medusa"}))
     with pytest.raises(OptkitError, match="not an optkit EAGLE head"):
