@@ -163,6 +163,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the fastest counts")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the GPU line: bench/gpu/run.sh)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--json", action="store_true")
     return parser.parse_args()
 
@@ -181,11 +183,16 @@ def main() -> None:
         prompts = heldout_prompts(tokenizer, args.requests, args.prompt_len)
 
     max_seqs = max(args.batches)
-    configs = {"plain": EngineConfig(max_num_seqs=max_seqs)}
+    place = {"device": args.device, "dtype": args.dtype}
+    configs = {"plain": EngineConfig(max_num_seqs=max_seqs, **place)}
+    kinds = [spec.partition(":")[0] for spec in proposers]
     for spec in proposers:
+        label = spec.partition(":")[0]
+        if kinds.count(label) > 1:  # two EAGLE heads (eagle1 and eagle3): named by their directories
+            label = spec.partition(":")[2].rstrip("/").rsplit("/", 1)[-1]
         for k in args.ks:  # rows named "ngram k=4", "eagle k=3"
-            name = f"{spec.partition(':')[0]} k={k}"
-            configs[name] = EngineConfig(max_num_seqs=max_seqs, speculative=spec, num_speculative_tokens=k)
+            name = f"{label} k={k}"
+            configs[name] = EngineConfig(max_num_seqs=max_seqs, speculative=spec, num_speculative_tokens=k, **place)
     engines = {name: LLMEngine(target, config) for name, config in configs.items()}
     timers = {name: StepTimer(engine) for name, engine in engines.items()}
     for engine in engines.values():  # warm-up: first-call costs are not throughput

@@ -7,6 +7,11 @@
 #   5. CUDA graphs against --enforce-eager, decode at batch 8 (--baseline eager), bf16
 #   6. FP8 W8A8 through torch._scaled_mm (cc >= 8.9) against its exact emulation, and NF4 through the
 #      W4A16 Triton kernel's code-book mode against the reference: one PASS/FAIL line
+#   7. EAGLE speculative decoding on a trained target (issue 35): `deep` (12 layers, ~42 MB in fp32)
+#      and its trained head, carried in $EAGLE_TARGET and $EAGLE_HEAD (default shared/eagle/deep and
+#      shared/eagle/deep-head: copy them there from `optkit zoo build deep` and `optkit speculator
+#      train DEEP --out HEAD`), CUDA bf16, batch 1 greedy, k=2..4: PASS when the best EAGLE run is
+#      >= 2x plain decoding's tokens/s; FAIL (with why) when it is not or the files are absent
 # Each step has its own timeout, so one failure keeps the others. JSON goes to $OUT (else bench/results/).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -40,6 +45,16 @@ step graphs_vs_eager 60 bash -c "${BENCH[*]} $MODELS/llama-1b --batch-sizes 8 --
 step fp8_nf4 120 bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_nf4.py \
   && echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: PASS' \
   || { echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: FAIL'; exit 1; }"
+EAGLE_TARGET="${EAGLE_TARGET:-shared/eagle/deep}" EAGLE_HEAD="${EAGLE_HEAD:-shared/eagle/deep-head}"
+if [ -f "$EAGLE_TARGET/config.json" ] && [ -f "$EAGLE_HEAD/config.json" ]; then
+  step eagle_deep 150 bash -c "python3 bench/speculative.py --target '$EAGLE_TARGET' --speculative 'eagle:$EAGLE_HEAD' \
+    --ks 2 3 4 --batches 1 --temperatures 0 --requests 4 --max-tokens 128 --repeats 2 --workload heldout \
+    --device cuda --dtype bfloat16 --json > '$OUT/eagle_deep.json' && python3 bench/gpu/eagle_check.py '$OUT/eagle_deep.json'"
+else
+  echo "== eagle_deep: FAIL: no trained target and head at $EAGLE_TARGET and $EAGLE_HEAD (optkit zoo build deep;"
+  echo "   optkit speculator train DEEP --out HEAD; copy both there, ~46 MB in fp32)"
+  status=1
+fi
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
