@@ -252,6 +252,22 @@ def atomic_output_dir(
         raise
 
 
+@contextlib.contextmanager
+def atomic_output_file(out: Path) -> Iterator[Path]:
+    """A new private temporary file `.NAME.tmp-*` beside `out` (made new, never a planted link),
+    renamed to `out` once the block completes (readable as a release is), removed if it fails."""
+    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(handle)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private; a release is for sharing
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def current_umask() -> int:
     """The process's umask (reading it means setting it: put straight back)."""
     umask = os.umask(0)

@@ -12,17 +12,13 @@ the converter writes it. Every other tensor and metadata key is copied byte for 
 """
 
 import datetime
-import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from optkit import __version__
-from optkit.artifacts import current_umask
+from optkit.artifacts import atomic_output_file
 from optkit.errors import OptkitError
 from optkit.families import family_for
 from optkit.json_strict import dumps, finite
@@ -115,7 +111,7 @@ def _copy_with(source: Path, out: Path, raised: dict[str, tuple[np.ndarray, obje
     names = {tensor.name for tensor in reader.tensors}
     if set(raised) - names:
         raise OptkitError(f"{source} has no tensor {sorted(set(raised) - names)[0]}: re-create the file")
-    with _new_file(out) as tmp:
+    with atomic_output_file(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch)
         try:
             for field in reader.fields.values():
@@ -135,19 +131,3 @@ def _copy_with(source: Path, out: Path, raised: dict[str, tuple[np.ndarray, obje
                 writer.write_tensor_data(np.ascontiguousarray(data))
         finally:
             writer.close()
-
-
-@contextmanager
-def _new_file(out: Path) -> Iterator[Path]:
-    """A new private temporary file beside `out` (never a planted link), renamed to `out` once the
-    block succeeds (readable as a release is), removed if it fails."""
-    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(handle)
-    tmp = Path(name)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

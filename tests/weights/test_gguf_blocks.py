@@ -8,6 +8,7 @@ from optkit.quant.methods.gptq.math import gptq_quantize
 from optkit.quant.methods.rtn.math import rtn_quantize
 from optkit.weights import gguf_blocks
 from optkit.weights.stored import StoredScheme
+from tests.weights.block_rows import block_test_rows
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -28,18 +29,7 @@ def _reference_dequantize(qtype: str, data: torch.Tensor, shape: tuple[int, int]
 
 def _rows(kind: str) -> torch.Tensor:
     """[6, 128] weights: random rows over three decades, or rows with an outlier, constant or zero blocks."""
-    torch.manual_seed(0)
-    w = torch.randn(6, 128) * torch.logspace(-3, 0, 6).unsqueeze(1)
-    if kind == "outlier":
-        w[:, 5] = 40.0
-        w[2, 70] = -300.0
-    elif kind == "constant":
-        w[:, :64] = 0.37
-        w[3] = -1.25
-    elif kind == "zero":
-        w[:, 32:96] = 0
-        w[5] = 0
-    return w
+    return block_test_rows(kind, 6, 128, (-3, 0))
 
 
 @pytest.mark.parametrize("rows", ["random", "outlier", "constant", "zero"])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from optkit.weights import gguf_iq4nl
+from tests.weights.block_rows import block_test_rows
 
 gguf_quants = pytest.importorskip("gguf.quants")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -46,17 +47,7 @@ def _ggml_bytes(w: torch.Tensor, importance: torch.Tensor | None) -> torch.Tenso
 
 def _rows(kind: str, seed: int = 0) -> torch.Tensor:
     """[16, 256] weights over four decades, or with outliers, constant blocks or zero blocks."""
-    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-3, 1, 16).unsqueeze(1)
-    if kind == "outlier":
-        w[:, 5] = 40.0
-        w[2, 70] = -300.0
-    elif kind == "constant":
-        w[:, :64] = 0.37
-        w[3] = -1.25
-    elif kind == "zero":
-        w[:, 32:96] = 0
-        w[5] = 0
-    return w
+    return block_test_rows(kind, 16, 256, (-3, 1), seed)
 
 
 def _reference_dequantize(data: torch.Tensor, shape) -> torch.Tensor:

@@ -16,14 +16,12 @@ temporary name and renamed into place. llama.cpp runs the file (`runtime`); `rea
 as a Hugging Face config and a dequantized state dict for optkit's own runtime and the tests.
 """
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from optkit.artifacts import current_umask
+from optkit.artifacts import atomic_output_file
 from optkit.errors import OptkitError
 from optkit.json_strict import dumps
 from optkit.quant.formats import gguf_metadata as meta
@@ -227,49 +225,42 @@ def write_file(staged: Path, out: Path, manifest: dict) -> None:
     quant_config = config["quantization_config"]
     qtype = quant_config["type"]
     reader = TensorReader(staged)
-    handle, name = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)  # new, never a planted link
-    os.close(handle)
-    tmp = Path(name)
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(Path(manifest["base_model"]["path"]).name)
-        writer.add_quantized_by("optkit")
-        writer.add_file_type(gguf_types.file_type_id(manifest, FILE_TYPES[qtype]))
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        meta.add_hyperparameters(writer, config)
-        add_tokenizer(writer, staged, config)
-        plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
-        types = gguf_types.planned_types(plan, manifest, config, lambda key: reader.get(key).shape)
-        manifest = gguf_types.with_layer_types(manifest, plan, types)
-        writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
+    with atomic_output_file(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            writer.add_type(gguf.GGUFType.MODEL)
+            writer.add_name(Path(manifest["base_model"]["path"]).name)
+            writer.add_quantized_by("optkit")
+            writer.add_file_type(gguf_types.file_type_id(manifest, FILE_TYPES[qtype]))
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            meta.add_hyperparameters(writer, config)
+            add_tokenizer(writer, staged, config)
+            plan = gguf_plan.plan(list(reader.keys()), config, MARKER)  # in file order
+            types = gguf_types.planned_types(plan, manifest, config, lambda key: reader.get(key).shape)
+            manifest = gguf_types.with_layer_types(manifest, plan, types)
+            writer.add_string("optkit.manifest", dumps({k: v for k, v in manifest.items() if k != "files"}))
 
-        def array(entry: gguf_plan.PlannedTensor) -> tuple[np.ndarray, object]:
-            tensor = gguf_plan.tensor(reader.get, entry, config)
-            if entry.quantized:  # the blocks of the type the mix gives it (planned_types checked their size)
-                return tensor.numpy(), gguf.GGMLQuantizationType[types.get(entry.name, qtype)]
-            if types.get(entry.name) is not None:  # the file type's, for a tensor the methods left as it was
-                return gguf_types.tensor_bytes(tensor, types[entry.name])
-            return _tensor_bytes(tensor)
+            def array(entry: gguf_plan.PlannedTensor) -> tuple[np.ndarray, object]:
+                tensor = gguf_plan.tensor(reader.get, entry, config)
+                if entry.quantized:  # the blocks of the type the mix gives it (planned_types checked their size)
+                    return tensor.numpy(), gguf.GGMLQuantizationType[types.get(entry.name, qtype)]
+                if types.get(entry.name) is not None:  # the file type's, for a tensor the methods left as it was
+                    return gguf_types.tensor_bytes(tensor, types[entry.name])
+                return _tensor_bytes(tensor)
 
-        extra = gguf_plan.extra_tensors(config)  # generate_extra_tensors: rope_freqs, LongRoPE's factors
-        for name, values in extra.items():
-            writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
-        for entry in plan:  # shapes and sizes first: one tensor in memory at a time below
-            data, data_raw = array(entry)
-            writer.add_tensor_info(entry.name, data.shape, data.dtype, data.nbytes, raw_dtype=data_raw)
-            del data
-        writer.write_header_to_file(tmp)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for values in extra.values():
-            writer.write_tensor_data(values)
-        for entry in plan:
-            writer.write_tensor_data(np.ascontiguousarray(array(entry)[0]))
-        writer.close()
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's file is private; a release is for sharing
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+            extra = gguf_plan.extra_tensors(config)  # generate_extra_tensors: rope_freqs, LongRoPE's factors
+            for name, values in extra.items():
+                writer.add_tensor_info(name, values.shape, values.dtype, values.nbytes)
+            for entry in plan:  # shapes and sizes first: one tensor in memory at a time below
+                data, data_raw = array(entry)
+                writer.add_tensor_info(entry.name, data.shape, data.dtype, data.nbytes, raw_dtype=data_raw)
+                del data
+            writer.write_header_to_file(tmp)
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for values in extra.values():
+                writer.write_tensor_data(values)
+            for entry in plan:
+                writer.write_tensor_data(np.ascontiguousarray(array(entry)[0]))
+        finally:
+            writer.close()
