@@ -74,18 +74,8 @@ def train(
     )
     result = train_speculator(model, out, options, checkpoint_dir=checkpoint_dir, resume=resume, overwrite=overwrite)
     k = options.num_speculative_tokens
-    report = {
-        "path": str(result.path),
-        "kind": options.kind,
-        "parameters": result.num_parameters,
-        "steps": result.steps,
-        "seconds": result.seconds,
-        "num_speculative_tokens": k,
-        "mean_acceptance_length": result.mean_acceptance_length,
-        "top1": result.top1,
-    }
     if json_output:
-        print_json(report)
+        print_json(_train_report(result, options))
         return
     name = "EAGLE-3" if options.kind == "eagle3" else "EAGLE-1"
     console().print(
@@ -93,3 +83,17 @@ def train(
         f"{result.seconds:.0f}s; mean acceptance length {result.mean_acceptance_length:.2f} at k={k} "
         f"(greedy, {options.eval_set}) -> {result.path}"
     )
+
+
+def _train_report(result, options) -> dict:
+    """`speculator train --json`: the head written, its size and its measured acceptance."""
+    return {
+        "path": str(result.path),
+        "kind": options.kind,
+        "parameters": result.num_parameters,
+        "steps": result.steps,
+        "seconds": result.seconds,
+        "num_speculative_tokens": options.num_speculative_tokens,
+        "mean_acceptance_length": result.mean_acceptance_length,
+        "top1": result.top1,
+    }

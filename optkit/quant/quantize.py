@@ -161,11 +161,6 @@ def _fixed_scheme(method) -> WeightScheme | None:
         return None
 
 
-def resolve_device(device: str) -> torch.device:
-    """`--device` as a torch device ("auto" and the checks: optkit/devices.py)."""
-    return torch.device(resolve_device_str(device))
-
-
 def quantize_model(
     model: str | Path, out: Path, options: QuantizeOptions, *, overwrite: bool = False, device: str = "auto"
 ) -> dict:
@@ -239,9 +234,8 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
     checked = _checked_model(model, options, fmt)
     base, config_dict, hf_config = checked.base, checked.config, checked.hf_config
     asked_head = options.head
-    options = options.model_copy(
-        update={"head": output_head.resolve_head(options, fmt, outside_decoder_linears(hf_config))}
-    )
+    resolved_head = output_head.resolve_head(options, fmt, outside_decoder_linears(hf_config))
+    options = options.model_copy(update={"head": resolved_head})
     constrain = getattr(fmt, "constrain", None)  # a format that fixes the stored scales (GGUF's fp16 blocks)
     work = options.model_copy(update={"weights": constrain(options.weights)}) if constrain else options
     linear_schemes = getattr(fmt, "linear_schemes", None)  # per-linear types (GGUF's Q4_K_M raises some)
@@ -265,11 +259,9 @@ def _quantize_to_dir(model: str | Path, out: Path, options: QuantizeOptions, *, 
             + [n for n in outside_decoder_linears(hf_config) if head is None or n != output_head.HEAD],
             options.activations,
         )
-        extra = (
-            {}
-            if head is None
-            else output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config, asked_head)
-        )
+        extra = {}
+        if head is not None:
+            extra = output_head.quantized_head(config_dict, fmt, options, head, tmp, base, hf_config, asked_head)
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         _copy_side_files(base, tmp)
         manifest = write_manifest(
@@ -359,7 +351,7 @@ def _quantize_weights(
         data.tokens,
         {t.name for t in targets},
         composition.procedure(options),
-        device=resolve_device(device),
+        device=torch.device(resolve_device_str(device)),
         batch_size=options.calibration.batch_size,
         label=f"{options.method} {options.weights.describe()}",
         moe_calibration=options.calibration.moe_calibration,

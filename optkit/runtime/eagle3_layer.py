@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optkit.errors import OptkitError
-from optkit.kernels.paged_attention import AttentionMetadata
 from optkit.models.config import ModelConfig
-from optkit.models.llama import MLP, Attention, CausalLM, KVCache, make_norm, rope_cos_sin
-from optkit.runtime.eagle_layer import input_embeddings
+from optkit.models.llama import MLP, Attention, CausalLM, make_norm
+from optkit.runtime.eagle_layer import HeadLayer, check_head_dim, head_model_config, head_rope, uses_local_rope
 from optkit.speculative.eagle_head import EagleHead, EagleHeadConfig
 
 
@@ -30,13 +28,7 @@ def eagle3_model_config(target: ModelConfig, head: EagleHeadConfig) -> ModelConf
     """A one-layer Llama config of the head's sizes (the target's RoPE and eps): no biases, no q/k
     norms, plain RMSNorm, SwiGLU, full attention at 1/√head_dim."""
     return dataclasses.replace(
-        target,
-        num_hidden_layers=1,
-        num_attention_heads=head.num_attention_heads,
-        num_key_value_heads=head.num_key_value_heads,
-        head_dim=head.head_dim,
-        intermediate_size=head.intermediate_size,
-        rms_norm_eps=head.rms_norm_eps,
+        head_model_config(target, head),
         qkv_bias=False,
         o_bias=False,
         mlp_bias=False,
@@ -49,9 +41,6 @@ def eagle3_model_config(target: ModelConfig, head: EagleHeadConfig) -> ModelConf
         sandwich_norms=False,
         hidden_act="silu",
         attn_logit_softcapping=None,
-        sliding_window=None,
-        layer_types=(),
-        moe=None,
     )
 
 
@@ -78,14 +67,10 @@ def eagle3_layer_shapes(target: ModelConfig, head: EagleHeadConfig) -> dict[str,
     return {name: tuple(t.shape) for name, t in block.state_dict().items()}
 
 
-class Eagle3Layer(nn.Module):
+class Eagle3Layer(HeadLayer):
     def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        if head.config.head_dim != target.config.head_dim:
-            raise OptkitError(
-                f"the EAGLE head's head_dim {head.config.head_dim} is not the target's {target.config.head_dim}: "
-                "its RoPE must be the target's; re-train the head"
-            )
+        check_head_dim(target, head)
         self.config = eagle3_model_config(target.config, head.config)
         with torch.device("meta"):
             block = Eagle3Block(self.config)
@@ -100,29 +85,15 @@ class Eagle3Layer(nn.Module):
         d2t = head.output["d2t"]
         self.draft_to_target = (torch.arange(len(d2t)) + d2t).to(device)  # [N]: the target's ids
         self.vocab_size = target.config.vocab_size
-        self.local_rope = bool(target.local_rope) and target.local_rope[0]
+        self.local_rope = uses_local_rope(target)
 
-    def forward(
-        self,
-        target: CausalLM,
-        token_ids: torch.Tensor,
-        features: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_cache: KVCache,
-        real: bool,
-    ) -> torch.Tensor:
-        """token_ids, positions: long [T]; features: the target's [T, 3H] (`real`) or the head's own
-        [T, H] -> h [T, H], the pre-norm output a drafted row feeds back (`logits` reads it)."""
-        embeds = input_embeddings(target, token_ids)  # [T, H]
+    def step(self, target: CausalLM, embeds, features, positions, meta, kv_cache, real: bool) -> torch.Tensor:
+        """features: the target's [T, 3H] (`real`) or the head's own [T, H] -> h [T, H], the
+        pre-norm output a drafted row feeds back (`logits` reads it)."""
         residual = F.linear(features.to(embeds.dtype), self.fc_weight) if real else features.to(embeds.dtype)
         block = self.block
         x = torch.cat((block.input_layernorm(embeds), block.hidden_norm(residual)), dim=-1)  # [T, 2H]
-        if self.local_rope:
-            inv_freq, scaling = target.local_inv_freq, target.local_attention_scaling
-        else:
-            inv_freq, scaling = target.inv_freq, target.attention_scaling
-        cos, sin = rope_cos_sin(positions, inv_freq, scaling, x.dtype)
+        cos, sin = head_rope(target, self.local_rope, positions, x.dtype)
         residual = residual + block.self_attn(x, cos, sin, meta, kv_cache)
         return residual + block.mlp(block.post_attention_layernorm(residual))
 

@@ -57,22 +57,29 @@ def input_embeddings(target: CausalLM, token_ids: torch.Tensor) -> torch.Tensor:
     return target.config.scale_embeddings(target.model.embed_tokens(token_ids))
 
 
-class EagleLayer(nn.Module):
-    def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        if head.config.head_dim != target.config.head_dim:
-            raise OptkitError(
-                f"the EAGLE head's head_dim {head.config.head_dim} is not the target's {target.config.head_dim}: "
-                "its RoPE must be the target's; re-train the head"
-            )
-        self.config = head_model_config(target.config, head.config)
-        with torch.device("meta"):
-            layer = head_layer(self.config)
-        layer.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
-        self.layer = layer.to(device).eval().requires_grad_(False)
-        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 2H]: [embedding | feature]
-        # layer 0's RoPE: Gemma 3's first layer is a sliding one, with the local base
-        self.local_rope = bool(target.local_rope) and target.local_rope[0]
+def check_head_dim(target: CausalLM, head: EagleHead) -> None:
+    """A head attends with the target's RoPE tables, so it must have the target's head_dim."""
+    if head.config.head_dim != target.config.head_dim:
+        raise OptkitError(
+            f"the EAGLE head's head_dim {head.config.head_dim} is not the target's {target.config.head_dim}: "
+            "its RoPE must be the target's; re-train the head"
+        )
+
+
+def uses_local_rope(target: CausalLM) -> bool:
+    """The head's layer takes layer 0's RoPE: Gemma 3's first layer is a sliding one, with the local base."""
+    return bool(target.local_rope) and target.local_rope[0]
+
+
+def head_rope(target: CausalLM, local: bool, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [T, head_dim] at `positions` from the target's global (or, `local`, local) RoPE."""
+    if local:
+        return rope_cos_sin(positions, target.local_inv_freq, target.local_attention_scaling, dtype)
+    return rope_cos_sin(positions, target.inv_freq, target.attention_scaling, dtype)
+
+
+class HeadLayer(nn.Module):
+    """What the proposer calls on either kind of head: forward, then logits."""
 
     def forward(
         self,
@@ -84,16 +91,29 @@ class EagleLayer(nn.Module):
         kv_cache: KVCache,
         real: bool = True,
     ) -> torch.Tensor:
-        """token_ids, positions: long [T]; features [T, H] (the target's at each position, or, not
-        `real`, the head's own predictions: EAGLE-1 treats both alike) -> the predicted next
-        features [T, H], the LM head's input."""
+        """token_ids, positions: long [T]; features: the target's (`real`) or the head's own -> the
+        head's output [T, H] (`step` of each kind says which)."""
         embeds = input_embeddings(target, token_ids)  # [T, H]
+        return self.step(target, embeds, features, positions, meta, kv_cache, real)
+
+
+class EagleLayer(HeadLayer):
+    def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        check_head_dim(target, head)
+        self.config = head_model_config(target.config, head.config)
+        with torch.device("meta"):
+            layer = head_layer(self.config)
+        layer.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
+        self.layer = layer.to(device).eval().requires_grad_(False)
+        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 2H]: [embedding | feature]
+        self.local_rope = uses_local_rope(target)
+
+    def step(self, target: CausalLM, embeds, features, positions, meta, kv_cache, real: bool) -> torch.Tensor:
+        """features [T, H] (the target's at each position, or, not `real`, the head's own
+        predictions: EAGLE-1 treats both alike) -> the predicted next features [T, H], the LM head's input."""
         x = F.linear(torch.cat((embeds, features.to(embeds.dtype)), dim=-1), self.fc_weight)
-        if self.local_rope:
-            inv_freq, scaling = target.local_inv_freq, target.local_attention_scaling
-        else:
-            inv_freq, scaling = target.inv_freq, target.attention_scaling
-        cos, sin = rope_cos_sin(positions, inv_freq, scaling, x.dtype)
+        cos, sin = head_rope(target, self.local_rope, positions, x.dtype)
         return self.layer(x, cos, sin, meta, kv_cache)
 
     def logits(self, target: CausalLM, hidden: torch.Tensor) -> torch.Tensor:

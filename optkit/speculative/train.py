@@ -168,6 +168,46 @@ def _resume_step(checkpoint_dir: Path, head, optimizer, options, digest: str) ->
     return state["step"], float(state.get("top1", 0.0))
 
 
+def _head_and_features(target, windows, options: SpeculatorTrainOptions):
+    """A new head of options.kind and the target's features it learns from."""
+    if options.kind != "eagle3":
+        return new_head(target, options.seed), TargetFeatures(target, windows)
+    vocab = target.config.vocab_size
+    size = options.draft_vocab_size or default_draft_vocab_size(vocab)
+    if size > vocab:
+        raise OptkitError(f"--draft-vocab-size {size} is more than the target's vocabulary ({vocab}): give less")
+    layers = eagle3_feature_layers(target.config.num_hidden_layers)
+    # the draft vocabulary: the most frequent tokens of the windows the steps read
+    read = [window_indices(n, options.batch_size, len(windows), options.seed) for n in range(options.steps)]
+    draft_ids = draft_vocabulary(windows[torch.cat(read).unique()], vocab, size)
+    head = new_eagle3_head(target, options.seed, draft_ids, layers)
+    return head, TargetFeatures(target, windows, feature_layers=layers)
+
+
+def _train_one_step(head, target, embed, batch, step: int, options, steps_top1: list, top1: float):
+    """One step's loss and backward pass; returns the running top-1 (per unrolled step for
+    EAGLE-3, smoothed 0.95/0.05) and the progress bar's line."""
+    tokens, feats = batch
+    k = options.num_speculative_tokens
+    if isinstance(head, Eagle3HeadModel):
+        loss = train_step3(head, target, embed, tokens, feats, options)
+        running = zip(steps_top1, loss.top1, strict=True)
+        steps_top1 = loss.top1 if step == 0 else [0.95 * a + 0.05 * b for a, b in running]
+        info = (
+            f"loss {loss.loss.item():.3f} (ce {loss.distribution:.2f})  top-1 "
+            f"{'/'.join(f'{a:.0%}' for a in steps_top1)}  ~{ttt_chain_estimate(steps_top1, k):.2f} "
+            f"tokens/step at k={k}"
+        )
+        return steps_top1, steps_top1[0], info
+    loss = train_step(head, target, embed, tokens, feats, step, options)
+    top1 = loss.top1 if step == 0 else 0.95 * top1 + 0.05 * loss.top1
+    info = (
+        f"loss {loss.loss.item():.3f} (feature {loss.feature:.3f}, ce {loss.distribution:.2f})  "
+        f"top-1 {top1:.0%}  ~{chain_length_estimate(top1, k):.2f} tokens/step at k={k}"
+    )
+    return steps_top1, top1, info
+
+
 def train_speculator(
     target_name: str | Path,
     out: Path,
@@ -192,20 +232,7 @@ def train_speculator(
     windows = training_windows(tokenizer, options)
     target = frozen_target(target_dir)
     embed = first_layer_embedding(target)
-    if options.kind == "eagle3":
-        vocab = target.config.vocab_size
-        size = options.draft_vocab_size or default_draft_vocab_size(vocab)
-        if size > vocab:
-            raise OptkitError(f"--draft-vocab-size {size} is more than the target's vocabulary ({vocab}): give less")
-        layers = eagle3_feature_layers(target.config.num_hidden_layers)
-        # the draft vocabulary: the most frequent tokens of the windows the steps read
-        read = [window_indices(n, options.batch_size, len(windows), options.seed) for n in range(options.steps)]
-        draft_ids = draft_vocabulary(windows[torch.cat(read).unique()], vocab, size)
-        head = new_eagle3_head(target, options.seed, draft_ids, layers)
-        features = TargetFeatures(target, windows, feature_layers=layers)
-    else:
-        head = new_head(target, options.seed)
-        features = TargetFeatures(target, windows)
+    head, features = _head_and_features(target, windows, options)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     first, top1 = _resume_step(checkpoint_dir, head, optimizer, options, digest) if resume else (0, 0.0)
     resumed = (read_checkpoint_state(checkpoint_dir) or {}) if first else {}
@@ -226,23 +253,8 @@ def train_speculator(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, options)
             indices = window_indices(step, options.batch_size, len(windows), options.seed)
-            if isinstance(head, Eagle3HeadModel):
-                loss = train_step3(head, target, embed, windows[indices], features(indices), options)
-                running = zip(steps_top1, loss.top1, strict=True)
-                steps_top1 = loss.top1 if step == 0 else [0.95 * a + 0.05 * b for a, b in running]
-                top1 = steps_top1[0]
-                info = (
-                    f"loss {loss.loss.item():.3f} (ce {loss.distribution:.2f})  top-1 "
-                    f"{'/'.join(f'{a:.0%}' for a in steps_top1)}  ~{ttt_chain_estimate(steps_top1, k):.2f} "
-                    f"tokens/step at k={k}"
-                )
-            else:
-                loss = train_step(head, target, embed, windows[indices], features(indices), step, options)
-                top1 = loss.top1 if step == 0 else 0.95 * top1 + 0.05 * loss.top1
-                info = (
-                    f"loss {loss.loss.item():.3f} (feature {loss.feature:.3f}, ce {loss.distribution:.2f})  "
-                    f"top-1 {top1:.0%}  ~{chain_length_estimate(top1, k):.2f} tokens/step at k={k}"
-                )
+            batch = (windows[indices], features(indices))
+            steps_top1, top1, info = _train_one_step(head, target, embed, batch, step, options, steps_top1, top1)
             torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
