@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from optkit.engines.vllm_cpu import VllmCpu
 from optkit.errors import OptkitError, shorten
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -48,9 +49,10 @@ def vllm_python(given: str | Path | None) -> Path:
     return path
 
 
-def vllm_dtype(quantization_config: dict | None) -> str:
+def vllm_dtype(quantization_config: dict | None, cpu: VllmCpu | None = None) -> str:
     """vLLM-CPU's dtype for an artifact: its weight-only int kernels (cpu_gemm_wna16; GPTQ, AWQ)
-    run only in bfloat16; plain, W8A8 int8 and FP8 checkpoints run in float32."""
+    run only in bfloat16, and so do W8A8 int8 linears on a CPU with AMX (the SGL kernel); plain,
+    FP8 and elsewhere W8A8 int8 checkpoints run in float32. cpu: this machine's by default."""
     config = quantization_config or {}
     method = config.get("quant_method")
     if method in ("gptq", "awq"):
@@ -60,6 +62,8 @@ def vllm_dtype(quantization_config: dict | None) -> str:
             weights, inputs = group.get("weights") or {}, group.get("input_activations")
             if weights.get("type", "int") == "int" and (weights.get("num_bits") or 16) < 16 and not inputs:
                 return "bfloat16"  # WNA16: weight-only integers, 16-bit activations
+            if weights.get("type", "int") == "int" and inputs and (cpu or VllmCpu.here()).amx:
+                return "bfloat16"  # W8A8 int8 on AMX: int8_scaled_mm_with_quant takes bf16 or half
     return "float32"
 
 

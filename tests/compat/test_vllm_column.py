@@ -65,7 +65,7 @@ def check_vllm_cell(
         label = f"{kind.format} mixed w{'+w'.join(map(str, sorted(bits)))}"
     label += f", KV cache {kv_cache_dtype}" if kv_cache_dtype != "auto" else ""
     result = vllm_load.check_vllm_load(worker, path, kv_cache_dtype=kv_cache_dtype)
-    refusal = vllm_load.vllm_cpu_refusal(config)
+    refusal = vllm_load.vllm_cpu_refusal(config, kv_cache_dtype=kv_cache_dtype)
     cell = {"row": row, "method": method, "kind": label, "loader": matrix.VLLM, "versions": _vllm_versions(worker)}
     cell.update(dtype=result.dtype, max_abs_diff=result.max_abs_diff, tolerance=result.tolerance, gap=result.gap)
     if result.ok:

@@ -3,6 +3,7 @@ the kinds it refuses, with its message, and the ones it lacks a kernel for; and 
 (bench/compat_matrix.py). tests/compat/test_vllm_column.py measures them in vLLM."""
 
 from optkit.compat import vllm_load
+from optkit.engines.vllm_cpu import VllmCpu
 from tests.compat.test_compat_matrix_keep import _module
 
 
@@ -20,12 +21,28 @@ def _model(quant_config: dict | None, model_type: str = "llama") -> dict:
 
 
 def test_vllm_cpu_runs_4_bit_weight_only_w8a8_fp8_and_plain_models():
-    assert vllm_load.vllm_cpu_refusal(_model(None)) is None
-    assert vllm_load.vllm_cpu_refusal(_ct((4, False))) is None
-    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized")) is None
-    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized")) is None
-    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 4})) is None
-    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "awq", "bits": 4})) is None
+    avx512 = VllmCpu(avx512=True, amx=False)
+    assert vllm_load.vllm_cpu_refusal(_model(None), avx512) is None
+    assert vllm_load.vllm_cpu_refusal(_ct((4, False)), avx512) is None
+    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized"), avx512) is None
+    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="float-quantized"), avx512) is None
+    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "gptq", "bits": 4}), avx512) is None
+    assert vllm_load.vllm_cpu_refusal(_model({"quant_method": "awq", "bits": 4}), avx512) is None
+
+
+def test_on_a_cpu_without_avx512_vllm_has_no_weight_only_int_kernel_nor_fp8_kv_cache():
+    avx2 = VllmCpu(avx512=False, amx=False)
+    for config in (
+        _ct((4, False)),
+        _model({"quant_method": "gptq", "bits": 4}),
+        _model({"quant_method": "awq", "bits": 4}),
+    ):
+        assert vllm_load.vllm_cpu_refusal(config, avx2) is vllm_load.NO_AVX2_WNA16
+    assert vllm_load.vllm_cpu_refusal(_ct((2, False)), avx2) is vllm_load.NO_CPU_WNA16  # refused at load first
+    assert vllm_load.vllm_cpu_refusal(_ct((8, True), fmt="int-quantized"), avx2) is None
+    assert vllm_load.vllm_cpu_refusal(_model(None), avx2) is None
+    assert vllm_load.vllm_cpu_refusal(_model(None), avx2, kv_cache_dtype="fp8") is vllm_load.NO_AVX2_FP8_KV
+    assert vllm_load.vllm_cpu_refusal(_model(None), VllmCpu(avx512=True, amx=False), kv_cache_dtype="fp8") is None
 
 
 def test_other_weight_only_widths_and_quantized_moe_have_no_cpu_kernel_and_bitsandbytes_is_unknown():

