@@ -262,11 +262,8 @@ def write_dense_copy(path: Path, out: Path) -> Path:
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2))
+    skip = ("config.json", INDEX, MANIFEST)
     for side in path.iterdir():
-        if (
-            side.is_file()
-            and not side.name.endswith(".safetensors")
-            and side.name not in ("config.json", INDEX, MANIFEST)
-        ):
+        if side.is_file() and not side.name.endswith(".safetensors") and side.name not in skip:
             shutil.copy(side, out / side.name)
     return out

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from optkit.compat import matrix, vllm_load
+from optkit.engines.vllm_cpu import VllmCpu
 from tests.compat.test_matrix import AWQ, CALIB, FAMILY_CELLS, _kind, _quantize, _versions
 from tests.tiny_families import FAMILIES, save_tiny_family
 from tests.vllm_venv import SKIP_REASON, vllm_python
@@ -67,6 +68,7 @@ def check_vllm_cell(
     result = vllm_load.check_vllm_load(worker, path, kv_cache_dtype=kv_cache_dtype)
     refusal = vllm_load.vllm_cpu_refusal(config, kv_cache_dtype=kv_cache_dtype)
     cell = {"row": row, "method": method, "kind": label, "loader": matrix.VLLM, "versions": _vllm_versions(worker)}
+    cell["cpu"] = VllmCpu.here().describe()  # which of vLLM-CPU's kernel libraries ran it (docs/vllm.md)
     cell.update(dtype=result.dtype, max_abs_diff=result.max_abs_diff, tolerance=result.tolerance, gap=result.gap)
     if result.ok:
         record({**cell, "status": "loads", "load_s": result.load_s})
