@@ -20,7 +20,7 @@ from torch import nn
 
 from optkit.models.config import ModelConfig
 from optkit.models.llama import MLP, Attention, CausalLM, make_norm
-from optkit.runtime.eagle_layer import HeadLayer, check_head_dim, head_model_config, head_rope, uses_local_rope
+from optkit.runtime.eagle_layer import HeadLayer, head_model_config, head_rope
 from optkit.speculative.eagle_head import EagleHead, EagleHeadConfig
 
 
@@ -70,13 +70,8 @@ def eagle3_layer_shapes(target: ModelConfig, head: EagleHeadConfig) -> dict[str,
 class Eagle3Layer(HeadLayer):
     def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        check_head_dim(target, head)
-        self.config = eagle3_model_config(target.config, head.config)
-        with torch.device("meta"):
-            block = Eagle3Block(self.config)
-        block.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
-        self.block = block.to(device).eval().requires_grad_(False)
-        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 3H]
+        config = eagle3_model_config(target.config, head.config)
+        self.block = self.load_layer(target, head, config, Eagle3Block, dtype, device)
         with torch.device("meta"):
             self.norm = make_norm(self.config)
         self.norm.load_state_dict({"weight": head.output["norm.weight"].to(dtype)}, assign=True)
@@ -85,7 +80,6 @@ class Eagle3Layer(HeadLayer):
         d2t = head.output["d2t"]
         self.draft_to_target = (torch.arange(len(d2t)) + d2t).to(device)  # [N]: the target's ids
         self.vocab_size = target.config.vocab_size
-        self.local_rope = uses_local_rope(target)
 
     def step(self, target: CausalLM, embeds, features, positions, meta, kv_cache, real: bool) -> torch.Tensor:
         """features: the target's [T, 3H] (`real`) or the head's own [T, H] -> h [T, H], the

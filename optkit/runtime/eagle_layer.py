@@ -96,18 +96,24 @@ class HeadLayer(nn.Module):
         embeds = input_embeddings(target, token_ids)  # [T, H]
         return self.step(target, embeds, features, positions, meta, kv_cache, real)
 
+    def load_layer(self, target: CausalLM, head: EagleHead, config: ModelConfig, build, dtype, device) -> nn.Module:
+        """The head's layer, `build(config)`, with the head's tensors in `dtype` on `device`; keeps the
+        config, fc's weight and the RoPE choice (after checking the head's head_dim against the target's)."""
+        check_head_dim(target, head)
+        self.config = config
+        with torch.device("meta"):
+            layer = build(config)
+        layer.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
+        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 2H] (EAGLE-1) or [H, 3H] (EAGLE-3)
+        self.local_rope = uses_local_rope(target)
+        return layer.to(device).eval().requires_grad_(False)
+
 
 class EagleLayer(HeadLayer):
     def __init__(self, target: CausalLM, head: EagleHead, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        check_head_dim(target, head)
-        self.config = head_model_config(target.config, head.config)
-        with torch.device("meta"):
-            layer = head_layer(self.config)
-        layer.load_state_dict({name: t.to(dtype) for name, t in head.layer.items()}, strict=True, assign=True)
-        self.layer = layer.to(device).eval().requires_grad_(False)
-        self.fc_weight = head.fc_weight.to(device=device, dtype=dtype)  # [H, 2H]: [embedding | feature]
-        self.local_rope = uses_local_rope(target)
+        config = head_model_config(target.config, head.config)
+        self.layer = self.load_layer(target, head, config, head_layer, dtype, device)  # fc: [embedding | feature]
 
     def step(self, target: CausalLM, embeds, features, positions, meta, kv_cache, real: bool) -> torch.Tensor:
         """features [T, H] (the target's at each position, or, not `real`, the head's own
