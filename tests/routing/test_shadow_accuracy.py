@@ -57,4 +57,6 @@ def test_online_numbers_match_the_offline_gate(small_w2):
     assert offline["kld_mean"] > 0.01 and offline["top1_pct"] < 99  # 2 bits: a real difference to measure
     for key in ("kld_mean", "top1_pct"):
         assert online[key] == pytest.approx(offline[key], rel=0.10)  # acceptance: within 10%
-        assert online[key] == pytest.approx(offline[key], rel=1e-3)  # in fact: the same numbers
+        # in fact the same numbers, up to float32 summation order: the runtime's CPU kernels sum in another
+        # order on AVX2 than on AVX-512 (1.8e-3 apart on AVX2 for this 2-bit model, under 1e-3 on AVX-512)
+        assert online[key] == pytest.approx(offline[key], rel=5e-3)
