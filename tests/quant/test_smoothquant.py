@@ -138,3 +138,24 @@ def test_smoothquant_acceptance_on_small(tmp_path, small_dir, small_outliers_dir
     assert ppl_increase(small_dir, "smoothquant") <= 1.0
     smooth, plain = ppl_increase(small_outliers_dir, "smoothquant"), ppl_increase(small_outliers_dir, "w8a8")
     assert plain >= 3 * max(smooth, 1e-3)
+
+
+def test_a_w8a8_artifact_dequantizes_into_a_plain_checkpoint(tmp_path, draft_dir):
+    """vLLM's bf16 tolerance measures vLLM on the artifact's weights as a plain checkpoint
+    (compat/vllm_load.write_dense_copy): each int8 weight times its per-channel scale, no scale left."""
+    from optkit.compat.vllm_load import write_dense_copy
+    from optkit.modeldir import read_config, read_tensors
+
+    options = QuantizeOptions(method="smoothquant", weights=sq.W8_PER_CHANNEL, calibration=FAST_CALIB)
+    quantize_model(draft_dir, tmp_path / "q", options)
+    dense = write_dense_copy(tmp_path / "q", tmp_path / "dense")
+    stored, plain = read_tensors(tmp_path / "q"), read_tensors(dense)
+    name = "model.layers.0.mlp.down_proj"
+    expected = stored[f"{name}.weight"].float() * stored[f"{name}.weight_scale"].float().reshape(-1, 1)
+    assert plain[f"{name}.weight"].dtype == torch.float32 and torch.equal(plain[f"{name}.weight"], expected)
+    assert not any(k.endswith(("weight_scale", "input_scale")) for k in plain)
+    assert "quantization_config" not in read_config(dense)
+    tokens = torch.randint(0, 256, (1, 32))
+    with torch.inference_mode():  # the same weights; only the int8 activations' rounding differs
+        ours, theirs = load_model(tmp_path / "q")(tokens).logits, load_model(dense)(tokens).logits
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9

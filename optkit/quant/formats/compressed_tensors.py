@@ -223,8 +223,22 @@ def vllm_loader(kind: ArtifactKind) -> str | None:
 def dequantized_state_dict(
     tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """A plain state dict: every packed layer replaced by its dequantized `weight`."""
+    """A plain state dict: every packed layer replaced by its dequantized `weight` (W8A8 and FP8: each
+    int8 or float8 weight times its per-channel scale; the activation scales dropped)."""
+    if is_w8a8(quant_config):
+        return _w8a8_dequantized(tensors, quant_config, dtype)
     scheme = scheme_from_config(quant_config)
     return dequantize_layers(
         tensors, "weight_packed", SUFFIXES, lambda prefix: decompress(prefix, tensors, scheme), dtype
     )
+
+
+def _w8a8_dequantized(tensors: dict[str, torch.Tensor], quant_config: dict, dtype: torch.dtype) -> dict:
+    """A W8A8 or FP8 checkpoint's plain state dict: weight [out, in] · weight_scale [out] per layer (the
+    layer w8a8_modules builds computes with these weights); input_scale and weight_scale dropped."""
+    layers = w8a8_modules(tensors, quant_config)  # checks each layer's tensors against each other
+    state = {k: v for k, v in tensors.items() if not k.endswith((".weight_scale", ".input_scale"))}
+    for prefix, layer in layers.items():
+        weight = tensors[f"{prefix}.weight"].float() * layer.weight_scale[:, None]
+        state[f"{prefix}.weight"] = weight.to(dtype)
+    return state
