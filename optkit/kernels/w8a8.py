@@ -13,6 +13,7 @@ with the scales and bias in its epilogue) when triton imports and no `int_mm` is
 import torch
 
 from optkit.errors import OptkitError, shown_shape
+from optkit.kernels import cpu_int8_gemv
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 INT8_MAX = 127
@@ -43,16 +44,21 @@ def int8_linear(
     input_scale: torch.Tensor | None = None,
     *,
     int_mm=None,
+    weight_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32.
-    `int_mm` is the int8 matmul (default `torch._int_mm`)."""
+    `int_mm` is the int8 matmul (default `torch._int_mm`, or at a few rows on AVX-512 VNNI CPUs
+    optkit's kernel, the same int32 result, where `weight_sums` (cpu_int8_gemv.weight_sums) is given)."""
     if int_mm is None and triton_kernels.use_triton(x) and weight_t.device == x.device:
         from optkit.kernels.triton import w8a8 as kernels
 
         return kernels.int8_linear(x, weight_t, weight_scale, bias, input_scale)
     shape = x.shape
     qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
-    acc = (int_mm or torch._int_mm)(qx, weight_t)  # int32 [M, N]
+    if int_mm is None and weight_sums is not None and cpu_int8_gemv.takes(qx, weight_t):
+        acc = cpu_int8_gemv.int8_gemv(qx, weight_t, weight_sums)  # int32 [M, N], as _int_mm's
+    else:
+        acc = (int_mm or torch._int_mm)(qx, weight_t)  # int32 [M, N]
     y = torch.mul(acc, sx).mul_(weight_scale.float())  # int32 * fp32 -> fp32
     if bias is not None:
         y = y.add_(bias.float())
@@ -167,14 +173,28 @@ class W8A8Linear(ScaledLinear):
         `torch._int_mm` at one row runs several times faster so (docs/results.md)."""
         if self.weight_t.device.type == "cpu" and self.weight_t.stride(0) != 1:
             self.weight_t = self.weight_t.t().contiguous().t()
+        if self.weight_t.device.type == "cpu" and not cpu_int8_gemv.unavailable_reason():
+            self.weight_sums = cpu_int8_gemv.weight_sums(self.weight_t)  # not a buffer: derived, CPU only
+        self._prepared_for = self._weight_key()
+
+    weight_sums: torch.Tensor | None = None  # set by `prepare` where optkit's int8 GEMV runs
+    _prepared_for: tuple | None = None
+
+    def _weight_key(self) -> tuple:
+        """Changes when weight_t is replaced or written in place (then `prepare` runs again)."""
+        return (self.weight_t.data_ptr(), self.weight_t._version, self.weight_t.device)
 
     def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
         """The path `forward` takes on `device`, in words."""
         if torch.device(device).type == "cpu":
+            if not cpu_int8_gemv.unavailable_reason() and rows <= cpu_int8_gemv.max_rows():
+                return "optkit C++ int8 GEMV (AVX-512 VNNI), weight column-major"
             return "torch._int_mm (oneDNN int8), weight column-major"
         return "triton int8 matmul" if triton_kernels.use_triton(self.weight_t) else "torch._int_mm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and self.weight_t.stride(0) != 1:
+        if x.device.type == "cpu" and self._prepared_for != self._weight_key():
             self.prepare()
-        return int8_linear(x, self.weight_t, self.weight_scale, self.bias, self.input_scale)
+        return int8_linear(
+            x, self.weight_t, self.weight_scale, self.bias, self.input_scale, weight_sums=self.weight_sums
+        )

@@ -1,0 +1,64 @@
+"""The int8 matrix product of a W8A8 layer at decode (a few rows) on AVX-512 VNNI CPUs, in optkit's C++
+(cpu_int8_gemv.cpp): the same int32 result as `torch._int_mm`, so every output is bit-identical.
+
+Why: at one row oneDNN's int8 GEMM reads a 49,152 x 576 int8 head at a third of the bandwidth a
+decode step gets elsewhere (bench/cpu_real_shapes.py); this kernel streams each weight row once with
+`vpdpbusd` (unsigned x signed bytes, so the activations go in shifted by 128 and each row's weight
+sum takes the shift back out: cpu_int8_gemv.cpp). It takes 1 to `max_rows()` rows; more rows, CPUs
+without AVX-512 VNNI (or capped to AVX2: OPTKIT_CPU_ISA=avx2), and a failed build keep
+`torch._int_mm`. Built at first use into $OPTKIT_CACHE/kernels (kernels/cpp_build.py).
+"""
+
+import functools
+from pathlib import Path
+
+import torch
+
+from optkit.kernels import cpp_build
+
+SOURCE = Path(__file__).with_name("cpu_int8_gemv.cpp")
+
+
+@functools.cache
+def unavailable_reason() -> str:
+    """An empty string when the kernel runs here; otherwise why not (checked once per process)."""
+    if cpp_build.capped_to_avx2():
+        return "capped to AVX2"
+    reason = cpp_build.load(SOURCE, "optkit_int8_gemv")
+    if not reason and not torch.ops.optkit_int8_gemv.has_vnni():
+        return "this CPU has no AVX-512 VNNI"
+    return reason
+
+
+@functools.cache
+def max_rows() -> int:
+    return int(torch.ops.optkit_int8_gemv.max_rows())
+
+
+def takes(qx: torch.Tensor, weight_t: torch.Tensor) -> bool:
+    """Whether the kernel computes qx [M, K] @ weight_t [K, N]: on the CPU, weight_t column-major (the
+    storage of a row-major [N, K], as W8A8Linear.prepare leaves it), 1 to max_rows() rows."""
+    return (
+        qx.device.type == "cpu"
+        and weight_t.device.type == "cpu"
+        and weight_t.stride(0) == 1
+        and weight_t.t().is_contiguous()
+        and not unavailable_reason()
+        and 1 <= qx.shape[0] <= max_rows()
+        and weight_t.shape[0] <= 65792
+    )
+
+
+def weight_sums(weight_t: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: each output's sum of weights (the shift's correction), computed once per layer."""
+    return weight_t.sum(dim=0, dtype=torch.int32).contiguous()
+
+
+def int8_gemv(qx: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """qx int8 [M, K] @ weight_t int8 [K, N] -> int32 [M, N], exactly as torch._int_mm (see `takes`)."""
+    return _gemv_op()(qx, weight_t.t(), sums)
+
+
+@functools.cache
+def _gemv_op():
+    return torch.ops.optkit_int8_gemv.gemv.default

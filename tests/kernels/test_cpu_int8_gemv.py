@@ -1,0 +1,61 @@
+"""optkit's int8 GEMV for W8A8 layers at decode (kernels/cpu_int8_gemv.py): the int32 result of
+torch._int_mm exactly, so a W8A8 artifact's outputs do not depend on which of the two ran."""
+
+import pytest
+import torch
+
+from optkit.kernels import cpu_int8_gemv
+from optkit.kernels.w8a8 import W8A8Linear
+
+pytestmark = pytest.mark.skipif(
+    bool(cpu_int8_gemv.unavailable_reason()), reason=f"int8 GEMV: {cpu_int8_gemv.unavailable_reason()}"
+)
+
+
+def column_major(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t()  # [K, N] over the storage of [N, K], as W8A8Linear.prepare leaves weight_t
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (7, 33), (100, 64), (300, 65), (48, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_equals_int_mm_at_every_row_count_and_column_tail(out_features, in_features, rows):
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
+    weight_t = column_major(torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8))
+    qx = torch.randint(-128, 128, (rows, in_features), generator=gen, dtype=torch.int8)
+    got = cpu_int8_gemv.int8_gemv(qx, weight_t, cpu_int8_gemv.weight_sums(weight_t))
+    assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(qx, weight_t))
+
+
+def test_the_widest_row_it_takes_does_not_overflow():
+    """The shifted products sum to -255 * 128 * K at the extremes: still an int32 at K = 65,792."""
+    in_features = 65792
+    weight_t = column_major(torch.full((16, in_features), -128, dtype=torch.int8))
+    qx = torch.full((1, in_features), 127, dtype=torch.int8)
+    assert cpu_int8_gemv.takes(qx, weight_t)
+    got = cpu_int8_gemv.int8_gemv(qx, weight_t, cpu_int8_gemv.weight_sums(weight_t))
+    assert torch.equal(got, torch.full((1, 16), 127 * -128 * in_features, dtype=torch.int32))
+    assert not cpu_int8_gemv.takes(torch.zeros(1, in_features + 1, dtype=torch.int8), column_major(
+        torch.zeros(16, in_features + 1, dtype=torch.int8)))  # fmt: skip
+
+
+def test_a_w8a8_layer_gives_the_same_bits_through_either_kernel(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (96, 160), generator=gen, dtype=torch.int8)
+    layer = W8A8Linear(weight, torch.rand(96, generator=gen) / 100, torch.randn(96, generator=gen))
+    x = torch.randn(4, 160, generator=gen)
+    assert layer.kernel_for("cpu", rows=4).startswith("optkit C++ int8 GEMV")
+    fast = layer(x)
+    assert layer.weight_sums is not None
+    monkeypatch.setattr(cpu_int8_gemv, "takes", lambda qx, weight_t: False)
+    assert torch.equal(fast, layer(x))
+
+
+def test_weights_written_in_place_are_summed_again():
+    gen = torch.Generator().manual_seed(1)
+    layer = W8A8Linear(torch.randint(-127, 128, (32, 64), generator=gen, dtype=torch.int8), torch.full((32,), 0.01))
+    x = torch.randn(1, 64, generator=gen)
+    layer(x)
+    with torch.no_grad():
+        layer.weight_t.neg_()
+    expected = W8A8Linear(layer.weight_t.t().contiguous(), layer.weight_scale)(x)
+    assert torch.equal(layer(x), expected)
