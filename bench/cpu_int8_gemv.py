@@ -1,0 +1,74 @@
+"""The int8 matrix product of a W8A8 layer at decode, side by side in one process: `torch._int_mm`
+(oneDNN, the weight column-major as W8A8Linear keeps it) against optkit's int8 GEMV
+(kernels/cpu_int8_gemv.py, AVX-512 VNNI), on the vocabulary heads of real small models (an int8
+`--head` is a W8A8 layer) and one decoder matrix, at 1 to 8 rows. Both give the same int32 result
+(checked here on every shape). Each figure is the median over interleaved repeats of the mean time
+of a batch of calls; the ratio is the median of the ratios within a repeat; GB/s counts the weight's
+bytes once per call (a weight larger than the last-level cache is read from memory).
+
+Usage: python bench/cpu_int8_gemv.py [--threads 2] [--rows 1,4,8] [--repeats 5]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SHAPES = {  # name -> (out_features N, in_features K)
+    "SmolLM2-135M head": (49152, 576),
+    "Gemma-3-270M head": (262144, 640),
+    "Qwen3-0.6B head": (151936, 1024),
+    "Gemma-3-270M gate_up": (4096, 640),
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,4,8")
+    p.add_argument("--repeats", type=int, default=5)
+    return p.parse_args()
+
+
+def timed(fn, seconds: float = 0.2) -> float:
+    """Mean seconds per call over a batch of calls lasting about `seconds`."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        fn()
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from optkit.kernels import cpu_int8_gemv
+
+    reason = cpu_int8_gemv.unavailable_reason()
+    if reason:
+        raise SystemExit(f"optkit's int8 GEMV does not run here: {reason}")
+    print(f"{'shape':22} {'rows':>4} {'_int_mm us':>11} {'optkit us':>10} {'GB/s':>6} {'vs _int_mm':>10}")
+    for name, (n, k) in SHAPES.items():
+        gen = torch.Generator().manual_seed(0)
+        weight_t = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).t()  # column-major [K, N]
+        sums = cpu_int8_gemv.weight_sums(weight_t)
+        for rows in map(int, args.rows.split(",")):
+            qx = torch.randint(-128, 128, (rows, k), generator=gen, dtype=torch.int8)
+            assert torch.equal(cpu_int8_gemv.int8_gemv(qx, weight_t, sums), torch._int_mm(qx, weight_t))
+            theirs, ours, ratios = [], [], []
+            for _ in range(args.repeats):
+                theirs.append(timed(lambda: torch._int_mm(qx, weight_t)))  # noqa: B023 (called at once)
+                ours.append(timed(lambda: cpu_int8_gemv.int8_gemv(qx, weight_t, sums)))  # noqa: B023
+                ratios.append(theirs[-1] / ours[-1])
+            t_ours = statistics.median(ours)
+            print(
+                f"{name:22} {rows:>4} {statistics.median(theirs) * 1e6:>11.0f} {t_ours * 1e6:>10.0f} "
+                f"{n * k / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x"
+            )
+    print(f"\n{args.threads} threads, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()
