@@ -17,6 +17,7 @@ import torch
 from optkit.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemv.cpp")
+MAX_COLUMNS = 65792  # cpp's kMaxColumns: past it the int32 sum of shifted products could overflow
 
 
 @functools.cache
@@ -45,7 +46,7 @@ def takes(qx: torch.Tensor, weight_t: torch.Tensor) -> bool:
         and weight_t.t().is_contiguous()
         and not unavailable_reason()
         and 1 <= qx.shape[0] <= max_rows()
-        and weight_t.shape[0] <= 65792
+        and weight_t.shape[0] <= MAX_COLUMNS
     )
 
 

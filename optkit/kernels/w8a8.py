@@ -138,6 +138,8 @@ class W8A8Linear(ScaledLinear):
     """A linear layer that stays int8 in memory and multiplies in int8."""
 
     weight_dtype, weights_name, inputs_name = torch.int8, "int8", "int8"
+    weight_sums: torch.Tensor | None = None  # each output's weight sum, set by `prepare` where optkit's int8 GEMV runs
+    _prepared_for: tuple | None = None  # `_weight_key` when `prepare` last ran
 
     def store_weight(self, weight: torch.Tensor) -> None:
         # weight: int8 [out, in]; kept transposed, [in, out], row-major: the layout the Triton kernel
@@ -177,12 +179,11 @@ class W8A8Linear(ScaledLinear):
             self.weight_sums = cpu_int8_gemv.weight_sums(self.weight_t)  # not a buffer: derived, CPU only
         self._prepared_for = self._weight_key()
 
-    weight_sums: torch.Tensor | None = None  # set by `prepare` where optkit's int8 GEMV runs
-    _prepared_for: tuple | None = None
-
     def _weight_key(self) -> tuple:
-        """Changes when weight_t is replaced or written in place (then `prepare` runs again)."""
-        return (self.weight_t.data_ptr(), self.weight_t._version, self.weight_t.device)
+        """Changes when weight_t is replaced or written in place (then `prepare` runs again); an
+        inference tensor has no version counter (it cannot change outside inference mode)."""
+        w = self.weight_t
+        return (w.data_ptr(), w.device, None if w.is_inference() else w._version)
 
     def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
         """The path `forward` takes on `device`, in words."""

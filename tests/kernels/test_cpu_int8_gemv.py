@@ -28,7 +28,7 @@ def test_equals_int_mm_at_every_row_count_and_column_tail(out_features, in_featu
 
 def test_the_widest_row_it_takes_does_not_overflow():
     """The shifted products sum to -255 * 128 * K at the extremes: still an int32 at K = 65,792."""
-    in_features = 65792
+    in_features = cpu_int8_gemv.MAX_COLUMNS
     weight_t = column_major(torch.full((16, in_features), -128, dtype=torch.int8))
     qx = torch.full((1, in_features), 127, dtype=torch.int8)
     assert cpu_int8_gemv.takes(qx, weight_t)
@@ -59,3 +59,12 @@ def test_weights_written_in_place_are_summed_again():
         layer.weight_t.neg_()
     expected = W8A8Linear(layer.weight_t.t().contiguous(), layer.weight_scale)(x)
     assert torch.equal(layer(x), expected)
+
+
+def test_a_layer_built_in_inference_mode_runs():
+    """Inference tensors have no version counter: the layer keys its weight sums without one."""
+    gen = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        layer = W8A8Linear(torch.randint(-127, 128, (32, 64), generator=gen, dtype=torch.int8), torch.full((32,), 0.01))
+        x = torch.randn(2, 64, generator=gen)
+        assert torch.equal(layer(x), layer(x.clone()))
