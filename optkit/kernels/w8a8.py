@@ -7,7 +7,8 @@ with qw = round(W / sw) per output channel (symmetric), and qx = round(x / sx) p
 same quantities in float, for tests and for devices without an int8 matmul. On CUDA, `int8_linear`
 runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
 with the scales and bias in its epilogue) when triton imports and no `int_mm` is given. On the CPU
-`torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`).
+`torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`); at 1 to 8
+rows on AVX-512 VNNI CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster.
 """
 
 import torch
