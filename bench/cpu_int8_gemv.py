@@ -11,9 +11,9 @@ Usage: python bench/cpu_int8_gemv.py [--threads 2] [--rows 1,4,8] [--repeats 5]
 
 import argparse
 import statistics
-import time
 
 import torch
+from cpu_w4_kernel import timed  # bench/ is the script's directory: on sys.path
 
 SHAPES = {  # name -> (out_features N, in_features K)
     "SmolLM2-135M head": (49152, 576),
@@ -29,16 +29,6 @@ def parse_args():
     p.add_argument("--rows", default="1,4,8")
     p.add_argument("--repeats", type=int, default=5)
     return p.parse_args()
-
-
-def timed(fn, seconds: float = 0.2) -> float:
-    """Mean seconds per call over a batch of calls lasting about `seconds`."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
-        fn()
-        calls += 1
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:
@@ -59,8 +49,8 @@ def main() -> None:
             assert torch.equal(cpu_int8_gemv.int8_gemv(qx, weight_t, sums), torch._int_mm(qx, weight_t))
             theirs, ours, ratios = [], [], []
             for _ in range(args.repeats):
-                theirs.append(timed(lambda: torch._int_mm(qx, weight_t)))  # noqa: B023 (called at once)
-                ours.append(timed(lambda: cpu_int8_gemv.int8_gemv(qx, weight_t, sums)))  # noqa: B023
+                theirs.append(timed(lambda: torch._int_mm(qx, weight_t), 0.2))  # noqa: B023 (called at once)
+                ours.append(timed(lambda: cpu_int8_gemv.int8_gemv(qx, weight_t, sums), 0.2))  # noqa: B023
                 ratios.append(theirs[-1] / ours[-1])
             t_ours = statistics.median(ours)
             print(

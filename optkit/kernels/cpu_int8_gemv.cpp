@@ -100,4 +100,5 @@ TORCH_LIBRARY(optkit_int8_gemv, m) {
   m.def("gemv(Tensor a, Tensor w, Tensor w_sums) -> Tensor", &int8_gemv);
   m.def("has_vnni() -> bool", &cpu_has_vnni);
   m.def("max_rows() -> int", []() -> int64_t { return kMaxRows; });
+  m.def("max_columns() -> int", []() -> int64_t { return kMaxColumns; });
 }

@@ -17,7 +17,6 @@ import torch
 from optkit.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemv.cpp")
-MAX_COLUMNS = 65792  # cpp's kMaxColumns: past it the int32 sum of shifted products could overflow
 
 
 @functools.cache
@@ -36,17 +35,22 @@ def max_rows() -> int:
     return int(torch.ops.optkit_int8_gemv.max_rows())
 
 
+@functools.cache
+def max_columns() -> int:
+    """The widest K it takes: past it the int32 sum of shifted products could overflow."""
+    return int(torch.ops.optkit_int8_gemv.max_columns())
+
+
 def takes(qx: torch.Tensor, weight_t: torch.Tensor) -> bool:
     """Whether the kernel computes qx [M, K] @ weight_t [K, N]: on the CPU, weight_t column-major (the
     storage of a row-major [N, K], as W8A8Linear.prepare leaves it), 1 to max_rows() rows."""
     return (
         qx.device.type == "cpu"
         and weight_t.device.type == "cpu"
-        and weight_t.stride(0) == 1
         and weight_t.t().is_contiguous()
         and not unavailable_reason()
         and 1 <= qx.shape[0] <= max_rows()
-        and weight_t.shape[0] <= MAX_COLUMNS
+        and weight_t.shape[0] <= max_columns()
     )
 
 

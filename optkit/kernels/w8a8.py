@@ -189,7 +189,8 @@ class W8A8Linear(ScaledLinear):
     def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
         """The path `forward` takes on `device`, in words."""
         if torch.device(device).type == "cpu":
-            if not cpu_int8_gemv.unavailable_reason() and rows <= cpu_int8_gemv.max_rows():
+            gemv = not cpu_int8_gemv.unavailable_reason()  # max_rows / max_columns exist only then
+            if gemv and rows <= cpu_int8_gemv.max_rows() and self.in_features <= cpu_int8_gemv.max_columns():
                 return "optkit C++ int8 GEMV (AVX-512 VNNI), weight column-major"
             return "torch._int_mm (oneDNN int8), weight column-major"
         return "triton int8 matmul" if triton_kernels.use_triton(self.weight_t) else "torch._int_mm"

@@ -28,7 +28,7 @@ def test_equals_int_mm_at_every_row_count_and_column_tail(out_features, in_featu
 
 def test_the_widest_row_it_takes_does_not_overflow():
     """The shifted products sum to -255 * 128 * K at the extremes: still an int32 at K = 65,792."""
-    in_features = cpu_int8_gemv.MAX_COLUMNS
+    in_features = cpu_int8_gemv.max_columns()
     weight_t = column_major(torch.full((16, in_features), -128, dtype=torch.int8))
     qx = torch.full((1, in_features), 127, dtype=torch.int8)
     assert cpu_int8_gemv.takes(qx, weight_t)
