@@ -15,10 +15,13 @@ llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, wher
 to llama.cpp Q4_0 (batch 1) and to vLLM's best (batch > 1), and at batch 1 the bytes of weights a
 decode step reads (every weight once; the embedding only where it is the tied head), that divided
 by the step time, and its share of the read bandwidth measured in the same run (summing a 1 GiB
-float32 array with the same threads).
+float32 array with the same threads). With --prefill-lens (issue 38 §4): the time to first token of
+one request with a prompt of each length (batch 1, the median of --prefill-repeats), every optkit
+run in its engine and llama.cpp on each GGUF file, with the ratio to llama.cpp Q4_K_M's.
 
 Usage: python bench/cpu_real_shapes.py [--shapes smollm2-135m,gemma-3-270m] [--threads 2]
-       [--batch-sizes 1,16] [--gen-len 32] [--no-vllm] [--no-llama-cpp] [--json out.json]
+       [--batch-sizes 1,16] [--gen-len 32] [--prefill-lens 64,512] [--prefill-repeats 5]
+       [--no-decode] [--no-vllm] [--no-llama-cpp] [--json out.json]
 """
 
 import argparse
@@ -62,6 +65,9 @@ def parse_args():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--prefill-lens", default="", help="prompt lengths whose TTFT to measure, e.g. 64,512")
+    p.add_argument("--prefill-repeats", type=int, default=5)
+    p.add_argument("--no-decode", action="store_true", help="only the TTFT runs of --prefill-lens")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--json", type=Path, default=None)
@@ -171,6 +177,51 @@ def optkit_rows(name: str, path: Path, dtype: str, args, vllm: bool, log) -> tup
     return rows, {"kernels": result.get("kernels"), "vllm": result.get("vllm")}
 
 
+def prefill_lens(args) -> list[int]:
+    return [int(n) for n in args.prefill_lens.split(",") if n]
+
+
+def optkit_ttft(path: Path, dtype: str, args) -> dict[int, float]:
+    """Prompt length -> the engine's median time to first token (seconds) for one request of that many
+    random tokens at batch 1, as `optkit bench` runs the engine (runtime/benchmark.py)."""
+    from optkit.runtime.benchmark import BenchConfig, _engine, random_prompts, run_engine
+
+    lens = prefill_lens(args)
+    config = BenchConfig(batch_sizes=[1], prompt_len=max(lens), gen_len=1, dtype=dtype)
+    engine = _engine(path, config, enforce_eager=False)
+    run_engine(engine, random_prompts(VOCAB_USED, 1, 8, 1), 1)  # first-call costs
+    times = {}
+    for n in lens:
+        ttfts = [
+            run_engine(engine, random_prompts(VOCAB_USED, 1, n, seed), 1)["ttft_s"]["p50"]
+            for seed in range(args.prefill_repeats)
+        ]
+        times[n] = statistics.median(ttfts)
+    return times
+
+
+def llama_cpp_ttft(gguf: Path, args) -> dict[int, float]:
+    """llama.cpp's median time to first token: one llama_decode of the prompt and the argmax of its logits."""
+    import random
+
+    from llama_cpp_decode import LlamaCppDecoder
+
+    lens = prefill_lens(args)
+    decoder = LlamaCppDecoder(str(gguf), 1, max(lens) + 8, args.threads)
+    rng, times = random.Random(0), {}
+    decoder.generate([[rng.randrange(VOCAB_USED) for _ in range(8)]], 1)  # warm
+    for n in lens:
+        samples = []
+        for _ in range(args.prefill_repeats):
+            prompt = [rng.randrange(VOCAB_USED) for _ in range(n)]
+            start = time.perf_counter()
+            decoder.generate([prompt], 1)
+            samples.append(time.perf_counter() - start)
+        times[n] = statistics.median(samples)
+    decoder.close()
+    return times
+
+
 def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
     import random
 
@@ -201,14 +252,22 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
     runs = {"fp32": (base, "float32", False), "bf16": (base, "bfloat16", vllm)}
     runs |= {name: (path, "float32", vllm and name == "w4a16 head full") for name, path in artifacts.items()
              if not name.startswith("llama.cpp")}  # fmt: skip
-    rows, about, step_bytes = [], {}, {}
+    rows, about, step_bytes, ttft = [], {}, {}, {}
     for name, (path, dtype, with_vllm) in runs.items():
+        if prefill_lens(args):
+            log(f"{name}: time to first token")
+            ttft[name] = optkit_ttft(path, dtype, args)
+        if args.no_decode:
+            continue
         found, about[name] = optkit_rows(name, path, dtype, args, with_vllm, log)
         rows += found
         step_bytes[name] = decode_step_bytes(path, dtype)
     for name, path in artifacts.items():
         if name.startswith("llama.cpp"):
-            rows += llama_cpp_rows(name, path, args)
+            if prefill_lens(args):
+                ttft[name] = llama_cpp_ttft(path, args)
+            if not args.no_decode:
+                rows += llama_cpp_rows(name, path, args)
     for row in rows:
         peers = [r for r in rows if r["batch_size"] == row["batch_size"]]
         q4_0 = next((r for r in peers if r["run"] == "llama.cpp Q4_0"), None)
@@ -221,7 +280,14 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
             row["step_bytes"] = step_bytes[row["run"]]
             row["achieved_bytes_per_s"] = step_bytes[row["run"]] * row["tokens_per_s"]
             row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
-    return {"shape": shape, "rows": rows, "about": about}
+    prefill = []
+    for name, times in ttft.items():
+        for n, seconds in times.items():
+            row = {"run": name, "prompt_len": n, "ttft_s": seconds, "prefill_tokens_per_s": n / seconds}
+            if "llama.cpp Q4_K_M" in ttft:
+                row["vs llama.cpp Q4_K_M"] = ttft["llama.cpp Q4_K_M"][n] / seconds  # > 1: faster
+            prefill.append(row)
+    return {"shape": shape, "rows": rows, "prefill": prefill, "about": about}
 
 
 def print_shape(result: dict, bandwidth: float) -> None:
@@ -241,6 +307,19 @@ def print_shape(result: dict, bandwidth: float) -> None:
         )
 
 
+def print_prefill(result: dict) -> None:
+    if not result["prefill"]:
+        return
+    print(f"\n{result['shape']}: time to first token, batch 1 (vs Q4_K_M: its TTFT / this run's)")
+    print(f"{'run':34} {'prompt':>6} {'TTFT ms':>8} {'tok/s':>8} {'vs Q4_K_M':>9}")
+    for row in sorted(result["prefill"], key=lambda r: (r["prompt_len"], r["run"])):
+        ratio = format(row["vs llama.cpp Q4_K_M"], ">9.2f") if "vs llama.cpp Q4_K_M" in row else f"{'-':>9}"
+        print(
+            f"{row['run']:34} {row['prompt_len']:>6} {row['ttft_s'] * 1e3:>8.1f} "
+            f"{row['prefill_tokens_per_s']:>8.1f} {ratio}"
+        )
+
+
 def main() -> None:
     args = parse_args()
     import torch
@@ -253,9 +332,12 @@ def main() -> None:
     bandwidth = read_bandwidth(args.threads)
     results = [bench_shape(shape, args, bandwidth, log) for shape in args.shapes.split(",")]
     for result in results:
-        print_shape(result, bandwidth)
+        if result["rows"]:
+            print_shape(result, bandwidth)
+        print_prefill(result)
     meta = {"threads": args.threads, "read_bytes_per_s": bandwidth, "load_average": os.getloadavg(),
-            "gen_len": args.gen_len, "prompt_len": PROMPT_LEN, "torch": torch.__version__}  # fmt: skip
+            "gen_len": args.gen_len, "prompt_len": PROMPT_LEN, "torch": torch.__version__,
+            "prefill_lens": prefill_lens(args), "prefill_repeats": args.prefill_repeats}  # fmt: skip
     print(f"\nload average during the run: {meta['load_average']} (not an idle machine when above ~0.5)")
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "shapes": results}, indent=2) + "\n")

@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -61,18 +62,19 @@ bool is_float_or_bf16(const at::Tensor& t) {
 //   bfloat16 x, not cast_first:     bf16(n * (offset + weight))   (Olmo2RMSNorm: (weight * x).to(dtype);
 //                                                                  Gemma's offset 1: x * (1 + weight) in float32)
 template <typename T, typename W>
+void rms_norm_row(const T* xr, const W* w, T* yr, int64_t K, float eps, bool cast_first, float offset) {
+  const float inv = 1.f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) {
+    const float n = as_float(xr[k]) * inv;
+    const float scale = offset != 0.f ? offset + as_float(w[k]) : as_float(w[k]);
+    yr[k] = cast_first ? rounded<T>(as_float(rounded<T>(n)) * scale) : rounded<T>(n * scale);
+  }
+}
+
+template <typename T, typename W>
 void rms_norm_rows(const T* x, const W* w, T* y, int64_t M, int64_t K, float eps, bool cast_first, float offset) {
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const T* xr = x + m * K;
-      T* yr = y + m * K;
-      const float inv = 1.f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + eps);
-      for (int64_t k = 0; k < K; ++k) {
-        const float n = as_float(xr[k]) * inv;
-        const float scale = offset != 0.f ? offset + as_float(w[k]) : as_float(w[k]);
-        yr[k] = cast_first ? rounded<T>(as_float(rounded<T>(n)) * scale) : rounded<T>(n * scale);
-      }
-    }
+    for (int64_t m = begin; m < end; ++m) rms_norm_row(x + m * K, w, y + m * K, K, eps, cast_first, offset);
   });
 }
 
@@ -106,24 +108,22 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
 // (HF Llama's rotate_half with its signs folded into sin; each product and the sum rounded to T), the
 // other D - R dims copied.
 template <typename T>
+void rope_head(const T* xr, const T* c, const T* s, T* yr, int64_t D, int64_t R) {
+  const int64_t half = R / 2;
+  for (int64_t i = 0; i < R; ++i) {
+    const T turned = xr[i < half ? i + half : i - half];
+    const T a = rounded<T>(as_float(xr[i]) * as_float(c[i])), b = rounded<T>(as_float(turned) * as_float(s[i]));
+    yr[i] = rounded<T>(as_float(a) + as_float(b));
+  }
+  for (int64_t i = R; i < D; ++i) yr[i] = xr[i];
+}
+
+template <typename T>
 void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t T_, int64_t H, int64_t D, int64_t R,
                int64_t row_stride) {
-  const int64_t half = R / 2;
   at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * R;
-      const T* s = sin + t * R;
-      for (int64_t h = 0; h < H; ++h) {
-        const T* xr = x + t * row_stride + h * D;
-        T* yr = y + (t * H + h) * D;
-        for (int64_t i = 0; i < R; ++i) {
-          const T turned = xr[i < half ? i + half : i - half];
-          const T a = rounded<T>(as_float(xr[i]) * as_float(c[i])), b = rounded<T>(as_float(turned) * as_float(s[i]));
-          yr[i] = rounded<T>(as_float(a) + as_float(b));
-        }
-        for (int64_t i = R; i < D; ++i) yr[i] = xr[i];
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < H; ++h) rope_head(x + t * row_stride + h * D, cos + t * R, sin + t * R, y + (t * H + h) * D, D, R);
   });
 }
 
@@ -276,6 +276,11 @@ void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const 
 // long [B, nb]; lens long [B] (the keys of b, its query the last); window W > 0 keeps the last W keys;
 // avx512: AVX-512 where the CPU has it (false: the portable loops, as on a CPU without it).
 //   out[b, h] = sum_t softmax_t(scale * q·k_t) v_t,  k_t at slot block_tables[b][t / bs] * bs + t % bs
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t B, int64_t num_blocks,
+                        int64_t block_size);
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512);
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
                             bool avx512) {
@@ -293,6 +298,13 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   TORCH_CHECK_VALUE(Hq >= 1 && Hkv >= 1 && D >= 1 && block_size >= 1 && k_cache.size(3) == D && Hq % Hkv == 0,
                     "decode_attention: Hq a multiple of Hkv, D and block_size at least 1; got q ", q.sizes(),
                     ", k_cache ", k_cache.sizes());
+  check_block_tables(block_tables, lens, B, num_blocks, block_size);
+  return attend(q, k_cache, v_cache, block_tables, lens, scale, window, avx512);
+}
+
+// Every slot a decode reads lies inside the cache: block_tables long [B, nb], lens long [B] in 1..nb·bs.
+void check_block_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t B, int64_t num_blocks,
+                        int64_t block_size) {
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() && block_tables.dim() == 2 &&
                   block_tables.size(0) == B,
               "block_tables: contiguous long [B, nb]");
@@ -300,11 +312,20 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   const int64_t nb = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {  // every slot read lies inside the cache
+  for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= nb * block_size, "lens: between 1 and the blocks' slots");
     for (int64_t j = 0; j < (lp[b] + block_size - 1) / block_size; ++j)
       TORCH_CHECK(tables[b * nb + j] >= 0 && tables[b * nb + j] < num_blocks, "block_tables: a block outside the cache");
   }
+}
+
+// decode_attention over checked arguments: q contiguous [B, Hq, D].
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  const int64_t nb = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   const float s = static_cast<float>(scale);
   static const bool cpu_avx512 = cpu_has_avx512();
@@ -318,6 +339,104 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, c
   return out;
 }
 
+// ---- A decode step's attention from the fused projection: qkv [B, (Hq + 2 Hkv) D], q | k | v as
+// models/llama.py's qkv_proj writes them (rows at any stride, each row contiguous). Per sequence b:
+// each query and key head normalized (per-head RMSNorm weights [D], optional, as rms_norm) and
+// rotated (as rope), its key and value heads written to the cache at slot slot_mapping[b], then
+// decode_attention over the cache. The model code's q/k norms, rope, write_kv and decode_attention in
+// one call, with their bits: each step rounds where one of those operators writes a T tensor.
+template <typename T, typename W>
+void norm_rotate_store(const T* qkv, int64_t row_stride, const W* q_norm, const W* k_norm, float eps, bool cast_first,
+                       float offset, const T* cos, const T* sin, int64_t R, const int64_t* slots, T* q_out, T* k_cache,
+                       T* v_cache, int64_t B, int64_t Hq, int64_t Hkv, int64_t D) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> normed(D);
+    for (int64_t b = begin; b < end; ++b) {
+      const T* row = qkv + b * row_stride;
+      for (int64_t h = 0; h < Hq + Hkv; ++h) {  // query heads, then key heads
+        const T* x = row + h * D;
+        const W* weight = h < Hq ? q_norm : k_norm;
+        if (weight != nullptr) {
+          rms_norm_row(x, weight, normed.data(), D, eps, cast_first, offset);
+          x = normed.data();
+        }
+        T* y = h < Hq ? q_out + (b * Hq + h) * D : k_cache + (slots[b] * Hkv + h - Hq) * D;
+        rope_head(x, cos + b * R, sin + b * R, y, D, R);
+      }
+      std::copy(row + (Hq + Hkv) * D, row + (Hq + 2 * Hkv) * D, v_cache + slots[b] * Hkv * D);
+    }
+  });
+}
+
+template <typename W>
+const W* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<W>() : nullptr;
+}
+
+// norm_rotate_store for activations of T and norm weights of either dtype (both of one)
+template <typename T>
+void norm_rotate_store_for(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                           const c10::optional<at::Tensor>& k_norm, float eps, bool cast_first, float offset,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, at::Tensor& q,
+                           at::Tensor& k_cache, at::Tensor& v_cache) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), R = cos.size(-1);
+  const auto& any_norm = q_norm.has_value() ? q_norm : k_norm;
+  if (any_norm.has_value() && any_norm->scalar_type() == at::kBFloat16)
+    norm_rotate_store(qkv.data_ptr<T>(), qkv.stride(0), data_or_null<BFloat16>(q_norm), data_or_null<BFloat16>(k_norm),
+                      eps, cast_first, offset, cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(),
+                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
+  else
+    norm_rotate_store(qkv.data_ptr<T>(), qkv.stride(0), data_or_null<float>(q_norm), data_or_null<float>(k_norm), eps,
+                      cast_first, offset, cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(),
+                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
+}
+
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                                const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first, double offset,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
+                                int64_t num_heads, double scale, int64_t window, bool avx512) {
+  TORCH_CHECK(is_float_or_bf16(qkv) && k_cache.scalar_type() == qkv.scalar_type() &&
+                  v_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "qkv, cos, sin, k_cache, v_cache: float32 or bfloat16 CPU tensors of one dtype");
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "decode_attention_qkv: qkv [B, (Hq + 2 Hkv) D], k_cache and v_cache [N, block_size, Hkv, D] of one "
+                    "shape; got qkv ", qkv.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && qkv.stride(1) == 1,
+              "k_cache, v_cache: contiguous; qkv: rows contiguous");
+  const int64_t B = qkv.size(0), Hq = num_heads, num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t Hkv = k_cache.size(2), D = k_cache.size(3), R = cos.size(-1);
+  TORCH_CHECK_VALUE(Hq >= 1 && Hkv >= 1 && D >= 1 && block_size >= 1 && Hq % Hkv == 0 &&
+                        qkv.size(1) == (Hq + 2 * Hkv) * D,
+                    "decode_attention_qkv: qkv [B, (Hq + 2 Hkv) D] with Hq a multiple of Hkv; got qkv ", qkv.sizes(),
+                    ", ", Hq, " query heads, k_cache ", k_cache.sizes());
+  TORCH_CHECK_VALUE(cos.numel() == B * R && sin.numel() == B * R && R % 2 == 0 && R <= D && cos.is_contiguous() &&
+                        sin.is_contiguous(),
+                    "decode_attention_qkv: cos, sin contiguous [B, 1, R], R even and at most the head dim; got cos ",
+                    cos.sizes(), " for qkv ", qkv.sizes());
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK_VALUE(!w->has_value() || ((*w)->dim() == 1 && (*w)->numel() == D && (*w)->is_contiguous() &&
+                                          is_float_or_bf16(**w)),
+                      "decode_attention_qkv: q/k norm weights: contiguous float32 or bfloat16 [D]");
+  TORCH_CHECK(!q_norm.has_value() || !k_norm.has_value() || q_norm->scalar_type() == k_norm->scalar_type(),
+              "q_norm, k_norm: one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == B,
+              "slot_mapping: long [B]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks * block_size, "slot_mapping: a slot outside the cache");
+  check_block_tables(block_tables, lens, B, num_blocks, block_size);
+  at::Tensor q = at::empty({B, Hq, D}, qkv.options());
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  const bool first = cast_first && qkv.scalar_type() == at::kBFloat16;  // as rms_norm
+  if (qkv.scalar_type() == at::kFloat)
+    norm_rotate_store_for<float>(qkv, q_norm, k_norm, e, first, o, cos, sin, slot_mapping, q, k_cache, v_cache);
+  else
+    norm_rotate_store_for<BFloat16>(qkv, q_norm, k_norm, e, first, o, cos, sin, slot_mapping, q, k_cache, v_cache);
+  return attend(q, k_cache, v_cache, block_tables, lens, scale, window, avx512);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optkit_cpu, m) {
@@ -327,4 +446,8 @@ TORCH_LIBRARY(optkit_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
         "int window, bool avx512) -> Tensor",
         &decode_attention);
+  m.def("decode_attention_qkv(Tensor qkv, Tensor? q_norm, Tensor? k_norm, float eps, bool cast_first, float offset, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor lens, int num_heads, float scale, int window, bool avx512) -> Tensor",
+        &decode_attention_qkv);
 }

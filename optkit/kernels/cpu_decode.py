@@ -9,6 +9,9 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
   rope(x, cos, sin)    models/llama.py's apply_rope, the same bits (each product and sum rounded)
   decode_attention     softmax(scale · q·Kᵀ) V per (sequence, query head), K and V read in place
                        through the block table, no gather, no mask tensor
+  decode_attention_qkv a decode step's attention from the fused q|k|v projection: the per-head q/k
+                       norms, RoPE, the cache write and decode_attention, the same bits as the four
+                       (what a layer ran as ~12 operators and their Python, one call)
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
 OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call. Attention
@@ -17,6 +20,7 @@ uses AVX-512 where the CPU has it, unless capped to AVX2 (OPTKIT_CPU_ISA=avx2: k
 
 import functools
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,15 +62,20 @@ def rms_norm(
     (float32 x), bf16(bf16(n) · weight) (bfloat16 x, `cast_first`: LlamaRMSNorm), bf16(n · (offset +
     weight)) (Olmo2RMSNorm; Gemma's offset 1, also in float32). None where the PyTorch code's result has
     another dtype than x (a cast-first weight of another dtype, a float32 x with a bfloat16 weight)."""
-    # with an offset, or a bfloat16 x weighted after the cast, the weight multiplies n in float32 and the
-    # result is cast to x's dtype: any weight dtype gives x's; otherwise the weight's dtype must be x's
-    in_float32 = offset != 0.0 or (not cast_first and x.dtype == torch.bfloat16)
-    if weight.dtype not in DTYPES or not (weight.dtype == x.dtype or in_float32):
+    if not rms_norm_takes(x.dtype, weight.dtype, cast_first, offset):
         return None
     try:
         return torch.ops.optkit_cpu.rms_norm(x, weight, eps, cast_first and not offset, offset)
     except ValueError as e:  # the operator's shape checks (a model whose sizes disagree)
         raise shape_error(e) from e
+
+
+def rms_norm_takes(x_dtype: torch.dtype, weight_dtype: torch.dtype, cast_first: bool, offset: float) -> bool:
+    """Whether `rms_norm` computes this norm (its result has x's dtype, as the PyTorch code's)."""
+    # with an offset, or a bfloat16 x weighted after the cast, the weight multiplies n in float32 and the
+    # result is cast to x's dtype: any weight dtype gives x's; otherwise the weight's dtype must be x's
+    in_float32 = offset != 0.0 or (not cast_first and x_dtype == torch.bfloat16)
+    return weight_dtype in DTYPES and (weight_dtype == x_dtype or in_float32)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,6 +101,46 @@ def decode_attention(
         return torch.ops.optkit_cpu.decode_attention(
             q, k_cache, v_cache, block_tables, lens, scale, window or 0, avx512()
         )
+    except ValueError as e:
+        raise shape_error(e) from e
+
+
+@dataclass(frozen=True)
+class NormArgs:
+    """A per-head RMSNorm as `rms_norm` takes it (models/llama.py's RMSNorm.cpu_operator_args)."""
+
+    weight: torch.Tensor  # [D]
+    eps: float
+    cast_first: bool
+    offset: float
+
+
+def decode_attention_qkv(
+    qkv: torch.Tensor,
+    num_heads: int,
+    q_norm: NormArgs | None,
+    k_norm: NormArgs | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """A decode step's attention from the fused projection qkv [B, (Hq + 2·Hkv)·D] (one token per
+    sequence): the per-head norms (q_norm and k_norm of one eps, cast and offset), `rope`, the keys and
+    values written at slot_mapping [B], and `decode_attention`, in one call with those operators' bits
+    -> [B, Hq, D]. cos and sin [B, 1, R] as `rope` takes them."""
+    norm = q_norm or k_norm
+    eps, cast_first, offset = (norm.eps, norm.cast_first, norm.offset) if norm else (0.0, False, 0.0)
+    try:
+        return torch.ops.optkit_cpu.decode_attention_qkv(
+            qkv, q_norm and q_norm.weight, k_norm and k_norm.weight, eps, cast_first, offset, cos, sin,
+            k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window or 0, avx512(),
+        )  # fmt: skip
     except ValueError as e:
         raise shape_error(e) from e
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels import cpu_decode
-from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
+from optkit.kernels.paged_attention import AttentionMetadata, decode_attention_from_qkv, paged_attention, write_kv
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -59,6 +59,14 @@ class RMSNorm(nn.Module):
         if self.weight_in_float32:
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
+
+    def cpu_operator_args(self, dtype: torch.dtype) -> cpu_decode.NormArgs | None:
+        """This norm as forward hands it to the C++ operator for activations of `dtype`; None where
+        forward takes the PyTorch code."""
+        cast_first = not (self.weight_in_float32 or self.offset)
+        if not cpu_decode.rms_norm_takes(dtype, self.weight.dtype, cast_first, self.offset):
+            return None
+        return cpu_decode.NormArgs(self.weight, self.eps, cast_first, self.offset)
 
 
 def make_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:
@@ -113,9 +121,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
 
     def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h [T, hidden] -> q [T, Hq·D], k and v [T, Hkv·D] (models/phi3.py: from one fused linear)."""
-        if self.qkv_proj is not None:
-            return self.qkv_proj(h).split(self.qkv_sizes, dim=-1)
+        """h [T, hidden] -> q [T, Hq·D], k and v [T, Hkv·D] from the unfused projections."""
         return self.q_proj(h), self.k_proj(h), self.v_proj(h)
 
     def fuse_projections(self, concatenate) -> int:
@@ -133,7 +139,14 @@ class Attention(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
-        q, k, v = self.project(h)  # q: [T, Hq·D], k, v: [T, Hkv·D]
+        if self.qkv_proj is not None:  # a decode step on the CPU: norms, RoPE, cache write, attention in one call
+            qkv = self.qkv_proj(h)  # [T, (Hq + 2·Hkv)·D]
+            out = self.decode_from_qkv(qkv, cos, sin, meta, kv_cache)
+            if out is not None:
+                return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.project(h)  # q: [T, Hq·D], k, v: [T, Hkv·D]
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # q: [T, Hq, D]
@@ -146,6 +159,27 @@ class Attention(nn.Module):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def decode_from_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor | None:
+        """forward's steps after the projection in one C++ call (kernels/paged_attention.py's
+        decode_attention_from_qkv), the same bits -> [T, Hq, D]; None where it does not apply."""
+        norms = (None, None)
+        if self.qk_norm == "full":  # over all heads at once, before the split: not per head
+            return None
+        if self.qk_norm == "head":
+            norms = (self.q_norm.cpu_operator_args(qkv.dtype), self.k_norm.cpu_operator_args(qkv.dtype))
+            q_norm, k_norm = norms
+            if q_norm is None or k_norm is None or (q_norm.eps, q_norm.cast_first, q_norm.offset) != (
+                k_norm.eps, k_norm.cast_first, k_norm.offset
+            ):
+                return None
+        k_cache, v_cache = kv_cache
+        return decode_attention_from_qkv(
+            qkv, self.num_heads, norms, cos, sin, k_cache, v_cache, meta, self.scale,
+            window=self.window, softcap=self.softcap,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

@@ -22,10 +22,6 @@ class FusedQKVAttention(llama.Attention):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
 
-    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.qkv_proj(h)  # [T, Hq·D + 2·Hkv·D]
-        return qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-
 
 class FusedMLP(nn.Module):
     """SwiGLU with gate and up in one linear: `gate_up_proj` rows [gate (I) | up (I)]."""

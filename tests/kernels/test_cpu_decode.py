@@ -1,7 +1,8 @@
 """The C++ decode operators (kernels/cpu_decode.py) equal the PyTorch code they replace: attention of
 one query token per sequence over the paged cache against the per-slot float64 reference (grouped
 query, windows, head dims with a tail, block sizes, shuffled block tables), RMSNorm within float32
-rounding; the model takes them where they apply and gives the PyTorch path's logits."""
+rounding, the attention from the fused projection bit for bit against the operators it joins; the
+model takes them where they apply and gives the PyTorch path's logits."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
-from optkit.kernels.paged_attention import paged_attention, write_kv
+from optkit.kernels.paged_attention import decode_attention_from_qkv, paged_attention, write_kv
+from optkit.models.llama import Attention, RMSNorm, apply_rope, rope_cos_sin
 from tests.kernels.broken_build import failed_build_reason
 from tests.kernels.paged_steps import paged_attention_reference, random_step
 from tests.models.paged import chunked_then_decode, run_paged
@@ -97,8 +99,6 @@ def test_rms_norm_equals_pytorch_within_float32_rounding(rows, size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["llama", "olmo2", "gemma"])  # cast before the weight, after it, 1 + weight
 def test_every_rms_norm_of_the_families_takes_the_operator_and_rounds_as_pytorch(monkeypatch, dtype, kind):
-    from optkit.models.llama import RMSNorm
-
     norm = RMSNorm(96, 1e-6, weight_in_float32=kind == "olmo2", offset=1.0 if kind == "gemma" else 0.0)
     norm.weight.data = torch.randn(96) * 0.3
     norm = norm.to(dtype)
@@ -155,3 +155,77 @@ def test_a_failed_build_says_why_and_the_model_runs_the_pytorch_code(monkeypatch
     fallback = run_paged(model, sequences, steps)
     monkeypatch.undo()
     torch.testing.assert_close(run_paged(model, sequences, steps)[0], fallback[0], atol=1e-4, rtol=0)
+
+
+def head_norms(kind: str | None, dim: int, dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm] | None:
+    """Per-head q and k norms as Qwen 3 (`llama`) or Gemma 3 (`gemma`: 1 + weight) build them."""
+    if kind is None:
+        return None
+    norms = []
+    for _ in range(2):
+        norm = RMSNorm(dim, 1e-6, offset=1.0 if kind == "gemma" else 0.0)
+        norm.weight.data = torch.randn(dim) * 0.3
+        norms.append(norm.to(dtype))
+    return norms[0], norms[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 1)])
+@pytest.mark.parametrize("norm_kind", [None, "llama", "gemma"])
+@pytest.mark.parametrize("rotary", [64, 48])  # 48 of 64: partial rotary, the rest passes through
+@pytest.mark.parametrize("window", [None, 20])
+def test_attention_from_the_fused_projection_has_the_operators_bits(isa, dtype, heads, norm_kind, rotary, window):
+    """decode_attention_from_qkv against the steps it joins (q/k norms, rope, write_kv, paged_attention):
+    the same output and the same caches, bit for bit."""
+    (q_heads, kv_heads), dim = heads, 64
+    _, k_cache, v_cache, meta = decode_step([5, 37, 100], 16, heads, dim, dtype)
+    qkv = torch.randn(3, (q_heads + 2 * kv_heads) * dim).to(dtype)
+    inv_freq = 1.0 / 1e4 ** (torch.arange(0, rotary, 2).float() / rotary)
+    cos, sin = rope_cos_sin(torch.tensor([4, 36, 99]), inv_freq, 1.0, dtype)
+    norms = head_norms(norm_kind, dim, dtype)
+    fused_k, fused_v = k_cache.clone(), v_cache.clone()
+
+    q, k, v = (t.view(3, -1, dim) for t in qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1))
+    if norms:
+        q, k = norms[0](q), norms[1](k)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    want = paged_attention(q, k_cache, v_cache, meta, 0.125, window=window)
+
+    args = tuple(n.cpu_operator_args(dtype) for n in norms) if norms else (None, None)
+    got = decode_attention_from_qkv(qkv, q_heads, args, cos, sin, fused_k, fused_v, meta, 0.125, window=window)
+    assert torch.equal(got, want) and torch.equal(fused_k, k_cache) and torch.equal(fused_v, v_cache)
+
+
+def test_the_fused_attention_refuses_a_slot_outside_the_cache():
+    _, k_cache, v_cache, meta = decode_step([20], 16, (4, 2), 32, torch.float32)
+    qkv, cos = torch.randn(1, 8 * 32), torch.ones(1, 1, 32)
+    outside = torch.tensor([k_cache.shape[0] * 16])
+    with pytest.raises(RuntimeError, match="slot_mapping: a slot outside the cache"):
+        cpu_decode.decode_attention_qkv(
+            qkv, 4, None, None, cos, cos, k_cache, v_cache, outside, meta.block_tables.long(), torch.tensor([20]), 0.2, None
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family, fused",
+    [("llama", True), ("qwen3", True), ("gemma3_text", True), ("phi3", True), ("granite", True),
+     ("olmo2", False), ("gemma2", False)],  # olmo2: q/k norms over all heads; gemma2: soft-capped scores
+)  # fmt: skip
+def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(tmp_path, small_dir, monkeypatch, family, fused):
+    """Decode steps of each family's tiny model through the fused call where it applies, and the
+    logits of every position equal (not close) to the model's operator-by-operator path."""
+    from optkit.models.loader import load_runtime_model
+    from tests.tiny_families import save_tiny_family
+
+    model = load_runtime_model(save_tiny_family(family, tmp_path / family, small_dir))
+    sequences = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
+    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)  # the second halves decode
+    calls = []
+    real = cpu_decode.decode_attention_qkv
+    monkeypatch.setattr(cpu_decode, "decode_attention_qkv", lambda *a: calls.append(a[0].shape) or real(*a))
+    fast = run_paged(model, sequences, steps)
+    assert bool(calls) == fused
+    monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, *a: None)
+    for got, want in zip(fast, run_paged(model, sequences, steps), strict=True):
+        assert torch.equal(got, want)
