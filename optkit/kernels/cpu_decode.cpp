@@ -165,11 +165,7 @@ void attend_head(const float* q, const T* k, const T* v, const int64_t* table, i
       top = std::max(top, s);
     }
   }
-  float total = 0.f;
-  for (int64_t t = 0; t < n - first; ++t) {
-    scores[t] = std::exp(scores[t] - top);
-    total += scores[t];
-  }
+  const float total = Vec::exp_and_sum(scores, n - first, top);  // scores[t] = e^(scores[t] - top)
   std::fill(out, out + D, 0.f);
   for (int64_t j = first / block_size; j * block_size < n; ++j) {
     const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
@@ -188,6 +184,14 @@ struct Portable {
   template <typename T>
   static void axpy(float p, const T* x, float* y, int64_t n) {  // y += p x
     for (int64_t i = 0; i < n; ++i) y[i] += p * as_float(x[i]);
+  }
+  static float exp_and_sum(float* s, int64_t n, float top) {  // s[t] = e^(s[t] - top); their sum
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      total += s[t];
+    }
+    return total;
   }
 };
 
@@ -210,6 +214,31 @@ struct Avx512 {
     for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load(a + i, n - i), load(b + i, n - i), acc);
     return _mm512_reduce_add_ps(acc);
   }
+  // e^x for x <= 0 (a score minus the maximum), 16 at a time: e^x = 2^k · e^r with k = round(x / ln 2) and
+  // r = x - k ln 2 in [-ln 2 / 2, ln 2 / 2] (Cody and Waite: ln 2 in two parts, so r is exact to float32),
+  // e^r by its Taylor polynomial of degree 6 (remainder below r^7 / 7! < 1.3e-7 relative: within an ulp
+  // or two of std::exp), 2^k applied by vscalefps (which underflows to 0 as e^x does, below -103).
+  OPTKIT_AVX512 static __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // e^-104 is 0 in float32; keeps k finite
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);  // ln 2's high part: 16 bits
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);     // and the rest
+    __m512 p = _mm512_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, k);
+  }
+  OPTKIT_AVX512 static float exp_and_sum(float* s, int64_t n, float top) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 mask = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), shift));
+      _mm512_mask_storeu_ps(s + t, mask, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(mask, e));
+    }
+    return _mm512_reduce_add_ps(total);
+  }
   template <typename T>
   OPTKIT_AVX512 static void axpy(float p, const T* x, float* y, int64_t n) {
     const __m512 pv = _mm512_set1_ps(p);
@@ -226,11 +255,58 @@ struct Avx512 {
 // attend_head with Avx512's operations inlined: `flatten` inlines every call into this function,
 // whose target admits them.
 template <typename T>
-OPTKIT_AVX512 __attribute__((flatten)) void attend_head_avx512(const float* q, const T* k, const T* v,
-                                                                const int64_t* table, int64_t first, int64_t n,
-                                                                int64_t block_size, int64_t slot_stride, int64_t D,
-                                                                float scale, float* scores, float* out) {
+OPTKIT_AVX512 __attribute__((flatten)) void attend_head_avx512_any(const float* q, const T* k, const T* v,
+                                                                    const int64_t* table, int64_t first, int64_t n,
+                                                                    int64_t block_size, int64_t slot_stride, int64_t D,
+                                                                    float scale, float* scores, float* out) {
   attend_head<Avx512, T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+}
+
+// attend_head for D = 16 NV, the query and the output's partial sums held in NV registers: the weighted
+// sum of V no longer stores and reloads `out` for every key (a chain through memory that bound the
+// loop). The same operations in the same order as attend_head<Avx512>, so the same bits.
+template <int NV, typename T>
+OPTKIT_AVX512 __attribute__((flatten)) void attend_head_avx512_fixed(const float* q, const T* k, const T* v,
+                                                                      const int64_t* table, int64_t first, int64_t n,
+                                                                      int64_t block_size, int64_t slot_stride,
+                                                                      float scale, float* scores, float* out) {
+  __m512 qv[NV], acc[NV];
+  for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(q + 16 * j);
+  float top = -INFINITY;
+  for (int64_t j = first / block_size; j * block_size < n; ++j) {
+    const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+    const T* kb = k + (table[j] * block_size - j * block_size) * slot_stride;
+    for (int64_t t = start; t < stop; ++t) {
+      __m512 dot = _mm512_setzero_ps();
+      for (int i = 0; i < NV; ++i) dot = _mm512_fmadd_ps(qv[i], Avx512::load(kb + t * slot_stride + 16 * i, 16), dot);
+      const float s = _mm512_reduce_add_ps(dot) * scale;
+      scores[t - first] = s;
+      top = std::max(top, s);
+    }
+  }
+  const float total = Avx512::exp_and_sum(scores, n - first, top);
+  for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = first / block_size; j * block_size < n; ++j) {
+    const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+    const T* vb = v + (table[j] * block_size - j * block_size) * slot_stride;
+    for (int64_t t = start; t < stop; ++t) {
+      const __m512 p = _mm512_set1_ps(scores[t - first]);
+      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(p, Avx512::load(vb + t * slot_stride + 16 * i, 16), acc[i]);
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
+}
+
+template <typename T>
+void attend_head_avx512(const float* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t n,
+                        int64_t block_size, int64_t slot_stride, int64_t D, float scale, float* scores, float* out) {
+  switch (D) {  // the head dims of the families: registers for each; any other takes the loops
+    case 64: return attend_head_avx512_fixed<4, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    case 128: return attend_head_avx512_fixed<8, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    case 256: return attend_head_avx512_fixed<16, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    default: return attend_head_avx512_any<T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+  }
 }
 #endif
 
