@@ -15,12 +15,14 @@ llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, wher
 to llama.cpp Q4_0 (batch 1) and to vLLM's best (batch > 1), and at batch 1 the bytes of weights a
 decode step reads (every weight once; the embedding only where it is the tied head), that divided
 by the step time, and its share of the read bandwidth measured in the same run (summing a 1 GiB
-float32 array with the same threads). With --prefill-lens (issue 38 §4): the time to first token of
-one request with a prompt of each length (batch 1, the median of --prefill-repeats), every optkit
-run in its engine and llama.cpp on each GGUF file, with the ratio to llama.cpp Q4_K_M's.
+float32 array with the same threads). Each optkit and llama.cpp figure is the median of --repeats
+runs of its batch size (the sizes interleaved; vLLM runs each size once). With --prefill-lens
+(issue 38 §4): the time to first token of one request with a prompt of each length (batch 1, the
+median of --prefill-repeats), every optkit run in its engine and llama.cpp on each GGUF file, with
+the ratio to llama.cpp Q4_K_M's.
 
 Usage: python bench/cpu_real_shapes.py [--shapes smollm2-135m,gemma-3-270m] [--threads 2]
-       [--batch-sizes 1,16] [--gen-len 32] [--prefill-lens 64,512] [--prefill-repeats 5]
+       [--batch-sizes 1,16] [--gen-len 32] [--repeats 3] [--prefill-lens 64,512] [--prefill-repeats 5]
        [--no-decode] [--no-vllm] [--no-llama-cpp] [--json out.json]
 """
 
@@ -65,6 +67,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each batch size per engine (vLLM: one); the median")
     p.add_argument("--prefill-lens", default="", help="prompt lengths whose TTFT to measure, e.g. 64,512")
     p.add_argument("--prefill-repeats", type=int, default=5)
     p.add_argument("--no-decode", action="store_true", help="only the TTFT runs of --prefill-lens")
@@ -166,7 +169,7 @@ def optkit_rows(name: str, path: Path, dtype: str, args, vllm: bool, log) -> tup
     from optkit.runtime.benchmark import BenchConfig, run_benchmark
 
     config = BenchConfig(
-        batch_sizes=[int(b) for b in args.batch_sizes.split(",")], prompt_len=PROMPT_LEN, gen_len=args.gen_len,
+        batch_sizes=batch_sizes(args) * args.repeats, prompt_len=PROMPT_LEN, gen_len=args.gen_len,
         dtype=dtype, baselines=("vllm",) if vllm else (), vllm_python=str(ROOT / ".venv-vllm" / "bin" / "python"),
     )  # fmt: skip
     result = run_benchmark(path, config, log=lambda m: log(f"{name}: {m}"))
@@ -175,6 +178,21 @@ def optkit_rows(name: str, path: Path, dtype: str, args, vllm: bool, log) -> tup
         run = name if row["run"] == "optkit" else f"{row['run']} ({name.split(' ', 1)[-1]})"
         rows.append({"run": run, "batch_size": row["batch_size"], "tokens_per_s": row["tokens_per_s"]})
     return rows, {"kernels": result.get("kernels"), "vllm": result.get("vllm")}
+
+
+def batch_sizes(args) -> list[int]:
+    return [int(b) for b in args.batch_sizes.split(",")]
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (run, batch size): the median tokens/s of its repeats, and how many there were."""
+    by_key: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        by_key.setdefault((row["run"], row["batch_size"]), []).append(row["tokens_per_s"])
+    return [
+        {"run": run, "batch_size": size, "tokens_per_s": statistics.median(values), "repeats": len(values)}
+        for (run, size), values in by_key.items()
+    ]
 
 
 def prefill_lens(args) -> list[int]:
@@ -227,11 +245,11 @@ def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
 
     from llama_cpp_decode import LlamaCppDecoder
 
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    sizes = batch_sizes(args)
     decoder = LlamaCppDecoder(str(gguf), max(sizes), PROMPT_LEN + args.gen_len + 8, args.threads)
     rng, rows = random.Random(0), []
     decoder.generate([[rng.randrange(VOCAB_USED) for _ in range(8)]], 2)  # warm
-    for size in sizes:
+    for size in sizes * args.repeats:
         prompts = [[rng.randrange(VOCAB_USED) for _ in range(PROMPT_LEN)] for _ in range(size)]
         start = time.perf_counter()
         decoder.generate(prompts, args.gen_len)
@@ -268,6 +286,7 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
                 ttft[name] = llama_cpp_ttft(path, args)
             if not args.no_decode:
                 rows += llama_cpp_rows(name, path, args)
+    rows = median_rows(rows)
     for row in rows:
         peers = [r for r in rows if r["batch_size"] == row["batch_size"]]
         q4_0 = next((r for r in peers if r["run"] == "llama.cpp Q4_0"), None)
@@ -337,7 +356,8 @@ def main() -> None:
         print_prefill(result)
     meta = {"threads": args.threads, "read_bytes_per_s": bandwidth, "load_average": os.getloadavg(),
             "gen_len": args.gen_len, "prompt_len": PROMPT_LEN, "torch": torch.__version__,
-            "prefill_lens": prefill_lens(args), "prefill_repeats": args.prefill_repeats}  # fmt: skip
+            "repeats": args.repeats, "prefill_lens": prefill_lens(args),
+            "prefill_repeats": args.prefill_repeats}  # fmt: skip
     print(f"\nload average during the run: {meta['load_average']} (not an idle machine when above ~0.5)")
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "shapes": results}, indent=2) + "\n")

@@ -114,6 +114,10 @@ class NormArgs:
     cast_first: bool
     offset: float
 
+    def same_rule(self, other: "NormArgs") -> bool:
+        """Whether both norms round alike (decode_attention_qkv takes one eps, cast and offset)."""
+        return (self.eps, self.cast_first, self.offset) == (other.eps, other.cast_first, other.offset)
+
 
 def decode_attention_qkv(
     qkv: torch.Tensor,

@@ -263,7 +263,9 @@ def decode_attention_from_qkv(
     if softcap is not None or isinstance(k_cache, QuantizedKVCache) or not cpu_decode.enabled(qkv):
         return None
     same = k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == qkv.dtype
-    if not (same and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+    if not (
+        same and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    ):
         return None
     plan = meta.plan(k_cache.shape[1])
     decode = plan.decode

@@ -169,12 +169,10 @@ class Attention(nn.Module):
         if self.qk_norm == "full":  # over all heads at once, before the split: not per head
             return None
         if self.qk_norm == "head":
-            norms = (self.q_norm.cpu_operator_args(qkv.dtype), self.k_norm.cpu_operator_args(qkv.dtype))
-            q_norm, k_norm = norms
-            if q_norm is None or k_norm is None or (q_norm.eps, q_norm.cast_first, q_norm.offset) != (
-                k_norm.eps, k_norm.cast_first, k_norm.offset
-            ):
+            q_norm, k_norm = (norm.cpu_operator_args(qkv.dtype) for norm in (self.q_norm, self.k_norm))
+            if q_norm is None or k_norm is None or not q_norm.same_rule(k_norm):
                 return None
+            norms = (q_norm, k_norm)
         k_cache, v_cache = kv_cache
         return decode_attention_from_qkv(
             qkv, self.num_heads, norms, cos, sin, k_cache, v_cache, meta, self.scale,

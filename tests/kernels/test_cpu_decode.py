@@ -200,11 +200,11 @@ def test_attention_from_the_fused_projection_has_the_operators_bits(isa, dtype, 
 def test_the_fused_attention_refuses_a_slot_outside_the_cache():
     _, k_cache, v_cache, meta = decode_step([20], 16, (4, 2), 32, torch.float32)
     qkv, cos = torch.randn(1, 8 * 32), torch.ones(1, 1, 32)
-    outside = torch.tensor([k_cache.shape[0] * 16])
+    outside, tables, lens = torch.tensor([k_cache.shape[0] * 16]), meta.block_tables.long(), torch.tensor([20])
     with pytest.raises(RuntimeError, match="slot_mapping: a slot outside the cache"):
         cpu_decode.decode_attention_qkv(
-            qkv, 4, None, None, cos, cos, k_cache, v_cache, outside, meta.block_tables.long(), torch.tensor([20]), 0.2, None
-        )  # fmt: skip
+            qkv, 4, None, None, cos, cos, k_cache, v_cache, outside, tables, lens, 0.2, None
+        )
 
 
 @pytest.mark.parametrize(
@@ -212,7 +212,9 @@ def test_the_fused_attention_refuses_a_slot_outside_the_cache():
     [("llama", True), ("qwen3", True), ("gemma3_text", True), ("phi3", True), ("granite", True),
      ("olmo2", False), ("gemma2", False)],  # olmo2: q/k norms over all heads; gemma2: soft-capped scores
 )  # fmt: skip
-def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(tmp_path, small_dir, monkeypatch, family, fused):
+def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
+    tmp_path, small_dir, monkeypatch, family, fused
+):
     """Decode steps of each family's tiny model through the fused call where it applies, and the
     logits of every position equal (not close) to the model's operator-by-operator path."""
     from optkit.models.loader import load_runtime_model
