@@ -29,7 +29,6 @@ from pathlib import Path
 
 import gguf
 import torch
-from safetensors.torch import save_file
 
 from optkit.cache import cache_dir
 from optkit.compat import matrix
@@ -39,7 +38,7 @@ from optkit.devices import set_cpu_threads
 from optkit.gate.llama_cpp_agreement import llama_cpp_agreement
 from optkit.modeldir import load_tokenizer
 from optkit.quant.formats.gguf_mix import linear_scheme
-from optkit.quant.formats.gguf_weights import read_weights
+from optkit.quant.formats.gguf_weights import write_reference_dir
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.kquants import K_TYPES
 from optkit.zoo.specs import ZooSpec
@@ -119,15 +118,6 @@ def trained_model(family: str, steps: int = STEPS) -> tuple[Path, dict]:
     return path / "model", json.loads(info.read_text())
 
 
-def _reference_dir(path: Path, model_dir: Path, out: Path) -> Path:
-    """optkit's runtime model directory on the .gguf's own weights (with the source's config.json)."""
-    out.mkdir()
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    config = json.loads((model_dir / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in read_weights(path, config).items()}, out / "model.safetensors")
-    return out
-
-
 def fallbacks(path: Path, file_type: str) -> list[str]:
     """The linears a file type's mix put off its own types (a K mix: off the K types)."""
     manifest = json.loads(gguf.GGUFReader(path).fields["optkit.manifest"].contents())
@@ -139,7 +129,7 @@ def cell(family: str, file_type: str, model: Path, tokens: torch.Tensor, work: P
     path = work / f"{family}-{file_type}.gguf"
     quantize_model(model, path, QuantizeOptions(method="rtn", format="gguf", gguf={"type": file_type}))
     off = fallbacks(path, file_type)
-    reference = _reference_dir(path, model, work / f"{family}-{file_type}-ref")
+    reference = write_reference_dir(path, model, work / f"{family}-{file_type}-ref")
     agreement = llama_cpp_agreement(path, tokens, reference)
     shutil.rmtree(reference)
     path.unlink()

@@ -1,5 +1,6 @@
 // The small operators of a CPU decode step, one call each instead of 5-10 ATen operators: RMSNorm,
-// RoPE, and attention of one query token per sequence over the paged KV cache; float32 or bfloat16.
+// RoPE, and attention of one query token per sequence over the paged KV cache, alone or joined to the
+// per-head q/k norms, RoPE and the cache write after a fused q|k|v projection; float32 or bfloat16.
 // Built at first use by optkit/kernels/cpu_decode.py (kernels/cpp_build.py), which documents when
 // the runtime takes them. At batch 1 a step of a 4-bit model spent as long in these operators'
 // dispatch, thread wake-ups and temporaries as in its matmuls (docs/results.md, issue 20).

@@ -15,7 +15,6 @@ choose their experts clearly."""
 
 import functools
 import json
-import shutil
 from pathlib import Path
 
 import gguf
@@ -26,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from optkit.compat import matrix
 from optkit.gate.llama_cpp import llama_cpp_available
 from optkit.quant.formats.gguf_mix import linear_scheme
-from optkit.quant.formats.gguf_weights import read_weights
+from optkit.quant.formats.gguf_weights import write_reference_dir
 from optkit.quant.quantize import QuantizeOptions, quantize_model
 from optkit.weights.kquants import K_TYPES
 from tests.compat.test_llama_cpp_column import assert_llama_cpp_agrees
@@ -131,15 +130,6 @@ def _sampled_text(model_dir: Path) -> torch.Tensor:
         )  # fmt: skip
 
 
-def _reference_dir(path, model_dir, out):
-    """optkit's runtime model directory on the .gguf's own weights (with the source's config.json)."""
-    out.mkdir()
-    shutil.copy(model_dir / "config.json", out / "config.json")
-    config = json.loads((model_dir / "config.json").read_text())
-    save_file({k: v.contiguous() for k, v in read_weights(path, config).items()}, out / "model.safetensors")
-    return out
-
-
 def _cells():
     """CELLS, Q8_0 on every run and the K mixes with the slow tests."""
     for file_type, families in CELLS.items():
@@ -161,7 +151,7 @@ def test_a_family_in_a_file_type_computes_in_llama_cpp_what_optkit_does(
         manifest = json.loads(gguf.GGUFReader(path).fields["optkit.manifest"].contents())
         assert {layer["gguf_type"] for layer in manifest["layers"]} <= set(K_TYPES)
     # LongRoPE's long factors on both sides: a context (256, the test models') beyond Phi-3's original
-    assert_llama_cpp_agrees(path, _sampled_text(model), _reference_dir(path, model, tmp_path / "ref"), 256, PROMPT)
+    assert_llama_cpp_agrees(path, _sampled_text(model), write_reference_dir(path, model, tmp_path / "ref"), 256, PROMPT)
     versions = {**_versions(), "llama-cpp-python": matrix.installed_version("llama-cpp-python")}
     cell = {"row": f"{family} (tiny, random)", "method": "rtn", "kind": f"gguf {file_type}", "format": "gguf"}
     cell.update(versions=versions, bits=scheme["bits"], symmetric=scheme["symmetric"], w8a8=False, type="int")
