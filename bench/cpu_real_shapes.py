@@ -12,7 +12,7 @@ said): the base in fp32 and bf16; RTN W4A16 g64 artifacts with each head the art
 (`--baseline vllm`, the venv of .venv-vllm) on the bf16 base and the W4A16 head-full artifact;
 llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, where `optkit quantize
 --gguf-type Q4_K_M` is available, on that. Printed per shape and batch size: tokens/s, the ratio
-to llama.cpp Q4_0 (batch 1) and to vLLM's best (batch > 1), and at batch 1 the bytes of weights a
+to llama.cpp Q4_0 and Q4_K_M and to vLLM's best at each batch size, and at batch 1 the bytes of weights a
 decode step reads (every weight once; the embedding only where it is the tied head), that divided
 by the step time, and its share of the read bandwidth measured in the same run (summing a 1 GiB
 float32 array with the same threads). Each optkit and llama.cpp figure is the median of --repeats
@@ -290,9 +290,12 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
     for row in rows:
         peers = [r for r in rows if r["batch_size"] == row["batch_size"]]
         q4_0 = next((r for r in peers if r["run"] == "llama.cpp Q4_0"), None)
+        q4_k_m = next((r for r in peers if r["run"] == "llama.cpp Q4_K_M"), None)
         vllm_best = max((r["tokens_per_s"] for r in peers if r["run"].startswith("vLLM")), default=None)
         if q4_0 is not None:
             row["vs llama.cpp Q4_0"] = row["tokens_per_s"] / q4_0["tokens_per_s"]
+        if q4_k_m is not None:  # the pass line's peer at batch 1
+            row["vs llama.cpp Q4_K_M"] = row["tokens_per_s"] / q4_k_m["tokens_per_s"]
         if vllm_best:
             row["vs vLLM best"] = row["tokens_per_s"] / vllm_best
         if row["batch_size"] == 1 and row["run"] in step_bytes:
@@ -311,7 +314,8 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
 
 def print_shape(result: dict, bandwidth: float) -> None:
     print(f"\n{result['shape']} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
-    print(f"{'run':34} {'batch':>5} {'tok/s':>8} {'vs Q4_0':>8} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'share':>6}")
+    columns = f"{'vs Q4_0':>8} {'vs Q4_K_M':>9} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'share':>6}"
+    print(f"{'run':34} {'batch':>5} {'tok/s':>8} {columns}")
 
     def cell(row, key, fmt):
         return format(row[key], fmt) if key in row else "-"
@@ -321,7 +325,8 @@ def print_shape(result: dict, bandwidth: float) -> None:
         gbs = format(row["achieved_bytes_per_s"] / 1e9, ".1f") if "achieved_bytes_per_s" in row else "-"
         print(
             f"{row['run']:34} {row['batch_size']:>5} {row['tokens_per_s']:>8.1f} "
-            f"{cell(row, 'vs llama.cpp Q4_0', '>8.2f')} {cell(row, 'vs vLLM best', '>8.2f')} "
+            f"{cell(row, 'vs llama.cpp Q4_0', '>8.2f')} {cell(row, 'vs llama.cpp Q4_K_M', '>9.2f')} "
+            f"{cell(row, 'vs vLLM best', '>8.2f')} "
             f"{mb:>8} {gbs:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')}"
         )
 
