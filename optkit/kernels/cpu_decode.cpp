@@ -11,9 +11,12 @@
 // rounds twice as the separate operators do: RoPE gives the same bits as apply_rope.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/silu.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
@@ -514,6 +517,59 @@ at::Tensor decode_attention_qkv(const at::Tensor& qkv, const c10::optional<at::T
   return attend(q, k_cache, v_cache, block_tables, lens, scale, window, avx512);
 }
 
+// ---- A whole decoder layer of a decode step whose four linears are optkit W4A8 layers: with n(x) as
+// rms_norm, L(x) as optkit_w4a8::linear (kernels/cpu_w4a8.cpp: its own library, which the caller has
+// loaded; the result cast to x's dtype, as the Python wrapper casts it) and act SiLU (GELU's tanh
+// approximation for Gemma),
+//   pre-norms:      a = h + L_o(attn(L_qkv(n_in(h)))),         out = a + L_down(act(g) u)
+//   sandwich norms: a = h + n_post_attn(L_o(attn(L_qkv(n_in(h))))), out = a + n_post_ffw(L_down(act(g) u))
+// with g | u = L_gate_up(n_post_attn(a)) (pre-norms) or L_gate_up(n_pre_ffw(a)) (sandwich), attn as
+// decode_attention_qkv. models/llama.py's DecoderLayer in one call: the same kernels and ATen's own
+// adds and activations, so the same bits; what it saves is the Python between them.
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& params,
+                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("optkit_w4a8::linear", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                            int64_t, int64_t, int64_t)>();
+  const at::Tensor y = op.call(x, weight, params, bias, n, group_size, isa);
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::TensorList params,
+                             const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
+                             at::IntArrayRef group_sizes, int64_t isa, const at::Tensor& input_norm,
+                             const at::Tensor& post_attention_norm, const c10::optional<at::Tensor>& pre_feedforward_norm,
+                             const c10::optional<at::Tensor>& post_feedforward_norm,
+                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                             double eps, bool cast_first, double offset, bool gelu_tanh, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
+                             int64_t num_heads, double scale, int64_t window, bool avx512) {
+  TORCH_CHECK_VALUE(weights.size() == 4 && params.size() == 4 && biases.size() == 4 && out_features.size() == 4 &&
+                        group_sizes.size() == 4,
+                    "decode_layer_w4a8: four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK_VALUE(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
+                    "decode_layer_w4a8: the sandwich norms come in pairs");
+  const auto linear = [&](const at::Tensor& x, int i) {
+    return w4a8_linear(x, weights[i], params[i], biases.get(i), out_features[i], group_sizes[i], isa);
+  };
+  const auto norm = [&](const at::Tensor& x, const at::Tensor& weight) {
+    return rms_norm(x, weight, eps, cast_first, offset);
+  };
+  const bool sandwich = pre_feedforward_norm.has_value();
+  const at::Tensor attention =
+      decode_attention_qkv(linear(norm(h, input_norm), 0), q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache,
+                           v_cache, slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
+  at::Tensor out = linear(attention.view({h.size(0), -1}), 1);
+  const at::Tensor a = h.add(sandwich ? norm(out, post_attention_norm) : out);
+  const auto halves = linear(norm(a, sandwich ? *pre_feedforward_norm : post_attention_norm), 2).chunk(2, -1);
+  at::Tensor gate = gelu_tanh ? at::gelu(halves[0], "tanh") : at::silu(halves[0]);
+  out = linear(gate.mul_(halves[1]), 3);  // in place on act(gate)'s own tensor: act(gate) * up's bits
+  return a.add(sandwich ? norm(out, *post_feedforward_norm) : out);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optkit_cpu, m) {
@@ -527,4 +583,10 @@ TORCH_LIBRARY(optkit_cpu, m) {
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, "
         "Tensor lens, int num_heads, float scale, int window, bool avx512) -> Tensor",
         &decode_attention_qkv);
+  m.def("decode_layer_w4a8(Tensor h, Tensor[] weights, Tensor[] params, Tensor?[] biases, int[] out_features, "
+        "int[] group_sizes, int isa, Tensor input_norm, Tensor post_attention_norm, Tensor? pre_feedforward_norm, "
+        "Tensor? post_feedforward_norm, Tensor? q_norm, Tensor? k_norm, float eps, bool cast_first, float offset, "
+        "bool gelu_tanh, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor lens, int num_heads, float scale, int window, bool avx512) -> Tensor",
+        &decode_layer_w4a8);
 }

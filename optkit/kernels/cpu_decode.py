@@ -12,6 +12,8 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
   decode_attention_qkv a decode step's attention from the fused q|k|v projection: the per-head q/k
                        norms, RoPE, the cache write and decode_attention, the same bits as the four
                        (what a layer ran as ~12 operators and their Python, one call)
+  decode_layer_w4a8    a whole decoder layer of a decode step whose linears are W4A8 layers (its
+                       norms, the four W4A8 calls, the attention above, the adds and activation)
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
 OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call. Attention
@@ -22,11 +24,15 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from optkit.errors import OptkitError
 from optkit.kernels import cpp_build
+
+if TYPE_CHECKING:  # cpu_w4a8 imports this module
+    from optkit.kernels.cpu_w4a8 import W4A8Packed
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 
@@ -119,6 +125,9 @@ class NormArgs:
         return (self.eps, self.cast_first, self.offset) == (other.eps, other.cast_first, other.offset)
 
 
+HeadNorms = tuple[NormArgs | None, NormArgs | None]  # the q and k norms of a head, or none
+
+
 def decode_attention_qkv(
     qkv: torch.Tensor,
     num_heads: int,
@@ -143,6 +152,43 @@ def decode_attention_qkv(
     try:
         return torch.ops.optkit_cpu.decode_attention_qkv(
             qkv, q_norm and q_norm.weight, k_norm and k_norm.weight, eps, cast_first, offset, cos, sin,
+            k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window or 0, avx512(),
+        )  # fmt: skip
+    except ValueError as e:
+        raise shape_error(e) from e
+
+
+def decode_layer_w4a8(
+    h: torch.Tensor,
+    linears: list[tuple["W4A8Packed", torch.Tensor | None]],
+    norms: list[NormArgs],
+    head_norms: HeadNorms,
+    gelu_tanh: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """models/llama.py's DecoderLayer for one decode step in one call, the same bits: h [B, hidden] ->
+    [B, hidden]. `linears`: qkv, o, gate_up and down as (W4A8 layout, bias in h's dtype or None);
+    `norms`: the input and post-attention norms, then for sandwich norms (Gemma) the pre- and
+    post-feedforward ones, all of one eps, cast and offset with the per-head `head_norms`."""
+    from optkit.kernels import cpu_w4a8
+
+    w, p, b, n, g = zip(*[(k.weight, k.params, bias, k.out_features, k.group_size) for k, bias in linears], strict=True)
+    pre_ffw, post_ffw = (norms[2].weight, norms[3].weight) if len(norms) == 4 else (None, None)
+    q_norm, k_norm = (norm.weight if norm else None for norm in head_norms)
+    rule = norms[0]
+    try:
+        return torch.ops.optkit_cpu.decode_layer_w4a8(
+            h, list(w), list(p), list(b), list(n), list(g), cpu_w4a8.selected_isa(), norms[0].weight, norms[1].weight,
+            pre_ffw, post_ffw, q_norm, k_norm, rule.eps, rule.cast_first, rule.offset, gelu_tanh, cos, sin,
             k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window or 0, avx512(),
         )  # fmt: skip
     except ValueError as e:

@@ -270,6 +270,17 @@ class PackedIntLinear(torch.nn.Module):
             return f"{cpu_int4.NAME} (w4a8: {self._cpu_packing()[1]})"
         return "triton w4a16 or dequantize+matmul"
 
+    def w4a8_for(self, x: torch.Tensor) -> cpu_w4a8.W4A8Packed | None:
+        """The W4A8 layout `forward` runs `x` through in one kernel call (on the CPU, no act-order
+        permutation: the layout a fused decode layer can take, kernels/cpu_decode.py); None elsewhere."""
+        if x.device.type != "cpu":
+            return None
+        packed = self.cpu_packed()
+        if not isinstance(packed, cpu_w4a8.W4A8Packed) or packed.perm is not None:
+            return None
+        limit = cpu_w4a8.MAX_KERNEL_ROWS
+        return packed if limit is None or x.numel() <= limit * self.in_features else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
         y = triton_kernels.packed_linear(self, x, bias)

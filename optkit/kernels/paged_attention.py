@@ -241,10 +241,36 @@ def paged_attention(
     return out
 
 
+def fused_decode_group(
+    x: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    meta: AttentionMetadata,
+    softcap: float | None = None,
+):
+    """The decode group of a decode-only step whose attention the C++ operators can take from a fused
+    projection of activations like `x` [T, ...] (kernels/cpu_decode.py: every row a decode, in order;
+    the caches plain, contiguous and of x's dtype; no soft-cap); None where they cannot."""
+    if softcap is not None or isinstance(k_cache, QuantizedKVCache) or not cpu_decode.enabled(x):
+        return None
+    same = k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == x.dtype
+    if not (
+        same and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    ):
+        return None
+    plan = meta.plan(k_cache.shape[1])
+    decode = plan.decode
+    if decode is None or plan.short or plan.chunks or not isinstance(decode.rows, slice):
+        return None
+    return decode if decode.rows.stop == x.shape[0] else None
+
+
 def decode_attention_from_qkv(
     qkv: torch.Tensor,
     num_heads: int,
-    norms: tuple[cpu_decode.NormArgs | None, cpu_decode.NormArgs | None],
+    norms: cpu_decode.HeadNorms,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -257,21 +283,10 @@ def decode_attention_from_qkv(
 ) -> torch.Tensor | None:
     """A decode-only step's attention straight from the fused projection qkv [T, (Hq + 2·Hkv)·D]: the
     per-head q/k norms (`norms`, None each where the model has none), RoPE, write_kv and paged_attention
-    in one C++ call (kernels/cpu_decode.py) -> [T, Hq, D]. None where that call does not apply (not the
-    CPU operators' dtype, a prefill or speculative row, an 8-bit cache, a soft-cap): the model then runs
-    those steps one by one, which give the same bits."""
-    if softcap is not None or isinstance(k_cache, QuantizedKVCache) or not cpu_decode.enabled(qkv):
-        return None
-    same = k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == qkv.dtype
-    if not (
-        same and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-    ):
-        return None
-    plan = meta.plan(k_cache.shape[1])
-    decode = plan.decode
-    if decode is None or plan.short or plan.chunks or not isinstance(decode.rows, slice):
-        return None
-    if decode.rows.stop != qkv.shape[0] or qkv.stride(-1) != 1:
+    in one C++ call (kernels/cpu_decode.py) -> [T, Hq, D]. None where that call does not apply
+    (`fused_decode_group`): the model then runs those steps one by one, which give the same bits."""
+    decode = fused_decode_group(qkv, k_cache, v_cache, cos, sin, meta, softcap)
+    if decode is None or qkv.stride(-1) != 1:
         return None
     return cpu_decode.decode_attention_qkv(
         qkv, num_heads, *norms, cos, sin, k_cache, v_cache, meta.slot_mapping, decode.block_tables, decode.lens,

@@ -11,7 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels import cpu_decode
-from optkit.kernels.paged_attention import AttentionMetadata, decode_attention_from_qkv, paged_attention, write_kv
+from optkit.kernels.paged_attention import (
+    AttentionMetadata,
+    decode_attention_from_qkv,
+    fused_decode_group,
+    paged_attention,
+    write_kv,
+)
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -165,19 +171,26 @@ class Attention(nn.Module):
     ) -> torch.Tensor | None:
         """forward's steps after the projection in one C++ call (kernels/paged_attention.py's
         decode_attention_from_qkv), the same bits -> [T, Hq, D]; None where it does not apply."""
-        norms = (None, None)
-        if self.qk_norm == "full":  # over all heads at once, before the split: not per head
+        norms = self.head_norm_args(qkv.dtype)
+        if norms is None:
             return None
-        if self.qk_norm == "head":
-            q_norm, k_norm = (norm.cpu_operator_args(qkv.dtype) for norm in (self.q_norm, self.k_norm))
-            if q_norm is None or k_norm is None or not q_norm.same_rule(k_norm):
-                return None
-            norms = (q_norm, k_norm)
         k_cache, v_cache = kv_cache
         return decode_attention_from_qkv(
             qkv, self.num_heads, norms, cos, sin, k_cache, v_cache, meta, self.scale,
             window=self.window, softcap=self.softcap,
         )  # fmt: skip
+
+    def head_norm_args(self, dtype: torch.dtype) -> cpu_decode.HeadNorms | None:
+        """The per-head q/k norms as the C++ attention takes them for activations of `dtype`: (None,
+        None) for a model without; None where it cannot (norms over all heads, OLMo 2's; PyTorch's)."""
+        if self.qk_norm == "full":  # over all heads at once, before the split: not per head
+            return None
+        if self.qk_norm != "head":
+            return (None, None)
+        q_norm, k_norm = (norm.cpu_operator_args(dtype) for norm in (self.q_norm, self.k_norm))
+        if q_norm is None or k_norm is None or not q_norm.same_rule(k_norm):
+            return None
+        return (q_norm, k_norm)
 
 
 class MLP(nn.Module):
@@ -235,6 +248,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
+        fast = self.decode_in_one_call(h, cos, sin, meta, kv_cache)
+        if fast is not None:
+            return fast
         if self.sandwich_norms:
             h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
@@ -246,6 +262,49 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def decode_in_one_call(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor | None:
+        """forward for a decode-only step in one C++ call (kernels/cpu_decode.py's decode_layer_w4a8, the
+        same bits) where its four linears are W4A8 layers (a 4-bit artifact on the CPU), its norms pre- or
+        sandwich norms of one rounding rule and its attention one the fused call takes; None elsewhere."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.post_norms or self.residual_multiplier != 1.0 or type(mlp) is not MLP or not cpu_decode.enabled(h):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(hasattr(m, "w4a8_for") for m in linears):  # PackedIntLinear, fused q|k|v and gate|up
+            return None
+        names = ("input_layernorm", "post_attention_layernorm")
+        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich_norms else ()
+        norm_modules = [getattr(self, name) for name in names]
+        if _hooked([attn, mlp, *linears, *norm_modules]):  # one call would run past the hook
+            return None
+        layouts = [m.w4a8_for(h) for m in linears]
+        norms = [norm.cpu_operator_args(h.dtype) for norm in norm_modules]
+        head_norms = attn.head_norm_args(h.dtype)
+        if any(layout is None for layout in layouts) or any(norm is None for norm in norms) or head_norms is None:
+            return None
+        if not all(norms[0].same_rule(norm) for norm in [*norms, *head_norms] if norm is not None):
+            return None
+        k_cache, v_cache = kv_cache
+        decode = fused_decode_group(h, k_cache, v_cache, cos, sin, meta, attn.softcap)
+        if decode is None:
+            return None
+        biases = [None if m.bias is None else m.bias.to(h.dtype) for m in linears]
+        return cpu_decode.decode_layer_w4a8(
+            h, list(zip(layouts, biases, strict=True)), norms, head_norms, mlp.gelu, cos, sin, k_cache, v_cache,
+            meta.slot_mapping, decode.block_tables, decode.lens, attn.num_heads, attn.scale, attn.window,
+        )  # fmt: skip
+
+
+def _hooked(modules: list[nn.Module]) -> bool:
+    """Whether a forward hook watches any of `modules` (torch's global hooks included)."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class DecoderModel(nn.Module):

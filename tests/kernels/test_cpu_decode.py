@@ -1,8 +1,9 @@
 """The C++ decode operators (kernels/cpu_decode.py) equal the PyTorch code they replace: attention of
 one query token per sequence over the paged cache against the per-slot float64 reference (grouped
 query, windows, head dims with a tail, block sizes, shuffled block tables), RMSNorm within float32
-rounding, the attention from the fused projection bit for bit against the operators it joins; the
-model takes them where they apply and gives the PyTorch path's logits."""
+rounding, the attention from the fused projection and a 4-bit artifact's whole decode layer bit for
+bit against the operators and modules they join; the model takes them where they apply and gives the
+PyTorch path's logits."""
 
 import pytest
 import torch
@@ -231,3 +232,55 @@ def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
     monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, *a: None)
     for got, want in zip(fast, run_paged(model, sequences, steps), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "family, fused",
+    [("llama", True), ("qwen3", True), ("gemma3_text", True),  # pre-norms, q/k norms, sandwich norms
+     ("olmo2", False), ("granite", False), ("phi3", False)],  # post-norms, residual multiplier, Phi-3's MLP
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_4bit_artifacts_decode_layers_run_in_one_call_with_the_same_logits(
+    tmp_path, small_dir, monkeypatch, family, fused, dtype
+):
+    """Each decoder layer of a decode step of a W4A8 artifact in one C++ call where it applies, and
+    the logits of every position equal (not close) to the module-by-module path's."""
+    from optkit.models.llama import DecoderLayer
+    from optkit.models.loader import load_runtime_model
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+    from tests.tiny_families import save_tiny_family
+
+    artifact = tmp_path / "w4"
+    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
+    quantize_model(save_tiny_family(family, tmp_path / family, small_dir), artifact, options)
+    model = load_runtime_model(artifact, dtype=dtype)
+    sequences = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
+    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)
+    calls = []
+    real = cpu_decode.decode_layer_w4a8
+    monkeypatch.setattr(cpu_decode, "decode_layer_w4a8", lambda *a: calls.append(a[0].shape) or real(*a))
+    fast = run_paged(model, sequences, steps)
+    assert bool(calls) == fused
+    monkeypatch.setattr(DecoderLayer, "decode_in_one_call", lambda self, *a: None)
+    for got, want in zip(fast, run_paged(model, sequences, steps), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_a_hooked_layer_runs_module_by_module(tmp_path, small_dir, monkeypatch):
+    """A forward hook on a layer's linear sees its call: the layer then takes the module path."""
+    from optkit.models.loader import load_runtime_model
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+    from tests.tiny_families import save_tiny_family
+
+    artifact = tmp_path / "w4"
+    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
+    quantize_model(save_tiny_family("llama", tmp_path / "llama", small_dir), artifact, options)
+    model = load_runtime_model(artifact)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    sequences = [list(range(3, 20))]
+    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)
+    run_paged(model, sequences, steps)
+    assert len(seen) == len(steps)  # every step, the decodes included
