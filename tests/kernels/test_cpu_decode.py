@@ -208,6 +208,35 @@ def test_the_fused_attention_refuses_a_slot_outside_the_cache():
         )
 
 
+DECODING = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
+
+
+def counted_and_equal(model, monkeypatch, operator: str, owner: type, method: str) -> int:
+    """DECODING through prefill chunks and then decodes, counting the calls of cpu_decode.`operator`;
+    then again with owner.`method` (the fused path) returning None: every position's logits equal,
+    not close. The count."""
+    steps = chunked_then_decode([len(s) for s in DECODING], seed=1, max_chunk=6)  # the second halves decode
+    calls = []
+    real = getattr(cpu_decode, operator)
+    monkeypatch.setattr(cpu_decode, operator, lambda *a: calls.append(a[0].shape) or real(*a))
+    fast = run_paged(model, DECODING, steps)
+    monkeypatch.setattr(owner, method, lambda self, *a: None)
+    for got, want in zip(fast, run_paged(model, DECODING, steps), strict=True):
+        assert torch.equal(got, want)
+    return len(calls)
+
+
+def w4_artifact(family: str, tmp_path, small_dir):
+    """A 4-bit RTN artifact (groups of 32) of the family's tiny model: its linears take the W4A8 kernel."""
+    from optkit.quant.quantize import QuantizeOptions, quantize_model
+    from optkit.weights.schemes import WeightScheme
+    from tests.tiny_families import save_tiny_family
+
+    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
+    quantize_model(save_tiny_family(family, tmp_path / family, small_dir), tmp_path / "w4", options)
+    return tmp_path / "w4"
+
+
 @pytest.mark.parametrize(
     "family, fused",
     [("llama", True), ("qwen3", True), ("gemma3_text", True), ("phi3", True), ("granite", True),
@@ -216,22 +245,12 @@ def test_the_fused_attention_refuses_a_slot_outside_the_cache():
 def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
     tmp_path, small_dir, monkeypatch, family, fused
 ):
-    """Decode steps of each family's tiny model through the fused call where it applies, and the
-    logits of every position equal (not close) to the model's operator-by-operator path."""
+    """Decode steps of each family's tiny model through the fused attention where it applies."""
     from optkit.models.loader import load_runtime_model
     from tests.tiny_families import save_tiny_family
 
     model = load_runtime_model(save_tiny_family(family, tmp_path / family, small_dir))
-    sequences = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
-    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)  # the second halves decode
-    calls = []
-    real = cpu_decode.decode_attention_qkv
-    monkeypatch.setattr(cpu_decode, "decode_attention_qkv", lambda *a: calls.append(a[0].shape) or real(*a))
-    fast = run_paged(model, sequences, steps)
-    assert bool(calls) == fused
-    monkeypatch.setattr(Attention, "decode_from_qkv", lambda self, *a: None)
-    for got, want in zip(fast, run_paged(model, sequences, steps), strict=True):
-        assert torch.equal(got, want)
+    assert bool(counted_and_equal(model, monkeypatch, "decode_attention_qkv", Attention, "decode_from_qkv")) == fused
 
 
 @pytest.mark.parametrize(
@@ -243,44 +262,21 @@ def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
 def test_a_4bit_artifacts_decode_layers_run_in_one_call_with_the_same_logits(
     tmp_path, small_dir, monkeypatch, family, fused, dtype
 ):
-    """Each decoder layer of a decode step of a W4A8 artifact in one C++ call where it applies, and
-    the logits of every position equal (not close) to the module-by-module path's."""
+    """Each decoder layer of a decode step of a W4A8 artifact in one C++ call where it applies."""
     from optkit.models.llama import DecoderLayer
     from optkit.models.loader import load_runtime_model
-    from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.weights.schemes import WeightScheme
-    from tests.tiny_families import save_tiny_family
 
-    artifact = tmp_path / "w4"
-    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
-    quantize_model(save_tiny_family(family, tmp_path / family, small_dir), artifact, options)
-    model = load_runtime_model(artifact, dtype=dtype)
-    sequences = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
-    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)
-    calls = []
-    real = cpu_decode.decode_layer_w4a8
-    monkeypatch.setattr(cpu_decode, "decode_layer_w4a8", lambda *a: calls.append(a[0].shape) or real(*a))
-    fast = run_paged(model, sequences, steps)
-    assert bool(calls) == fused
-    monkeypatch.setattr(DecoderLayer, "decode_in_one_call", lambda self, *a: None)
-    for got, want in zip(fast, run_paged(model, sequences, steps), strict=True):
-        assert torch.equal(got, want)
+    model = load_runtime_model(w4_artifact(family, tmp_path, small_dir), dtype=dtype)
+    assert bool(counted_and_equal(model, monkeypatch, "decode_layer_w4a8", DecoderLayer, "decode_in_one_call")) == fused
 
 
-def test_a_hooked_layer_runs_module_by_module(tmp_path, small_dir, monkeypatch):
+def test_a_hooked_layer_runs_module_by_module(tmp_path, small_dir):
     """A forward hook on a layer's linear sees its call: the layer then takes the module path."""
     from optkit.models.loader import load_runtime_model
-    from optkit.quant.quantize import QuantizeOptions, quantize_model
-    from optkit.weights.schemes import WeightScheme
-    from tests.tiny_families import save_tiny_family
 
-    artifact = tmp_path / "w4"
-    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
-    quantize_model(save_tiny_family("llama", tmp_path / "llama", small_dir), artifact, options)
-    model = load_runtime_model(artifact)
+    model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
     seen = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    sequences = [list(range(3, 20))]
-    steps = chunked_then_decode([len(s) for s in sequences], seed=1, max_chunk=6)
-    run_paged(model, sequences, steps)
+    steps = chunked_then_decode([17], seed=1, max_chunk=6)
+    run_paged(model, [list(range(3, 20))], steps)
     assert len(seen) == len(steps)  # every step, the decodes included
