@@ -128,32 +128,38 @@ class NormArgs:
 HeadNorms = tuple[NormArgs | None, NormArgs | None]  # the q and k norms of a head, or none
 
 
+@dataclass(frozen=True)
+class DecodeAttention:
+    """A decode-only step's attention in one layer as the C++ calls take it (B sequences, one token each)."""
+
+    num_heads: int
+    cos: torch.Tensor  # [B, 1, R] and the signed sin, as `rope` takes them
+    sin: torch.Tensor
+    k_cache: torch.Tensor  # [N, block_size, Hkv, D], written at slot_mapping
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # long [B]
+    block_tables: torch.Tensor  # long [B, nb]
+    lens: torch.Tensor  # long [B]: the keys of each sequence, its new one included
+    scale: float
+    window: int | None
+
+    def op_args(self) -> tuple:
+        """The operators' trailing arguments, in their schema's order."""
+        caches = (self.k_cache, self.v_cache, self.slot_mapping, self.block_tables, self.lens)
+        return (self.cos, self.sin, *caches, self.num_heads, self.scale, self.window or 0, avx512())
+
+
 def decode_attention_qkv(
-    qkv: torch.Tensor,
-    num_heads: int,
-    q_norm: NormArgs | None,
-    k_norm: NormArgs | None,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-    window: int | None,
+    qkv: torch.Tensor, q_norm: NormArgs | None, k_norm: NormArgs | None, step: DecodeAttention
 ) -> torch.Tensor:
-    """A decode step's attention from the fused projection qkv [B, (Hq + 2·Hkv)·D] (one token per
-    sequence): the per-head norms (q_norm and k_norm of one eps, cast and offset), `rope`, the keys and
-    values written at slot_mapping [B], and `decode_attention`, in one call with those operators' bits
-    -> [B, Hq, D]. cos and sin [B, 1, R] as `rope` takes them."""
+    """A decode step's attention from the fused projection qkv [B, (Hq + 2·Hkv)·D]: the per-head norms
+    (q_norm and k_norm of one eps, cast and offset), `rope`, the keys and values written at the step's
+    slots, and `decode_attention`, in one call with those operators' bits -> [B, Hq, D]."""
     norm = q_norm or k_norm
     eps, cast_first, offset = (norm.eps, norm.cast_first, norm.offset) if norm else (0.0, False, 0.0)
+    weights = (q_norm and q_norm.weight, k_norm and k_norm.weight)
     try:
-        return torch.ops.optkit_cpu.decode_attention_qkv(
-            qkv, q_norm and q_norm.weight, k_norm and k_norm.weight, eps, cast_first, offset, cos, sin,
-            k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window or 0, avx512(),
-        )  # fmt: skip
+        return torch.ops.optkit_cpu.decode_attention_qkv(qkv, *weights, eps, cast_first, offset, *step.op_args())
     except ValueError as e:
         raise shape_error(e) from e
 
@@ -164,16 +170,7 @@ def decode_layer_w4a8(
     norms: list[NormArgs],
     head_norms: HeadNorms,
     gelu_tanh: bool,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    lens: torch.Tensor,
-    num_heads: int,
-    scale: float,
-    window: int | None,
+    step: DecodeAttention,
 ) -> torch.Tensor:
     """models/llama.py's DecoderLayer for one decode step in one call, the same bits: h [B, hidden] ->
     [B, hidden]. `linears`: qkv, o, gate_up and down as (W4A8 layout, bias in h's dtype or None);
@@ -188,8 +185,7 @@ def decode_layer_w4a8(
     try:
         return torch.ops.optkit_cpu.decode_layer_w4a8(
             h, list(w), list(p), list(b), list(n), list(g), cpu_w4a8.selected_isa(), norms[0].weight, norms[1].weight,
-            pre_ffw, post_ffw, q_norm, k_norm, rule.eps, rule.cast_first, rule.offset, gelu_tanh, cos, sin,
-            k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window or 0, avx512(),
+            pre_ffw, post_ffw, q_norm, k_norm, rule.eps, rule.cast_first, rule.offset, gelu_tanh, *step.op_args(),
         )  # fmt: skip
     except ValueError as e:
         raise shape_error(e) from e

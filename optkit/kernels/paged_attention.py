@@ -241,18 +241,23 @@ def paged_attention(
     return out
 
 
-def fused_decode_group(
+def fused_decode_attention(
     x: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
     meta: AttentionMetadata,
-    softcap: float | None = None,
-):
-    """The decode group of a decode-only step whose attention the C++ operators can take from a fused
-    projection of activations like `x` [T, ...] (kernels/cpu_decode.py: every row a decode, in order;
-    the caches plain, contiguous and of x's dtype; no soft-cap); None where they cannot."""
+    *,
+    num_heads: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> cpu_decode.DecodeAttention | None:
+    """A decode-only step's attention as the C++ calls take it straight from a fused projection of
+    activations like `x` [T, ...] (kernels/cpu_decode.py: decode_attention_qkv, decode_layer_w4a8):
+    every row a decode, in order; the caches plain, contiguous and of x's dtype; no soft-cap. None
+    where they cannot: the model then runs the steps one by one, which give the same bits."""
+    k_cache, v_cache = kv_cache
     if softcap is not None or isinstance(k_cache, QuantizedKVCache) or not cpu_decode.enabled(x):
         return None
     same = k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype == x.dtype
@@ -264,34 +269,11 @@ def fused_decode_group(
     decode = plan.decode
     if decode is None or plan.short or plan.chunks or not isinstance(decode.rows, slice):
         return None
-    return decode if decode.rows.stop == x.shape[0] else None
-
-
-def decode_attention_from_qkv(
-    qkv: torch.Tensor,
-    num_heads: int,
-    norms: cpu_decode.HeadNorms,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor | None:
-    """A decode-only step's attention straight from the fused projection qkv [T, (Hq + 2·Hkv)·D]: the
-    per-head q/k norms (`norms`, None each where the model has none), RoPE, write_kv and paged_attention
-    in one C++ call (kernels/cpu_decode.py) -> [T, Hq, D]. None where that call does not apply
-    (`fused_decode_group`): the model then runs those steps one by one, which give the same bits."""
-    decode = fused_decode_group(qkv, k_cache, v_cache, cos, sin, meta, softcap)
-    if decode is None or qkv.stride(-1) != 1:
+    if decode.rows.stop != x.shape[0]:
         return None
-    return cpu_decode.decode_attention_qkv(
-        qkv, num_heads, *norms, cos, sin, k_cache, v_cache, meta.slot_mapping, decode.block_tables, decode.lens,
-        scale, window,
-    )  # fmt: skip
+    return cpu_decode.DecodeAttention(
+        num_heads, cos, sin, k_cache, v_cache, meta.slot_mapping, decode.block_tables, decode.lens, scale, window
+    )
 
 
 def _sdpa(

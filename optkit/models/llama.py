@@ -11,13 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels import cpu_decode
-from optkit.kernels.paged_attention import (
-    AttentionMetadata,
-    decode_attention_from_qkv,
-    fused_decode_group,
-    paged_attention,
-    write_kv,
-)
+from optkit.kernels.paged_attention import AttentionMetadata, fused_decode_attention, paged_attention, write_kv
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -169,15 +163,21 @@ class Attention(nn.Module):
     def decode_from_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor | None:
-        """forward's steps after the projection in one C++ call (kernels/paged_attention.py's
-        decode_attention_from_qkv), the same bits -> [T, Hq, D]; None where it does not apply."""
+        """forward's steps after the projection in one C++ call (kernels/cpu_decode.py's
+        decode_attention_qkv), the same bits -> [T, Hq, D]; None where it does not apply."""
         norms = self.head_norm_args(qkv.dtype)
-        if norms is None:
+        step = self.fused_decode(qkv, cos, sin, meta, kv_cache) if norms is not None else None
+        if step is None or qkv.stride(-1) != 1:
             return None
-        k_cache, v_cache = kv_cache
-        return decode_attention_from_qkv(
-            qkv, self.num_heads, norms, cos, sin, k_cache, v_cache, meta, self.scale,
-            window=self.window, softcap=self.softcap,
+        return cpu_decode.decode_attention_qkv(qkv, *norms, step)
+
+    def fused_decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> cpu_decode.DecodeAttention | None:
+        """This layer's attention of a decode-only step as the C++ calls take it (None: they cannot)."""
+        return fused_decode_attention(
+            x, cos, sin, kv_cache, meta, num_heads=self.num_heads, scale=self.scale, window=self.window,
+            softcap=self.softcap,
         )  # fmt: skip
 
     def head_norm_args(self, dtype: torch.dtype) -> cpu_decode.HeadNorms | None:
@@ -287,15 +287,12 @@ class DecoderLayer(nn.Module):
             return None
         if not all(norms[0].same_rule(norm) for norm in [*norms, *head_norms] if norm is not None):
             return None
-        k_cache, v_cache = kv_cache
-        decode = fused_decode_group(h, k_cache, v_cache, cos, sin, meta, attn.softcap)
-        if decode is None:
+        step = attn.fused_decode(h, cos, sin, meta, kv_cache)
+        if step is None:
             return None
         biases = [None if m.bias is None else m.bias.to(h.dtype) for m in linears]
-        return cpu_decode.decode_layer_w4a8(
-            h, list(zip(layouts, biases, strict=True)), norms, head_norms, mlp.gelu, cos, sin, k_cache, v_cache,
-            meta.slot_mapping, decode.block_tables, decode.lens, attn.num_heads, attn.scale, attn.window,
-        )  # fmt: skip
+        linear_args = list(zip(layouts, biases, strict=True))
+        return cpu_decode.decode_layer_w4a8(h, linear_args, norms, head_norms, mlp.gelu, step)
 
 
 def _hooked(modules: list[nn.Module]) -> bool:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
-from optkit.kernels.paged_attention import decode_attention_from_qkv, paged_attention, write_kv
+from optkit.kernels.paged_attention import fused_decode_attention, paged_attention, write_kv
 from optkit.models.llama import Attention, RMSNorm, apply_rope, rope_cos_sin
 from tests.kernels.broken_build import failed_build_reason
 from tests.kernels.paged_steps import paged_attention_reference, random_step
@@ -176,7 +176,7 @@ def head_norms(kind: str | None, dim: int, dtype: torch.dtype) -> tuple[RMSNorm,
 @pytest.mark.parametrize("rotary", [64, 48])  # 48 of 64: partial rotary, the rest passes through
 @pytest.mark.parametrize("window", [None, 20])
 def test_attention_from_the_fused_projection_has_the_operators_bits(isa, dtype, heads, norm_kind, rotary, window):
-    """decode_attention_from_qkv against the steps it joins (q/k norms, rope, write_kv, paged_attention):
+    """decode_attention_qkv against the steps it joins (q/k norms, rope, write_kv, paged_attention):
     the same output and the same caches, bit for bit."""
     (q_heads, kv_heads), dim = heads, 64
     _, k_cache, v_cache, meta = decode_step([5, 37, 100], 16, heads, dim, dtype)
@@ -194,7 +194,9 @@ def test_attention_from_the_fused_projection_has_the_operators_bits(isa, dtype, 
     want = paged_attention(q, k_cache, v_cache, meta, 0.125, window=window)
 
     args = tuple(n.cpu_operator_args(dtype) for n in norms) if norms else (None, None)
-    got = decode_attention_from_qkv(qkv, q_heads, args, cos, sin, fused_k, fused_v, meta, 0.125, window=window)
+    kv = (fused_k, fused_v)
+    step = fused_decode_attention(qkv, cos, sin, kv, meta, num_heads=q_heads, scale=0.125, window=window, softcap=None)
+    got = cpu_decode.decode_attention_qkv(qkv, *args, step)
     assert torch.equal(got, want) and torch.equal(fused_k, k_cache) and torch.equal(fused_v, v_cache)
 
 
@@ -203,9 +205,8 @@ def test_the_fused_attention_refuses_a_slot_outside_the_cache():
     qkv, cos = torch.randn(1, 8 * 32), torch.ones(1, 1, 32)
     outside, tables, lens = torch.tensor([k_cache.shape[0] * 16]), meta.block_tables.long(), torch.tensor([20])
     with pytest.raises(RuntimeError, match="slot_mapping: a slot outside the cache"):
-        cpu_decode.decode_attention_qkv(
-            qkv, 4, None, None, cos, cos, k_cache, v_cache, outside, tables, lens, 0.2, None
-        )
+        step = cpu_decode.DecodeAttention(4, cos, cos, k_cache, v_cache, outside, tables, lens, 0.2, None)
+        cpu_decode.decode_attention_qkv(qkv, None, None, step)
 
 
 DECODING = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
