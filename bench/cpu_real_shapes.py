@@ -202,11 +202,11 @@ def prefill_lens(args) -> list[int]:
 def optkit_ttft(path: Path, dtype: str, args) -> dict[int, float]:
     """Prompt length -> the engine's median time to first token (seconds) for one request of that many
     random tokens at batch 1, as `optkit bench` runs the engine (runtime/benchmark.py)."""
-    from optkit.runtime.benchmark import BenchConfig, _engine, random_prompts, run_engine
+    from optkit.runtime.benchmark import BenchConfig, build_engine, random_prompts, run_engine
 
     lens = prefill_lens(args)
     config = BenchConfig(batch_sizes=[1], prompt_len=max(lens), gen_len=1, dtype=dtype)
-    engine = _engine(path, config, enforce_eager=False)
+    engine = build_engine(path, config, enforce_eager=False)
     run_engine(engine, random_prompts(VOCAB_USED, 1, 8, 1), 1)  # first-call costs
     times = {}
     for n in lens:

@@ -45,8 +45,7 @@ class RMSNorm(nn.Module):
         # x / rms(x) in float32, cast back before the weight (as transformers' LlamaRMSNorm), or
         # after it (Olmo2RMSNorm)
         if cpu_decode.enabled(x):  # one C++ call rather than six, rounded alike
-            cast_first = not (self.weight_in_float32 or self.offset)
-            fast = cpu_decode.rms_norm(x, self.weight, self.eps, cast_first, self.offset)
+            fast = cpu_decode.rms_norm(x, self.weight, self.eps, self.cast_first, self.offset)
             if fast is not None:
                 return fast
         if x.dtype == torch.float32 and not self.offset:
@@ -60,13 +59,17 @@ class RMSNorm(nn.Module):
             return (self.weight * x).to(dtype)
         return self.weight * x.to(dtype)
 
+    @property
+    def cast_first(self) -> bool:
+        """Whether a bfloat16 x is cast back before the weight multiplies it (LlamaRMSNorm), not after."""
+        return not (self.weight_in_float32 or self.offset)
+
     def cpu_operator_args(self, dtype: torch.dtype) -> cpu_decode.NormArgs | None:
         """This norm as forward hands it to the C++ operator for activations of `dtype`; None where
         forward takes the PyTorch code."""
-        cast_first = not (self.weight_in_float32 or self.offset)
-        if not cpu_decode.rms_norm_takes(dtype, self.weight.dtype, cast_first, self.offset):
+        if not cpu_decode.rms_norm_takes(dtype, self.weight.dtype, self.cast_first, self.offset):
             return None
-        return cpu_decode.NormArgs(self.weight, self.eps, cast_first, self.offset)
+        return cpu_decode.NormArgs(self.weight, self.eps, self.cast_first, self.offset)
 
 
 def make_norm(config: ModelConfig, size: int | None = None) -> RMSNorm:

@@ -173,7 +173,9 @@ def copy_bandwidth(device: str, size_bytes: int = 1 << 30, repeats: int = 10) ->
     return 2 * size_bytes / statistics.median(times)
 
 
-def _engine(model, config: BenchConfig, enforce_eager: bool, speculate: bool = True) -> LLMEngine:
+def build_engine(model, config: BenchConfig, enforce_eager: bool, speculate: bool = True) -> LLMEngine:
+    """The engine a benchmark run measures (bench scripts build it too): room for the largest batch, no
+    prefix caching (random prompts share nothing), the run's dtype, device and proposer."""
     largest = max(config.batch_sizes)
     engine_config = EngineConfig(
         max_num_seqs=largest,
@@ -195,15 +197,15 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
 
     path = resolve_model_dir(model)
     torch.manual_seed(config.seed)
-    engine = _engine(path, config, config.enforce_eager)
+    engine = build_engine(path, config, config.enforce_eager)
     log(f"engine ready: {engine.cuda_graphs_note}")
     vocab = engine.model.config.vocab_size
     runners = {"optkit": lambda prompts: run_engine(engine, prompts, config.gen_len)}
     if "eager" in config.baselines and not config.enforce_eager:
-        eager = _engine(path, config, True)
+        eager = build_engine(path, config, True)
         runners["optkit --enforce-eager"] = lambda prompts: run_engine(eager, prompts, config.gen_len)
     if config.speculative:
-        plain = _engine(path, config, config.enforce_eager, speculate=False)
+        plain = build_engine(path, config, config.enforce_eager, speculate=False)
         runners["optkit, no speculation"] = lambda prompts: run_engine(plain, prompts, config.gen_len)
     if "hf" in config.baselines:
         hf = load_hf(path, getattr(torch, config.dtype), config.device)
