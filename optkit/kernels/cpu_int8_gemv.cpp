@@ -25,6 +25,9 @@ namespace {
 // (bench/cpu_int8_gemv.py: 1.2-1.7x _int_mm at 8 rows, 0.5-0.9x at 16).
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMaxColumns = 65792;  // K above which the int32 sum of shifted products could overflow
+// How far ahead of its loads a thread asks for the weight rows (bytes), as cpu_w4a8.cpp's kernel: the
+// hardware prefetcher alone falls short of the memory's bandwidth (bench/cpu_prefetch.py)
+constexpr int kPrefetchBytes = 4096;
 
 bool cpu_has_vnni() {
 #if defined(__x86_64__)
@@ -50,6 +53,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void rows_vnni(
     __m512i s[MR];
     for (int r = 0; r < MR; ++r) s[r] = _mm512_setzero_si512();
     for (int64_t c = 0; c < full; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(wn + 64 * c + kPrefetchBytes), _MM_HINT_T0);
       const __m512i wv = _mm512_loadu_si512(wn + 64 * c);
       for (int r = 0; r < MR; ++r)
         s[r] = _mm512_dpbusd_epi32(s[r], _mm512_loadu_si512(u + r * K + 64 * c), wv);

@@ -39,6 +39,10 @@ namespace {
 constexpr int kBlock = 32;       // columns per activation block and per weight block
 constexpr int kLanes = 16;       // outputs per tile
 constexpr int kTileBytes = 256;  // one tile's block: 16 lanes x 32 columns x 4 bits
+// How far ahead of its loads a thread asks for the weight stream (bytes; 16 blocks). At batch 1 a call
+// streams 0.1-1 MB split across the threads, too short for the hardware prefetcher to reach the
+// memory's bandwidth on its own (bench/cpu_prefetch.py)
+constexpr int kPrefetchBytes = 4096;
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -123,6 +127,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_av
     for (int r = 0; r < MR; ++r) gacc[r] = _mm512_setzero_ps();
     for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
       const uint8_t* wb = wt + b * kTileBytes;
+      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
       __m512i lo[4], hi[4];
       for (int i = 0; i < 4; ++i) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * i);
@@ -183,6 +188,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
     for (int r = 0; r < MR; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
     for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
       const uint8_t* wb = wt + b * kTileBytes;
+      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {
         __m256i lo[4], hi[4];
         for (int i = 0; i < 4; ++i) {
