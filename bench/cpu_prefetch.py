@@ -106,6 +106,14 @@ def w4a8_step(op, packs, rows):
     return step
 
 
+def head_call(op, row, head):
+    """One int8 GEMV of `row` by `head`, as kernels/cpu_int8_gemv.py calls it (each row's sum given)."""
+    import torch
+
+    sums = head.sum(1, dtype=torch.int32)
+    return lambda: op(row, head, sums)
+
+
 def main():
     args = parse_args()
     import torch
@@ -132,13 +140,17 @@ def main():
             {pf: w4a8_step(ops["w4a8", pf], packs, rows) for pf in (True, False)},
         )}  # fmt: skip
         if head_runs:
-            w = torch.randint(-127, 128, (vocab, hidden), dtype=torch.int8)
-            sums, a = w.sum(1, dtype=torch.int32), torch.randint(-127, 128, (1, hidden), dtype=torch.int8)
-            runs["int8 head, 1 row"] = (w.numel(), {pf: (lambda op=ops["int8", pf]: op(a, w, sums)) for pf in (True, False)})
+            head = torch.randint(-127, 128, (vocab, hidden), dtype=torch.int8)
+            row = torch.randint(-127, 128, (1, hidden), dtype=torch.int8)
+            runs["int8 head, 1 row"] = (
+                head.numel(),
+                {pf: head_call(ops["int8", pf], row, head) for pf in (True, False)},
+            )
         for kernel, (nbytes, calls) in runs.items():
             t = interleaved(calls, args.repeats)
+            speeds = f"{nbytes / t[False] / 1e9:4.1f}->{nbytes / t[True] / 1e9:4.1f}"
             print(f"{shape:14} {kernel:18} {nbytes / 1e6:6.1f} {t[False] * 1e3:9.3f} ms {t[True] * 1e3:7.3f} ms "
-                  f"{nbytes / t[False] / 1e9:4.1f}->{nbytes / t[True] / 1e9:4.1f} {t[False] / t[True]:8.2f}x")  # fmt: skip
+                  f"{speeds} {t[False] / t[True]:8.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

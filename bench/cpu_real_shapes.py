@@ -12,9 +12,10 @@ said): the base in fp32 and bf16; RTN W4A16 g64 artifacts with each head the art
 (`--baseline vllm`, the venv of .venv-vllm) on the bf16 base and the W4A16 head-full artifact;
 llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, where `optkit quantize
 --gguf-type Q4_K_M` is available, on that. Printed per shape and batch size: tokens/s, the ratio
-to llama.cpp Q4_0 and Q4_K_M and to vLLM's best at each batch size, and at batch 1 the bytes of weights a
-decode step reads (every weight once; the embedding only where it is the tied head), that divided
-by the step time, and its share of the read bandwidth measured in the same run (summing a 1 GiB
+to llama.cpp Q4_0 and Q4_K_M and to vLLM's best at each batch size, and at batch 1 the bytes of
+weights a decode step reads (every weight once; the embedding only where it is the tied head), that
+divided by the step time (the median time per output token after the first: the prefill apart),
+and its share of the read bandwidth measured in the same run (summing a 1 GiB
 float32 array with the same threads). Each optkit and llama.cpp figure is the median of --repeats
 runs of its batch size (the sizes interleaved; vLLM runs each size once). With --prefill-lens
 (issue 38 §4): the time to first token of one request with a prompt of each length (batch 1, the
@@ -176,7 +177,9 @@ def optkit_rows(name: str, path: Path, dtype: str, args, vllm: bool, log) -> tup
     rows = []
     for row in result["rows"]:
         run = name if row["run"] == "optkit" else f"{row['run']} ({name.split(' ', 1)[-1]})"
-        rows.append({"run": run, "batch_size": row["batch_size"], "tokens_per_s": row["tokens_per_s"]})
+        # a decode step's time: the time per output token after the first (the prefill apart)
+        rows.append({"run": run, "batch_size": row["batch_size"], "tokens_per_s": row["tokens_per_s"],
+                     "step_s": row["tpot_s"]["p50"]})  # fmt: skip
     return rows, {"kernels": result.get("kernels"), "vllm": result.get("vllm")}
 
 
@@ -185,14 +188,19 @@ def batch_sizes(args) -> list[int]:
 
 
 def median_rows(rows: list[dict]) -> list[dict]:
-    """One row per (run, batch size): the median tokens/s of its repeats, and how many there were."""
-    by_key: dict[tuple[str, int], list[float]] = {}
+    """One row per (run, batch size): the median tokens/s (and step time, where measured) of its
+    repeats, and how many there were."""
+    by_key: dict[tuple[str, int], list[dict]] = {}
     for row in rows:
-        by_key.setdefault((row["run"], row["batch_size"]), []).append(row["tokens_per_s"])
-    return [
-        {"run": run, "batch_size": size, "tokens_per_s": statistics.median(values), "repeats": len(values)}
-        for (run, size), values in by_key.items()
-    ]
+        by_key.setdefault((row["run"], row["batch_size"]), []).append(row)
+    merged = []
+    for (run, size), repeats in by_key.items():
+        row = {"run": run, "batch_size": size, "repeats": len(repeats)}
+        row["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in repeats)
+        if all("step_s" in r for r in repeats):
+            row["step_s"] = statistics.median(r["step_s"] for r in repeats)
+        merged.append(row)
+    return merged
 
 
 def prefill_lens(args) -> list[int]:
@@ -298,9 +306,9 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
             row["vs llama.cpp Q4_K_M"] = row["tokens_per_s"] / q4_k_m["tokens_per_s"]
         if vllm_best:
             row["vs vLLM best"] = row["tokens_per_s"] / vllm_best
-        if row["batch_size"] == 1 and row["run"] in step_bytes:
+        if row["batch_size"] == 1 and row["run"] in step_bytes and "step_s" in row:
             row["step_bytes"] = step_bytes[row["run"]]
-            row["achieved_bytes_per_s"] = step_bytes[row["run"]] * row["tokens_per_s"]
+            row["achieved_bytes_per_s"] = step_bytes[row["run"]] / row["step_s"]
             row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
     prefill = []
     for name, times in ttft.items():

@@ -164,29 +164,44 @@ def decode_attention_qkv(
         raise shape_error(e) from e
 
 
-def decode_layer_w4a8(
-    h: torch.Tensor,
-    linears: list[tuple["W4A8Packed", torch.Tensor | None]],
-    norms: list[NormArgs],
-    head_norms: HeadNorms,
-    gelu_tanh: bool,
-    step: DecodeAttention,
-) -> torch.Tensor:
-    """models/llama.py's DecoderLayer for one decode step in one call, the same bits: h [B, hidden] ->
-    [B, hidden]. `linears`: qkv, o, gate_up and down as (W4A8 layout, bias in h's dtype or None);
-    `norms`: the input and post-attention norms, then for sandwich norms (Gemma) the pre- and
-    post-feedforward ones, all of one eps, cast and offset with the per-head `head_norms`."""
-    from optkit.kernels import cpu_w4a8
+@dataclass(frozen=True)
+class W4A8Layer:
+    """A decoder layer's weights as decode_layer_w4a8 takes them, in its schema's order: built once and
+    kept by the layer while its modules and weights stand (models/llama.py), so a decode step's call
+    passes them as they are rather than gathering them again."""
 
-    w, p, b, n, g = zip(*[(k.weight, k.params, bias, k.out_features, k.group_size) for k, bias in linears], strict=True)
-    pre_ffw, post_ffw = (norms[2].weight, norms[3].weight) if len(norms) == 4 else (None, None)
-    q_norm, k_norm = (norm.weight if norm else None for norm in head_norms)
-    rule = norms[0]
+    args: tuple
+
+    @classmethod
+    def of(
+        cls,
+        linears: list[tuple["W4A8Packed", torch.Tensor | None]],
+        norms: list[NormArgs],
+        head_norms: HeadNorms,
+        gelu_tanh: bool,
+    ) -> "W4A8Layer":
+        """`linears`: qkv, o, gate_up and down as (W4A8 layout, bias in the activations' dtype or None);
+        `norms`: the input and post-attention norms, then for sandwich norms (Gemma) the pre- and
+        post-feedforward ones, all of one eps, cast and offset with the per-head `head_norms`."""
+        from optkit.kernels import cpu_w4a8
+
+        w, p, b, n, g = zip(
+            *[(k.weight, k.params, bias, k.out_features, k.group_size) for k, bias in linears], strict=True
+        )
+        pre_ffw, post_ffw = (norms[2].weight, norms[3].weight) if len(norms) == 4 else (None, None)
+        q_norm, k_norm = (norm.weight if norm else None for norm in head_norms)
+        rule = norms[0]
+        return cls((
+            list(w), list(p), list(b), list(n), list(g), cpu_w4a8.selected_isa(), norms[0].weight, norms[1].weight,
+            pre_ffw, post_ffw, q_norm, k_norm, rule.eps, rule.cast_first, rule.offset, gelu_tanh,
+        ))  # fmt: skip
+
+
+def decode_layer_w4a8(h: torch.Tensor, layer: W4A8Layer, step: DecodeAttention) -> torch.Tensor:
+    """models/llama.py's DecoderLayer for one decode step in one call, the same bits: h [B, hidden] ->
+    [B, hidden], with the layer's weights and this step's attention."""
     try:
-        return torch.ops.optkit_cpu.decode_layer_w4a8(
-            h, list(w), list(p), list(b), list(n), list(g), cpu_w4a8.selected_isa(), norms[0].weight, norms[1].weight,
-            pre_ffw, post_ffw, q_norm, k_norm, rule.eps, rule.cast_first, rule.offset, gelu_tanh, *step.op_args(),
-        )  # fmt: skip
+        return torch.ops.optkit_cpu.decode_layer_w4a8(h, *layer.args, *step.op_args())
     except ValueError as e:
         raise shape_error(e) from e
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.paged_attention import AttentionMetadata, fused_decode_attention, paged_attention, write_kv
+from optkit.models import fused_layer
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -272,39 +273,11 @@ class DecoderLayer(nn.Module):
         """forward for a decode-only step in one C++ call (kernels/cpu_decode.py's decode_layer_w4a8, the
         same bits) where its four linears are W4A8 layers (a 4-bit artifact on the CPU), its norms pre- or
         sandwich norms of one rounding rule and its attention one the fused call takes; None elsewhere."""
-        attn, mlp = self.self_attn, self.mlp
-        if self.post_norms or self.residual_multiplier != 1.0 or type(mlp) is not MLP or not cpu_decode.enabled(h):
+        weights = fused_layer.w4a8_weights(self, h) if type(self.mlp) is MLP else None
+        if weights is None:
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(hasattr(m, "w4a8_for") for m in linears):  # PackedIntLinear, fused q|k|v and gate|up
-            return None
-        names = ("input_layernorm", "post_attention_layernorm")
-        names += ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich_norms else ()
-        norm_modules = [getattr(self, name) for name in names]
-        if _hooked([attn, mlp, *linears, *norm_modules]):  # one call would run past the hook
-            return None
-        layouts = [m.w4a8_for(h) for m in linears]
-        norms = [norm.cpu_operator_args(h.dtype) for norm in norm_modules]
-        head_norms = attn.head_norm_args(h.dtype)
-        if any(layout is None for layout in layouts) or any(norm is None for norm in norms) or head_norms is None:
-            return None
-        if not all(norms[0].same_rule(norm) for norm in [*norms, *head_norms] if norm is not None):
-            return None
-        step = attn.fused_decode(h, cos, sin, meta, kv_cache)
-        if step is None:
-            return None
-        biases = [None if m.bias is None else m.bias.to(h.dtype) for m in linears]
-        linear_args = list(zip(layouts, biases, strict=True))
-        return cpu_decode.decode_layer_w4a8(h, linear_args, norms, head_norms, mlp.gelu, step)
-
-
-def _hooked(modules: list[nn.Module]) -> bool:
-    """Whether a forward hook watches any of `modules` (torch's global hooks included)."""
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+        step = self.self_attn.fused_decode(h, cos, sin, meta, kv_cache)
+        return None if step is None else cpu_decode.decode_layer_w4a8(h, weights, step)
 
 
 class DecoderModel(nn.Module):
@@ -367,7 +340,7 @@ class CausalLM(nn.Module):
         ):
             if i in aux_layers:
                 entering[i] = h
-            h = layer(h, cos, sin, layer_meta, kv_cache)
+            h = fused_layer.run_layer(layer, h, cos, sin, layer_meta, kv_cache)
         if not aux_layers:
             return self.model.norm(h)
         return self.model.norm(h), torch.cat([entering[i] for i in aux_layers], dim=-1)

@@ -276,8 +276,35 @@ def test_a_hooked_layer_runs_module_by_module(tmp_path, small_dir):
     from optkit.models.loader import load_runtime_model
 
     model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
+    steps = chunked_then_decode([17], seed=1, max_chunk=6)
+    run_paged(model, [list(range(3, 20))], steps)  # the layers gather their weights for the fused call
     seen = []
     model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    steps = chunked_then_decode([17], seed=1, max_chunk=6)
     run_paged(model, [list(range(3, 20))], steps)
     assert len(seen) == len(steps)  # every step, the decodes included
+
+
+@pytest.mark.parametrize("change", ["norm in place", "packed scales in place", "norm .data", "linear replaced"])
+def test_a_fused_layer_follows_a_change_of_its_weights(tmp_path, small_dir, monkeypatch, change):
+    """The weights a fused layer gathered once are gathered again when the model changes under it, as
+    the module path sees the change: in place, by assignment or by a module put in another's place."""
+    import copy
+
+    from optkit.models.llama import DecoderLayer
+    from optkit.models.loader import load_runtime_model
+
+    model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
+    steps = chunked_then_decode([len(s) for s in DECODING], seed=1, max_chunk=6)
+    before = run_paged(model, DECODING, steps)  # the layers gather their weights for the fused call
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        if change == "norm in place":
+            layer.post_attention_layernorm.weight.mul_(1.5)
+        elif change == "packed scales in place":
+            layer.mlp.down_proj.scale.mul_(2)
+        elif change == "norm .data":
+            layer.input_layernorm.weight.data = layer.input_layernorm.weight.data * 0.5
+        else:
+            layer.self_attn.o_proj = copy.deepcopy(model.model.layers[0].self_attn.o_proj)
+    assert counted_and_equal(model, monkeypatch, "decode_layer_w4a8", DecoderLayer, "decode_in_one_call")
+    assert not torch.equal(run_paged(model, DECODING, steps)[-1], before[-1])  # the change moved the logits
