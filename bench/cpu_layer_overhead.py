@@ -1,14 +1,12 @@
 """The Python around a 4-bit artifact's fused decode layers, A/B inside one engine (issue 38 §2).
 
 models/fused_layer.py keeps each layer's weights as decode_layer_w4a8 takes them (checked to stand at
-every step) and the model's loop calls the fused layer straight, not through nn.Module.__call__. This
-runs one request of bench/cpu_real_shapes.py's W4A16 g64 head-int4 artifact of each shape at batch 1
-and switches, every 10 decode steps, between three ways of running the same step:
+every step). This runs one request of bench/cpu_real_shapes.py's W4A16 g64 head-int4 artifact of each
+shape at batch 1 and switches, every 10 decode steps, between two ways of running the same step:
   kept          as shipped;
-  gathered      the layer's weights gathered again at every step (fused_layer._gather, as before);
-  module call   gathered again, and every layer called through nn.Module.__call__ and its forward.
+  gathered      the layer's weights gathered again at every step (fused_layer._gather, as before).
 The outputs are the same tokens (the same call with the same weights); printed: each way's median
-step time (engine.step(), decode only), and the ratio of the others' to `kept`'s.
+step time (engine.step(), decode only), and its ratio to `kept`'s.
 
 Usage: python bench/cpu_layer_overhead.py [--shapes smollm2-135m,gemma-3-270m] [--steps 180] [--threads 2]
 """
@@ -22,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cpu_real_shapes.py
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-WAYS = ("kept", "gathered", "module call")
+WAYS = ("kept", "gathered")
 
 
 def parse_args():
@@ -50,36 +48,30 @@ def step_times(path: Path, steps: int) -> dict[str, float]:
     from optkit.runtime.benchmark import BenchConfig, build_engine, random_prompts
     from optkit.runtime.sequence import SamplingParams
 
-    shipped = {"w4a8_weights": fused_layer.w4a8_weights, "run_layer": fused_layer.run_layer}
-    patches = {
-        "kept": shipped,
-        "gathered": {**shipped, "w4a8_weights": gathered_every_step},
-        "module call": {"w4a8_weights": gathered_every_step, "run_layer": lambda layer, h, *a: layer(h, *a)},
-    }
-    engine = build_engine(path, BenchConfig(batch_sizes=[1], prompt_len=64, gen_len=1), enforce_eager=False)
+    shipped = fused_layer.w4a8_weights
+    ways = {"kept": shipped, "gathered": gathered_every_step}
+    tokens = len(WAYS) * steps + 21
+    engine = build_engine(path, BenchConfig(batch_sizes=[1], prompt_len=64, gen_len=tokens), enforce_eager=False)
     prompt = random_prompts(4096, 1, 64, seed=0)[0]
-    engine.add_request(prompt, SamplingParams(max_tokens=len(WAYS) * steps + 21, temperature=0, ignore_eos=True), "ab")
+    engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True), "ab")
     engine.step()  # the prefill
     times = {way: [] for way in WAYS}
     try:
         for i in range(len(WAYS) * steps + 20):
             way = WAYS[(i // 10) % len(WAYS)]
-            for name, function in patches[way].items():
-                setattr(fused_layer, name, function)
+            fused_layer.w4a8_weights = ways[way]
             start = time.perf_counter()
             engine.step()
             if i >= 20:  # the first steps warm up
                 times[way].append(time.perf_counter() - start)
     finally:
-        for name, function in shipped.items():
-            setattr(fused_layer, name, function)
+        fused_layer.w4a8_weights = shipped
     return {way: statistics.median(t) for way, t in times.items()}
 
 
 def main():
     args = parse_args()
     import torch
-
     from cpu_real_shapes import build_artifacts, build_base
 
     torch.set_num_threads(args.threads)

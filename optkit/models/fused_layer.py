@@ -1,7 +1,6 @@
 """A decoder layer of a 4-bit artifact's decode step in one C++ call (models/llama.py's
 DecoderLayer.decode_in_one_call, kernels/cpu_decode.py's decode_layer_w4a8): the layer's weights as
-that call takes them, gathered once and kept while the layer stands (models/derived.py), and the
-model's loop over its layers, which takes the call straight where no hook watches.
+that call takes them, gathered once and kept while the layer stands (models/derived.py).
 
 At batch 1 on a small model, gathering the weights again at every step (nn.Module's attribute lookups
 and each packed layer's checks, with the caches cold from the weights just streamed) took about as
@@ -60,16 +59,6 @@ def _gather(layer: nn.Module, h: torch.Tensor) -> Derived:
     biases = [None if m.bias is None else m.bias.to(h.dtype) for m in linears]
     weights = cpu_decode.W4A8Layer.of(list(zip(layouts, biases, strict=True)), norms, head_norms, mlp.gelu)
     return Derived(weights, slots)
-
-
-def run_layer(layer: nn.Module, h: torch.Tensor, *args) -> torch.Tensor:
-    """layer(h, cos, sin, meta, kv_cache), its one-call decode taken straight where it applies and no
-    hook watches the layer (all nn.Module.__call__ adds is the hooks)."""
-    if not hooked([layer]):
-        fast = layer.decode_in_one_call(h, *args)
-        if fast is not None:
-            return fast
-    return layer(h, *args)
 
 
 def hooked(modules: list[nn.Module]) -> bool:

@@ -340,7 +340,7 @@ class CausalLM(nn.Module):
         ):
             if i in aux_layers:
                 entering[i] = h
-            h = fused_layer.run_layer(layer, h, cos, sin, layer_meta, kv_cache)
+            h = layer(h, cos, sin, layer_meta, kv_cache)
         if not aux_layers:
             return self.model.norm(h)
         return self.model.norm(h), torch.cat([entering[i] for i in aux_layers], dim=-1)
