@@ -6,9 +6,11 @@ A step's T new tokens of B sequences are packed without padding; sequence b's ar
 query_start_loc[b]:query_start_loc[b + 1] of q. A new token at position p attends to positions
 0..p of its own sequence, where the last new token is at position context_lens[b] - 1.
 
-`paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA, does the
-same for each group of short chunks of one length (speculative decoding's verification: 1 + k
-tokens per sequence), and runs one causal SDPA per longer chunk (the tests' reference, which loops
+`paged_attention` batches every decode (query_len 1) into one gather and one masked SDPA (on the CPU:
+one call of the C++ decode kernel, no gather), does the same for each group of short chunks of one
+length (speculative decoding's verification: 1 + k tokens per sequence; on the CPU each of their
+rows is one decode of the keys it sees, through the same C++ kernel, so a verified position gets
+plain decoding's bits), and runs one causal SDPA per longer chunk (the tests' reference, which loops
 over every token, is in tests/kernels/paged_steps.py).
 A sliding `window` W (Mistral, Gemma's local layers) hides the keys more than W - 1 positions before
 the query (query p sees keys p - W + 1 .. p, as transformers' sliding_window_overlay); `softcap` c
@@ -66,6 +68,7 @@ class _ShortGroup:
     rows: torch.Tensor  # long [Bs, Lq]: the rows of q of each sequence's chunk
     block_tables: torch.Tensor  # long [Bs, nb]
     key_mask: torch.Tensor  # bool [Bs, 1, Lq, nb * block_size]: query i of b sees keys < context_b - Lq + 1 + i
+    visible: torch.Tensor  # long [Bs, Lq]: context_b - Lq + 1 + i, the keys query i of b sees
     # per (query heads per KV head, window)
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -174,7 +177,7 @@ class AttentionMetadata:
             key_mask = torch.arange(num_blocks * block_size, device=device) < limits[:, :, None]  # [Bs, Lq, L]
             index = torch.tensor(members, dtype=torch.long, device=device)
             tables = self.block_tables[index, :num_blocks].long()
-            groups.append(_ShortGroup(rows, tables, key_mask[:, None]))
+            groups.append(_ShortGroup(rows, tables, key_mask[:, None], limits))
         return groups
 
 
@@ -308,10 +311,8 @@ def _decode_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q [Bd, Hq, D], one token per sequence -> [Bd, Hq, D]."""
-    if softcap is None and not isinstance(k_cache, QuantizedKVCache) and cpu_decode.enabled(q):
-        in_place = k_cache.is_contiguous() and v_cache.is_contiguous()  # same shapes: paged_attention asserts it
-        if in_place and k_cache.dtype == v_cache.dtype == q.dtype:  # read through the table: no gather, no mask
-            return cpu_decode.decode_attention(q, k_cache, v_cache, group.block_tables, group.lens, scale, window)
+    if _cpu_decode_takes(q, k_cache, v_cache, softcap):  # read through the table: no gather, no mask
+        return cpu_decode.decode_attention(q, k_cache, v_cache, group.block_tables, group.lens, scale, window)
     batch, q_heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     k = _gather_blocks(k_cache, group.block_tables).flatten(1, 2).transpose(1, 2)  # [Bd, Hkv, L, D]
@@ -323,6 +324,14 @@ def _decode_attention(
     return out.reshape(batch, q_heads, dim)
 
 
+def _cpu_decode_takes(q: torch.Tensor, k_cache, v_cache, softcap: float | None) -> bool:
+    """Whether cpu_decode.decode_attention takes these queries and caches: on the CPU, plain contiguous
+    caches of q's dtype (same shapes: paged_attention asserts it), no soft-cap."""
+    if softcap is not None or isinstance(k_cache, QuantizedKVCache) or not cpu_decode.enabled(q):
+        return False
+    return k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype
+
+
 def _short_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -332,7 +341,13 @@ def _short_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [Bs * Lq, Hq, D], Lq tokens per sequence -> [Bs * Lq, Hq, D]."""
+    """q [Bs * Lq, Hq, D], Lq tokens per sequence -> [Bs * Lq, Hq, D]. Where the C++ decode attention
+    takes the caches, each query row is one decode of the keys it sees, through that kernel: so a
+    verification step's rows get the bits plain decoding gives those positions, one step each (greedy
+    speculation then emits plain decoding's tokens, in bfloat16 too: docs/runtime.md)."""
+    if _cpu_decode_takes(q, k_cache, v_cache, softcap):
+        tables = group.block_tables.repeat_interleave(group.rows.shape[1], dim=0)  # [Bs * Lq, nb]
+        return cpu_decode.decode_attention(q, k_cache, v_cache, tables, group.visible.flatten(), scale, window)
     batch, query_len = group.rows.shape
     q_heads, dim = q.shape[1:]
     kv_heads = k_cache.shape[2]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import allocate
-from optkit.kernels.paged_attention import fused_decode_attention, paged_attention, write_kv
+from optkit.kernels.paged_attention import AttentionMetadata, fused_decode_attention, paged_attention, write_kv
 from optkit.models.llama import Attention, RMSNorm, apply_rope, rope_cos_sin
 from tests.kernels.broken_build import failed_build_reason
 from tests.kernels.paged_steps import paged_attention_reference, random_step
@@ -308,3 +308,26 @@ def test_a_fused_layer_follows_a_change_of_its_weights(tmp_path, small_dir, monk
             layer.self_attn.o_proj = copy.deepcopy(model.model.layers[0].self_attn.o_proj)
     assert counted_and_equal(model, monkeypatch, "decode_layer_w4a8", DecoderLayer, "decode_in_one_call")
     assert not torch.equal(run_paged(model, DECODING, steps)[-1], before[-1])  # the change moved the logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_verification_chunks_rows_get_the_bits_of_one_decode_each(calls, dtype, window):
+    """Speculative decoding's short chunks (1 + k tokens of a sequence) on the CPU: each query row's
+    output equals, bit for bit, that position decoded alone (a plain decode step), beside decodes and a
+    long chunk in the same step."""
+    query_lens, context_lens = [4, 1, 3, 40, 4], [11, 9, 30, 50, 17]  # 40: over the short chunks' 32
+    q, _, _, k_cache, v_cache, meta = random_step(query_lens, context_lens, 8, (4, 2), 32, dtype, seed=3)
+    out = paged_attention(q, k_cache, v_cache, meta, 0.3, window=window)
+    assert calls  # the C++ kernel ran
+    tables = [meta.block_tables[b].tolist() for b in range(len(query_lens))]
+    row = 0
+    for b, (n, context) in enumerate(zip(query_lens, context_lens, strict=True)):
+        for i in range(n):
+            if 1 < n <= 32:  # a short chunk's row: the decode of position context - n + i
+                position = context - n + i
+                slot = tables[b][position // 8] * 8 + position % 8
+                alone = AttentionMetadata.build([1], [position + 1], [tables[b]], [slot])
+                want = paged_attention(q[row : row + 1], k_cache, v_cache, alone, 0.3, window=window)
+                assert torch.equal(out[row : row + 1], want), (b, i)
+            row += 1

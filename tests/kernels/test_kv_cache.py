@@ -5,6 +5,7 @@ paged attention reads it as the dequantized values it stores; a block takes half
 import pytest
 import torch
 
+from optkit.kernels import cpu_decode
 from optkit.kernels.kv_cache import QuantizedKVCache, allocate, bytes_per_block
 from optkit.kernels.paged_attention import AttentionMetadata, paged_attention, write_kv
 
@@ -102,7 +103,9 @@ def test_a_rewritten_slot_keeps_the_grown_scale_and_other_blocks_stay_as_they_we
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-def test_paged_attention_reads_the_stored_values(kv_dtype):
+def test_paged_attention_reads_the_stored_values(kv_dtype, monkeypatch):
+    # both caches through the PyTorch attention (the C++ kernel takes plain caches only): the same math
+    monkeypatch.setattr(cpu_decode, "enabled", lambda x: False)
     heads, dim, block = 2, 16, 4
     gen = torch.Generator().manual_seed(0)
     lens = [9, 1, 5]  # a prefill, a decode, a short chunk: every path of paged_attention

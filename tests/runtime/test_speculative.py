@@ -14,7 +14,7 @@ from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.scheduler import Scheduler, SchedulerConfig
 from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
-from tests.runtime.eagle_heads import random_head
+from tests.runtime.eagle_heads import echo_head, random_head
 from tests.runtime.test_engine import varied_prompts
 
 
@@ -94,6 +94,52 @@ def test_greedy_equals_plain_decoding_on_50_prompts_batched(small_dir, draft_dir
     speculative = "ngram" if proposer == "ngram" else f"draft:{draft_dir}"
     engine = LLMEngine(small_dir, EngineConfig(max_num_batched_tokens=256, speculative=speculative))
     assert engine.generate(*fifty) == small_plain_outputs
+    assert engine.stats().num_spec_accepted_tokens > 0
+    assert blocks_in_use(engine) == (0, 0)
+
+
+@pytest.fixture(scope="module")
+def bf16_requests(heldout_ids) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = varied_prompts(heldout_ids, 8, seed=91, lengths=(1, 150)) + quoting_prompts(heldout_ids, 6, seed=92)
+    # counting and repeats, where an echoing head gets some right
+    prompts += [[300 + i for i in range(23)], [*range(1, 17), 1, 2, 3], [7] * 6 + [9, 9, 7], [5, 17, 99, 1203, 8] * 2]
+    rng = random.Random(93)
+    return prompts, [SamplingParams(max_tokens=rng.randint(8, 40), temperature=0, ignore_eos=True) for _ in prompts]
+
+
+@pytest.fixture(scope="module")
+def bf16_rows_round_alike(small_dir) -> bool:
+    """Whether small's bf16 linears, as the loader sets them up on this CPU (oneDNN's packed bf16
+    where it has a bf16 path), give a row the same bits alone and among 8: what a verification's
+    exactness rests on besides attention."""
+    import torch
+
+    from optkit.models.loader import load_runtime_model
+
+    model = load_runtime_model(small_dir, dtype=torch.bfloat16)
+    x = torch.randn(8, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        linear = model.model.layers[0].self_attn.o_proj
+        return torch.equal(torch.cat([linear(x[i : i + 1]) for i in range(8)]), linear(x))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft", "eagle"])
+def test_greedy_in_bfloat16_on_the_cpu_equals_plain_decoding(
+    small_dir, draft_dir, bf16_requests, bf16_rows_round_alike, proposer, tmp_path
+):
+    """bfloat16 rounds far coarser than float32, so the verification's rows must get exactly plain
+    decoding's bits for greedy output to match (paged_attention's short chunks through the decode
+    kernel; the linears give each row the same bits whatever the row count)."""
+    if not bf16_rows_round_alike:
+        pytest.skip("this CPU's bf16 matmul rounds a row by the row count (docs/runtime.md)")
+    if proposer == "eagle":
+        speculative = f"eagle:{echo_head(small_dir, tmp_path / 'head')}"  # accepts some, rejects some
+    else:
+        speculative = "ngram" if proposer == "ngram" else f"draft:{draft_dir}"
+    config = {"dtype": "bfloat16", "block_size": 8, "max_num_batched_tokens": 256}
+    plain = LLMEngine(small_dir, EngineConfig(**config)).generate(*bf16_requests)
+    engine = LLMEngine(small_dir, EngineConfig(**config, speculative=speculative, num_speculative_tokens=3))
+    assert engine.generate(*bf16_requests) == plain
     assert engine.stats().num_spec_accepted_tokens > 0
     assert blocks_in_use(engine) == (0, 0)
 
