@@ -166,9 +166,9 @@ def decode_attention_qkv(
 
 @dataclass(frozen=True)
 class W4A8Layer:
-    """A decoder layer's weights as decode_layer_w4a8 takes them, in its schema's order: built once and
-    kept by the layer while its modules and weights stand (models/llama.py), so a decode step's call
-    passes them as they are rather than gathering them again."""
+    """A decoder layer's weights as decode_layer_w4a8 takes them, in its schema's order: built once
+    and kept by the layer while its modules and weights stand (models/fused_layer.py), so a decode
+    step's call passes them as they are rather than gathering them again."""
 
     args: tuple
 
