@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # bench/cpu_real_shapes.py
 
 # hidden, MLP, q|k|v outputs, layers, vocabulary (bench/cpu_real_shapes.py's configs)
 SHAPES = {"smollm2-135m": (576, 1536, 960, 30, 49152), "gemma-3-270m": (640, 2048, 1536, 18, 262144)}
@@ -70,19 +71,6 @@ def random_w4(n: int, k: int, seed: int):
     return cpu_w4a8.pack(q, scale, torch.zeros(n, k // 64, dtype=torch.int8), 4)
 
 
-def read_bandwidth() -> float:
-    import torch
-
-    x = torch.ones((1 << 30) // 4)
-    x.sum()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
-    return (1 << 30) / statistics.median(times)
-
-
 def interleaved(calls: dict, repeats: int) -> dict[str, float]:
     """Build name -> median seconds of its call, the builds run in turn `repeats` times."""
     times = {name: [] for name in calls}
@@ -117,6 +105,7 @@ def head_call(op, row, head):
 def main():
     args = parse_args()
     import torch
+    from cpu_real_shapes import read_bandwidth
 
     from optkit.kernels import cpu_int8_gemv, cpu_w4a8
 
@@ -126,7 +115,7 @@ def main():
     with tempfile.TemporaryDirectory() as scratch:
         ops = {(k, pf): build(k, pf, Path(scratch)) for k in KERNELS for pf in (True, False)}
     head_runs = not cpu_int8_gemv.unavailable_reason()
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads; "
           f"W4A8 on {cpu_w4a8.ISA_NAMES[cpu_w4a8.selected_isa()]}")  # fmt: skip
     print(f"{'shape':14} {'kernel':18} {'MB':>6} {'no prefetch':>12} {'prefetch':>10} {'GB/s':>11} {'speed-up':>9}")

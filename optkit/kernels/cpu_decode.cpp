@@ -1,6 +1,7 @@
 // The small operators of a CPU decode step, one call each instead of 5-10 ATen operators: RMSNorm,
 // RoPE, and attention of one query token per sequence over the paged KV cache, alone or joined to the
-// per-head q/k norms, RoPE and the cache write after a fused q|k|v projection; float32 or bfloat16.
+// per-head q/k norms, RoPE and the cache write after a fused q|k|v projection, and a 4-bit model's
+// whole decoder layer, or all its layers, of a decode step; float32 or bfloat16.
 // Built at first use by optkit/kernels/cpu_decode.py (kernels/cpp_build.py), which documents when
 // the runtime takes them. At batch 1 a step of a 4-bit model spent as long in these operators'
 // dispatch, thread wake-ups and temporaries as in its matmuls (docs/results.md, issue 20).
@@ -570,6 +571,60 @@ at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   return a.add(sandwich ? norm(out, *post_feedforward_norm) : out);
 }
 
+
+// ---- A decode step's whole decoder stack of W4A8 layers: decode_layer_w4a8 for layer l = 0..L-1 in
+// turn, each layer's output the next one's h, in one call (what the model's loop and its Python per
+// layer cost at batch 1). Per-layer arguments are flattened: linears 4l..4l+3 of weights, params,
+// biases, out_features and group_sizes are layer l's; the norms, caches and windows are one entry a
+// layer; layer l takes RoPE table rope_index[l] of cos and sin (Gemma's local and global) and the
+// block table, slots and lens of its KV cache group group_index[l].
+at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::TensorList params,
+                             const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
+                             at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
+                             at::TensorList post_attention_norms,
+                             const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
+                             const c10::List<c10::optional<at::Tensor>>& post_feedforward_norms,
+                             const c10::List<c10::optional<at::Tensor>>& q_norms,
+                             const c10::List<c10::optional<at::Tensor>>& k_norms, double eps, bool cast_first,
+                             double offset, bool gelu_tanh, at::TensorList cos, at::TensorList sin,
+                             at::IntArrayRef rope_index, at::TensorList k_caches, at::TensorList v_caches,
+                             at::TensorList slot_mappings, at::TensorList block_tables, at::TensorList lens,
+                             at::IntArrayRef group_index, int64_t num_heads, double scale, at::IntArrayRef windows,
+                             bool avx512) {
+  const int64_t L = static_cast<int64_t>(input_norms.size());
+  const auto per_layer = [L](size_t n) { return static_cast<int64_t>(n) == L; };
+  const auto four_per_layer = [L](size_t n) { return static_cast<int64_t>(n) == 4 * L; };
+  TORCH_CHECK_VALUE(four_per_layer(weights.size()) && four_per_layer(params.size()) &&
+                        four_per_layer(biases.size()) && four_per_layer(out_features.size()) &&
+                        four_per_layer(group_sizes.size()),
+                    "decode_stack_w4a8: four linears a layer");
+  TORCH_CHECK_VALUE(per_layer(post_attention_norms.size()) && per_layer(pre_feedforward_norms.size()) &&
+                        per_layer(post_feedforward_norms.size()) && per_layer(q_norms.size()) &&
+                        per_layer(k_norms.size()) && per_layer(rope_index.size()) && per_layer(k_caches.size()) &&
+                        per_layer(v_caches.size()) && per_layer(group_index.size()) && per_layer(windows.size()),
+                    "decode_stack_w4a8: one norm, cache, RoPE table, cache group and window a layer");
+  TORCH_CHECK_VALUE(cos.size() == sin.size() && slot_mappings.size() == block_tables.size() &&
+                        slot_mappings.size() == lens.size(),
+                    "decode_stack_w4a8: cos and sin, slots, block tables and lens in pairs");
+  at::Tensor x = h;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t r = rope_index[l], g = group_index[l];
+    TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
+                          g < static_cast<int64_t>(slot_mappings.size()),
+                      "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
+    c10::List<c10::optional<at::Tensor>> layer_biases;
+    layer_biases.reserve(4);
+    for (int64_t i = 0; i < 4; ++i) layer_biases.push_back(biases.get(4 * l + i));
+    x = decode_layer_w4a8(x, weights.slice(4 * l, 4), params.slice(4 * l, 4), layer_biases,
+                          out_features.slice(4 * l, 4), group_sizes.slice(4 * l, 4), isa, input_norms[l],
+                          post_attention_norms[l], pre_feedforward_norms.get(l), post_feedforward_norms.get(l),
+                          q_norms.get(l), k_norms.get(l), eps, cast_first, offset, gelu_tanh, cos[r], sin[r],
+                          k_caches[l], v_caches[l], slot_mappings[g], block_tables[g], lens[g], num_heads, scale,
+                          windows[l], avx512);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optkit_cpu, m) {
@@ -589,4 +644,11 @@ TORCH_LIBRARY(optkit_cpu, m) {
         "bool gelu_tanh, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor lens, int num_heads, float scale, int window, bool avx512) -> Tensor",
         &decode_layer_w4a8);
+  m.def("decode_stack_w4a8(Tensor h, Tensor[] weights, Tensor[] params, Tensor?[] biases, int[] out_features, "
+        "int[] group_sizes, int isa, Tensor[] input_norms, Tensor[] post_attention_norms, "
+        "Tensor?[] pre_feedforward_norms, Tensor?[] post_feedforward_norms, Tensor?[] q_norms, Tensor?[] k_norms, "
+        "float eps, bool cast_first, float offset, bool gelu_tanh, Tensor[] cos, Tensor[] sin, int[] rope_index, "
+        "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slot_mappings, Tensor[] block_tables, "
+        "Tensor[] lens, int[] group_index, int num_heads, float scale, int[] windows, bool avx512) -> Tensor",
+        &decode_stack_w4a8);
 }

@@ -14,6 +14,7 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
                        (what a layer ran as ~12 operators and their Python, one call)
   decode_layer_w4a8    a whole decoder layer of a decode step whose linears are W4A8 layers (its
                        norms, the four W4A8 calls, the attention above, the adds and activation)
+  decode_stack_w4a8    every layer of such a model's decode step, each layer's call in turn
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
 OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call. Attention
@@ -202,6 +203,61 @@ def decode_layer_w4a8(h: torch.Tensor, layer: W4A8Layer, step: DecodeAttention) 
     [B, hidden], with the layer's weights and this step's attention."""
     try:
         return torch.ops.optkit_cpu.decode_layer_w4a8(h, *layer.args, *step.op_args())
+    except ValueError as e:
+        raise shape_error(e) from e
+
+
+@dataclass(frozen=True)
+class W4A8Stack:
+    """A decoder stack's W4A8 layers as decode_stack_w4a8 takes them: each argument of the layers'
+    W4A8Layer.args flattened over the layers (lists joined, per-layer tensors listed), the scalars
+    the layers share once."""
+
+    args: tuple
+
+    @classmethod
+    def of(cls, layers: list[W4A8Layer]) -> "W4A8Stack | None":
+        """None where the layers differ in what the call takes once (the kernel, the norms' eps, cast
+        and offset, the activation)."""
+        columns = list(zip(*[layer.args for layer in layers], strict=True))
+        shared = [columns[5], *columns[12:16]]  # isa; eps, cast_first, offset, gelu_tanh
+        if not layers or any(len(set(column)) != 1 for column in shared):
+            return None
+        linears = [[item for per_layer in column for item in per_layer] for column in columns[:5]]
+        return cls((*linears, columns[5][0], *map(list, columns[6:12]), *(column[0] for column in columns[12:16])))
+
+
+@dataclass(frozen=True)
+class StackStep:
+    """A decode-only step's attention in every layer of a stack, as decode_stack_w4a8 takes it: RoPE
+    tables (cos, signed sin [B, 1, R]) and KV cache groups (slot_mapping, block tables, lens), each
+    layer's caches and the index of its table and group; every layer num_heads query heads."""
+
+    rope: list[tuple[torch.Tensor, torch.Tensor]]
+    rope_index: list[int]
+    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    group_index: list[int]
+    num_heads: int
+    scale: float
+    windows: list[int]
+
+    def op_args(self) -> tuple:
+        """The operator's trailing arguments, in its schema's order."""
+        cos, sin = zip(*self.rope, strict=True)
+        k_caches, v_caches = zip(*self.caches, strict=True)
+        slots, tables, lens = zip(*self.groups, strict=True)
+        return (
+            list(cos), list(sin), self.rope_index, list(k_caches), list(v_caches), list(slots), list(tables),
+            list(lens), self.group_index, self.num_heads, self.scale, self.windows, avx512(),
+        )  # fmt: skip
+
+
+def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step: StackStep) -> torch.Tensor:
+    """`decode_layer_w4a8` through every layer of the stack in turn, in one call, the same bits: h
+    [B, hidden] -> the last layer's output [B, hidden]."""
+    try:
+        return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step.op_args())
     except ValueError as e:
         raise shape_error(e) from e
 

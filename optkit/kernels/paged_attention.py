@@ -268,15 +268,22 @@ def fused_decode_attention(
         same and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     ):
         return None
-    plan = meta.plan(k_cache.shape[1])
+    tables = decode_tables(meta, k_cache.shape[1], x.shape[0])
+    if tables is None:
+        return None
+    return cpu_decode.DecodeAttention(num_heads, cos, sin, k_cache, v_cache, *tables, scale, window)
+
+
+def decode_tables(
+    meta: AttentionMetadata, block_size: int, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A step of `num_rows` tokens as the C++ decode calls take it: (slot_mapping, block tables long
+    [B, nb], lens long [B]) where every row is a decode, in order; None otherwise."""
+    plan = meta.plan(block_size)
     decode = plan.decode
     if decode is None or plan.short or plan.chunks or not isinstance(decode.rows, slice):
         return None
-    if decode.rows.stop != x.shape[0]:
-        return None
-    return cpu_decode.DecodeAttention(
-        num_heads, cos, sin, k_cache, v_cache, meta.slot_mapping, decode.block_tables, decode.lens, scale, window
-    )
+    return None if decode.rows.stop != num_rows else (meta.slot_mapping, decode.block_tables, decode.lens)
 
 
 def _sdpa(

@@ -26,7 +26,7 @@ def w4a8_weights(layer: nn.Module, h: torch.Tensor) -> cpu_decode.W4A8Layer | No
     key = (h.dtype, limit is None or h.shape[0] <= limit, cpu_int4.available())
     kept = layer.__dict__.get("_w4a8_decode")
     if kept is None or kept[0] != key or not kept[1].stands():
-        kept = (key, _gather(layer, h))
+        kept = (key, gather(layer, h))
         layer.__dict__["_w4a8_decode"] = kept
     derived = kept[1]
     if derived.value is None or hooked(derived.modules):  # one call would run past the hook
@@ -34,7 +34,7 @@ def w4a8_weights(layer: nn.Module, h: torch.Tensor) -> cpu_decode.W4A8Layer | No
     return derived.value
 
 
-def _gather(layer: nn.Module, h: torch.Tensor) -> Derived:
+def gather(layer: nn.Module, h: torch.Tensor) -> Derived:
     """The layer's weights for decode_layer_w4a8 (None where it cannot take them) and what they come
     from: the attention, the MLP, their four linears (packed, q|k|v and gate|up fused) and the norms."""
     names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
@@ -45,7 +45,7 @@ def _gather(layer: nn.Module, h: torch.Tensor) -> Derived:
     linears = [module for _, _, module in slots[-4:]]
     if not all(hasattr(m, "w4a8_for") for m in linears):  # PackedIntLinear
         return Derived(None, slots)
-    norm_modules = [getattr(layer, name) for name in names[2:]]
+    norm_modules = [module for _, _, module in slots[2 : len(names)]]
     if attn.qk_norm == "head":
         slots += [slot(attn, "q_norm"), slot(attn, "k_norm")]
     slots += [t for _, _, module in slots[2:] for t in tensors_of(module)]

@@ -12,7 +12,7 @@ from torch import nn
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.paged_attention import AttentionMetadata, fused_decode_attention, paged_attention, write_kv
-from optkit.models import fused_layer
+from optkit.models import fused_layer, fused_stack
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -280,6 +280,11 @@ class DecoderLayer(nn.Module):
         return None if step is None else cpu_decode.decode_layer_w4a8(h, weights, step)
 
 
+def _plain_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is the decoder layer decode_layer_w4a8 computes (a gated MLP, no subclass)."""
+    return type(layer) is DecoderLayer and type(layer.mlp) is MLP
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -328,12 +333,17 @@ class CausalLM(nn.Module):
         layers (layer i's input: layer i-1's output, no norm; vLLM's aux_hidden_state_layers),
         concatenated in their order, [T, len(aux_layers)·hidden_size]."""
         h = self.config.scale_embeddings(self.model.embed_tokens(input_ids))  # h: [T, hidden]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)  # [T, 1, R]
-        rope = [(cos, sin)] * len(self.model.layers)
+        tables = [rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)]  # cos, sin [T, 1, R]
+        rope_index = [0] * len(self.model.layers)
         if self.local_rope:
-            local = rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype)
-            rope = [local if is_local else (cos, sin) for is_local in self.local_rope]
+            tables.append(rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype))
+            rope_index = [int(is_local) for is_local in self.local_rope]
         metas = meta if isinstance(meta, list) else [meta] * len(self.model.layers)
+        if not aux_layers:  # a decode step of a 4-bit artifact on the CPU: every layer in one call
+            stacked = fused_stack.decode(self.model.layers, _plain_layer, h, tables, rope_index, metas, kv_caches)
+            if stacked is not None:
+                return self.model.norm(stacked)
+        rope = [tables[i] for i in rope_index]
         entering = {}  # layer index -> the residual stream entering it
         for i, (layer, kv_cache, (cos, sin), layer_meta) in enumerate(
             zip(self.model.layers, kv_caches, rope, metas, strict=True)

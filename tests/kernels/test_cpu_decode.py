@@ -212,19 +212,28 @@ def test_the_fused_attention_refuses_a_slot_outside_the_cache():
 DECODING = [list(range(3, 40)), list(range(50, 71)), list(range(7, 30))]
 
 
-def counted_and_equal(model, monkeypatch, operator: str, owner: type, method: str) -> int:
+def counted_and_equal(model, monkeypatch, operator: str, fused_paths: list[tuple[object, str]]) -> int:
     """DECODING through prefill chunks and then decodes, counting the calls of cpu_decode.`operator`;
-    then again with owner.`method` (the fused path) returning None: every position's logits equal,
-    not close. The count."""
+    then again with every fused path (owner.name) returning None: every position's logits equal, not
+    close. The count."""
     steps = chunked_then_decode([len(s) for s in DECODING], seed=1, max_chunk=6)  # the second halves decode
     calls = []
     real = getattr(cpu_decode, operator)
     monkeypatch.setattr(cpu_decode, operator, lambda *a: calls.append(a[0].shape) or real(*a))
     fast = run_paged(model, DECODING, steps)
-    monkeypatch.setattr(owner, method, lambda self, *a: None)
+    for owner, name in fused_paths:
+        monkeypatch.setattr(owner, name, lambda *a: None)
     for got, want in zip(fast, run_paged(model, DECODING, steps), strict=True):
         assert torch.equal(got, want)
     return len(calls)
+
+
+def stack_and_layers() -> list[tuple[object, str]]:
+    """A 4-bit artifact's fused decode paths: the whole stack in one call, and each layer in one."""
+    from optkit.models import fused_stack
+    from optkit.models.llama import DecoderLayer
+
+    return [(fused_stack, "decode"), (DecoderLayer, "decode_in_one_call")]
 
 
 def w4_artifact(family: str, tmp_path, small_dir):
@@ -251,7 +260,8 @@ def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
     from tests.tiny_families import save_tiny_family
 
     model = load_runtime_model(save_tiny_family(family, tmp_path / family, small_dir))
-    assert bool(counted_and_equal(model, monkeypatch, "decode_attention_qkv", Attention, "decode_from_qkv")) == fused
+    fused_path = [(Attention, "decode_from_qkv")]
+    assert bool(counted_and_equal(model, monkeypatch, "decode_attention_qkv", fused_path)) == fused
 
 
 @pytest.mark.parametrize(
@@ -260,37 +270,45 @@ def test_a_models_decode_steps_take_the_fused_attention_with_the_same_logits(
      ("olmo2", False), ("granite", False), ("phi3", False)],  # post-norms, residual multiplier, Phi-3's MLP
 )  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_4bit_artifacts_decode_layers_run_in_one_call_with_the_same_logits(
+def test_a_4bit_artifacts_decode_stack_runs_in_one_call_with_the_same_logits(
     tmp_path, small_dir, monkeypatch, family, fused, dtype
 ):
-    """Each decoder layer of a decode step of a W4A8 artifact in one C++ call where it applies."""
-    from optkit.models.llama import DecoderLayer
+    """A decode step's decoder layers of a W4A8 artifact in one C++ call where they apply, with the
+    module path's logits; with that call off, each layer in one call, with them too."""
+    from optkit.models import fused_stack
     from optkit.models.loader import load_runtime_model
 
     model = load_runtime_model(w4_artifact(family, tmp_path, small_dir), dtype=dtype)
-    assert bool(counted_and_equal(model, monkeypatch, "decode_layer_w4a8", DecoderLayer, "decode_in_one_call")) == fused
+    assert bool(counted_and_equal(model, monkeypatch, "decode_stack_w4a8", stack_and_layers())) == fused
+    monkeypatch.undo()
+    monkeypatch.setattr(fused_stack, "decode", lambda *a: None)
+    assert bool(counted_and_equal(model, monkeypatch, "decode_layer_w4a8", stack_and_layers()[1:])) == fused
 
 
-def test_a_hooked_layer_runs_module_by_module(tmp_path, small_dir):
-    """A forward hook on a layer's linear sees its call: the layer then takes the module path."""
+@pytest.mark.parametrize("hooked", ["a linear", "a layer"])
+def test_a_hooked_model_runs_its_hooked_layer_module_by_module(tmp_path, small_dir, hooked):
+    """A forward hook on a layer, or on a part of one, sees its call at every step, the decodes
+    included: the stack then runs layer by layer and the hooked layer module by module."""
     from optkit.models.loader import load_runtime_model
 
     model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
     steps = chunked_then_decode([17], seed=1, max_chunk=6)
-    run_paged(model, [list(range(3, 20))], steps)  # the layers gather their weights for the fused call
+    run_paged(model, [list(range(3, 20))], steps)  # the stack gathers its weights for the fused call
     seen = []
-    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    module = model.model.layers[1] if hooked == "a layer" else model.model.layers[0].mlp.down_proj
+    module.register_forward_hook(lambda module, args, out: seen.append(out.shape))
     run_paged(model, [list(range(3, 20))], steps)
-    assert len(seen) == len(steps)  # every step, the decodes included
+    assert len(seen) == len(steps)
 
 
-@pytest.mark.parametrize("change", ["norm in place", "packed scales in place", "norm .data", "linear replaced"])
-def test_a_fused_layer_follows_a_change_of_its_weights(tmp_path, small_dir, monkeypatch, change):
-    """The weights a fused layer gathered once are gathered again when the model changes under it, as
-    the module path sees the change: in place, by assignment or by a module put in another's place."""
+@pytest.mark.parametrize(
+    "change", ["norm in place", "packed scales in place", "norm .data", "linear replaced", "layer replaced"]
+)
+def test_the_fused_stack_follows_a_change_of_its_weights(tmp_path, small_dir, monkeypatch, change):
+    """The weights the fused stack gathered once are gathered again when the model changes under it,
+    as the module path sees the change: in place, by assignment or by a module put in another's place."""
     import copy
 
-    from optkit.models.llama import DecoderLayer
     from optkit.models.loader import load_runtime_model
 
     model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
@@ -304,9 +322,11 @@ def test_a_fused_layer_follows_a_change_of_its_weights(tmp_path, small_dir, monk
             layer.mlp.down_proj.scale.mul_(2)
         elif change == "norm .data":
             layer.input_layernorm.weight.data = layer.input_layernorm.weight.data * 0.5
-        else:
+        elif change == "linear replaced":
             layer.self_attn.o_proj = copy.deepcopy(model.model.layers[0].self_attn.o_proj)
-    assert counted_and_equal(model, monkeypatch, "decode_layer_w4a8", DecoderLayer, "decode_in_one_call")
+        else:
+            model.model.layers[1] = copy.deepcopy(model.model.layers[0])
+    assert counted_and_equal(model, monkeypatch, "decode_stack_w4a8", stack_and_layers())
     assert not torch.equal(run_paged(model, DECODING, steps)[-1], before[-1])  # the change moved the logits
 
 

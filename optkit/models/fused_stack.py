@@ -1,0 +1,117 @@
+"""A 4-bit artifact's whole decoder stack of a decode step in one C++ call (models/llama.py's
+CausalLM.forward, kernels/cpu_decode.py's decode_stack_w4a8): every layer as its own fused call
+(models/fused_layer.py) computes it, the same bits, without the model's loop and each layer's Python
+around its call (the module call, its weights' check, its attention's arguments), which at batch 1
+on a small model of many thin layers cost about as long as the layers' attention (docs/results.md,
+issue 38). The stack's weights are gathered once and kept while every layer and what each watches
+stand (models/derived.py); a forward hook on any layer or part of one is looked for at every call.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from optkit.kernels import cpu_decode, cpu_int4, cpu_w4a8
+from optkit.kernels.kv_cache import QuantizedKVCache
+from optkit.kernels.paged_attention import AttentionMetadata, decode_tables
+from optkit.models import fused_layer
+from optkit.models.derived import Derived, slot
+
+
+class _Kept:
+    """The stack's weights and what each step reads of its attentions (their windows, head counts
+    and scales are plain attributes: read at every step, as the layer-by-layer path reads them)."""
+
+    def __init__(self, stack: cpu_decode.W4A8Stack, attentions: list[nn.Module]):
+        self.stack, self.attentions = stack, attentions
+
+
+def decode(
+    layers: nn.ModuleList,
+    fusable: Callable[[nn.Module], bool],
+    h: torch.Tensor,
+    rope: list[tuple[torch.Tensor, torch.Tensor]],
+    rope_index: list[int],
+    metas: list[AttentionMetadata],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor | None:
+    """h [B, hidden] through every layer of a decode-only step -> the last layer's output, or None
+    where one call cannot run the stack (the model then runs its layers one by one). `fusable(layer)`:
+    whether the layer is the plain decoder layer the fused call computes; `rope`: the step's RoPE
+    tables, layer i taking rope[rope_index[i]]; `metas` and `kv_caches`: each layer's."""
+    kept = _weights(layers, fusable, h)
+    if kept is None:
+        return None
+    step = _step(kept, h, rope, rope_index, metas, kv_caches)
+    return None if step is None else cpu_decode.decode_stack_w4a8(h, kept.stack, step)
+
+
+def _weights(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: torch.Tensor) -> _Kept | None:
+    if not cpu_decode.enabled(h):
+        return None
+    limit = cpu_w4a8.MAX_KERNEL_ROWS
+    key = (h.dtype, limit is None or h.shape[0] <= limit, cpu_int4.available())
+    kept = layers.__dict__.get("_w4a8_stack")
+    if kept is None or kept[0] != key or not kept[1].stands():
+        kept = (key, _gather(layers, fusable, h))
+        layers.__dict__["_w4a8_stack"] = kept
+    derived = kept[1]
+    if derived.value is None or fused_layer.hooked(derived.modules):  # one call would run past the hook
+        return None
+    return derived.value
+
+
+def _gather(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: torch.Tensor) -> Derived:
+    """Every layer's fused weights (fused_layer's gather) as one stack, watching the layers' slots in
+    the list and every slot each layer's weights come from."""
+    slots = [slot(layers, name) for name in layers._modules]
+    values = []
+    for _, _, layer in list(slots):
+        if layer is None or not fusable(layer) or layer.post_norms or layer.residual_multiplier != 1.0:
+            return Derived(None, slots)
+        derived = fused_layer.gather(layer, h)
+        slots += zip(derived.holders, derived.names, derived.held, strict=True)
+        if derived.value is None or layer.self_attn.softcap is not None:
+            return Derived(None, slots)
+        values.append(derived.value)
+    stack = cpu_decode.W4A8Stack.of(values)
+    if stack is None:
+        return Derived(None, slots)
+    return Derived(_Kept(stack, [layer.self_attn for _, _, layer in slots[: len(layers)]]), slots)
+
+
+def _step(
+    kept: _Kept,
+    h: torch.Tensor,
+    rope: list[tuple[torch.Tensor, torch.Tensor]],
+    rope_index: list[int],
+    metas: list[AttentionMetadata],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> cpu_decode.StackStep | None:
+    """This step's attention arguments for every layer (None where the fused call cannot take them:
+    as paged_attention.fused_decode_attention decides for one layer)."""
+    attentions = kept.attentions
+    num_heads, scale = attentions[0].num_heads, attentions[0].scale
+    if any(a.num_heads != num_heads or a.scale != scale or a.softcap is not None for a in attentions):
+        return None
+    dtype = h.dtype
+    tables = [t for pair in rope for t in pair]
+    if any(t.dtype != dtype or not t.is_contiguous() for t in tables):
+        return None
+    caches = [t for pair in kv_caches for t in pair]
+    if any(isinstance(t, QuantizedKVCache) or t.dtype != dtype or not t.is_contiguous() for t in caches):
+        return None
+    groups, group_of = [], {}  # one entry per distinct metadata (a KV cache group's block tables)
+    group_index = []
+    for meta, (k_cache, _) in zip(metas, kv_caches, strict=True):
+        key = (id(meta), k_cache.shape[1])
+        if key not in group_of:
+            found = decode_tables(meta, k_cache.shape[1], h.shape[0])
+            if found is None:
+                return None
+            group_of[key] = len(groups)
+            groups.append(found)
+        group_index.append(group_of[key])
+    windows = [a.window or 0 for a in attentions]
+    return cpu_decode.StackStep(rope, rope_index, kv_caches, groups, group_index, num_heads, scale, windows)
