@@ -219,9 +219,11 @@ class W4A8Stack:
     def of(cls, layers: list[W4A8Layer]) -> "W4A8Stack | None":
         """None where the layers differ in what the call takes once (the kernel, the norms' eps, cast
         and offset, the activation)."""
+        if not layers:
+            return None
         columns = list(zip(*[layer.args for layer in layers], strict=True))
         shared = [columns[5], *columns[12:16]]  # isa; eps, cast_first, offset, gelu_tanh
-        if not layers or any(len(set(column)) != 1 for column in shared):
+        if any(len(set(column)) != 1 for column in shared):
             return None
         linears = [[item for per_layer in column for item in per_layer] for column in columns[:5]]
         return cls((*linears, columns[5][0], *map(list, columns[6:12]), *(column[0] for column in columns[12:16])))
