@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from optkit.kernels import cpp_build, cpu_decode
+from optkit.kernels import cpp_build, cpu_decode, huge_pages
 from optkit.kernels.cpu_int4 import contiguous_groups
 
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
@@ -112,7 +112,8 @@ def pack(
     # column k = 32 b + 8 w + 4 h + j; byte (b, w, lane, j) = u[.., h=0] | u[.., h=1] << 4
     u = u.view(tiles, LANES, blocks, 4, 2, 4)
     byte = u[..., 0, :] | (u[..., 1, :] << 4)  # [T, lane, b, w, j]
-    weight = byte.permute(0, 2, 3, 1, 4).contiguous().view(tiles, blocks, 256)
+    # in 2 MiB pages where Linux gives them: a decode step streams it (kernels/huge_pages.py)
+    weight = huge_pages.copy_in(byte.permute(0, 2, 3, 1, 4)).view(tiles, blocks, 256)
     s = scale.float()
     c = 8 + zero_point.float()  # Ŵ = u·s - (8 + z)·s
     if compact and torch.equal(s.bfloat16().float(), s) and torch.equal(c.round(), c):  # both exact
@@ -123,7 +124,7 @@ def pack(
     else:
         params = torch.nn.functional.pad(torch.stack([s, s * c], dim=1), (0, 0, 0, 0, 0, padded))  # [N', 2, G]
         params = params.view(tiles, LANES, 2, groups).permute(0, 3, 2, 1).contiguous()  # [T, G, 2, 16]
-    return W4A8Packed(weight, params, size, perm, in_features, out_features)
+    return W4A8Packed(weight, huge_pages.copy_in(params), size, perm, in_features, out_features)
 
 
 def w4a8_linear(x: torch.Tensor, packed: W4A8Packed, bias: torch.Tensor | None = None) -> torch.Tensor:

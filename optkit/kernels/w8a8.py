@@ -14,7 +14,7 @@ rows on AVX-512 VNNI CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the sam
 import torch
 
 from optkit.errors import OptkitError, shown_shape
-from optkit.kernels import cpu_int8_gemv
+from optkit.kernels import cpu_int8_gemv, huge_pages
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
 
 INT8_MAX = 127
@@ -174,8 +174,8 @@ class W8A8Linear(ScaledLinear):
     def prepare(self) -> None:
         """On the CPU, store weight_t column-major (the same [in, out] values, the storage of [out, in]):
         `torch._int_mm` at one row runs several times faster so (docs/results.md)."""
-        if self.weight_t.device.type == "cpu" and self.weight_t.stride(0) != 1:
-            self.weight_t = self.weight_t.t().contiguous().t()
+        if self.weight_t.device.type == "cpu":  # in 2 MiB pages where Linux gives them (kernels/huge_pages.py)
+            self.weight_t = huge_pages.copy_in(self.weight_t.t()).t()
         if self.weight_t.device.type == "cpu" and not cpu_int8_gemv.unavailable_reason():
             self.weight_sums = cpu_int8_gemv.weight_sums(self.weight_t)  # not a buffer: derived, CPU only
         self._prepared_for = self._weight_key()
