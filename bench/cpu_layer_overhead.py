@@ -42,7 +42,7 @@ def gathered_every_step(layer, h):
     if layer.post_norms or layer.residual_multiplier != 1.0 or not cpu_decode.enabled(h):
         return None
     derived = fused_layer.gather(layer, h)
-    return None if derived.value is None or fused_layer.hooked(derived.modules) else derived.value
+    return None if derived.value is None or derived.hooked() else derived.value
 
 
 def no_stack(*args):

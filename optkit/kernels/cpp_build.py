@@ -3,7 +3,8 @@
 torch.utils.cpp_extension builds it with g++ and ninja into $OPTKIT_CACHE/kernels/<name>_<hash>, the
 hash over the source, the flags and torch's version, so a machine builds each version once (~20 s)
 and a changed source or flag never loads a stale library. The libraries register their operators
-with TORCH_LIBRARY (torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules.
+with TORCH_LIBRARY (torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules;
+one that reads Python objects (cpu_watch.cpp) is imported as a Python module (`load_module`).
 
 The libraries are code that runs in this process, so the build directory must be this user's own:
 $OPTKIT_CACHE/kernels and its <name>_<hash> directories are created writable by this user alone, and
@@ -22,6 +23,7 @@ import os
 import platform
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -40,8 +42,18 @@ def capped_to_avx2() -> bool:
 
 def load(source: Path, prefix: str) -> str:
     """Build (or find) and load the library of `source`; "" when loaded, else why not, in one line."""
+    return _build(source, prefix, python_module=False)[1]
+
+
+def load_module(source: Path, prefix: str) -> tuple[ModuleType | None, str]:
+    """Build (or find) and import `source` as a Python module (PYBIND11_MODULE): (the module, "") or
+    (None, why not, in one line)."""
+    return _build(source, prefix, python_module=True)
+
+
+def _build(source: Path, prefix: str, python_module: bool) -> tuple[ModuleType | None, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not x86-64 ({platform.machine()})"
+        return None, f"not x86-64 ({platform.machine()})"
     from torch.utils import cpp_extension
 
     key = source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
@@ -52,24 +64,24 @@ def load(source: Path, prefix: str) -> str:
         except (OptkitError, OSError) as e:
             reason = f"C++ library not loaded: {e}"
             log.warning("%s", reason)
-            return reason
+            return None, reason
         umask = os.umask(0o022)  # ninja's objects and build files, and the library: this user's alone
         try:
-            cpp_extension.load(
+            module = cpp_extension.load(
                 name,
                 [str(source)],
                 extra_cflags=list(FLAGS),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_directory),
-                is_python_module=False,
+                is_python_module=python_module,
                 verbose=False,
             )
         except Exception as e:  # no compiler or ninja, a compile error, an unwritable cache: all mean "not here"
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-            return f"C++ build failed: {first[:160]}"
+            return None, f"C++ build failed: {first[:160]}"
         finally:
             os.umask(umask)  # process-wide, so only while the lock is held
-    return ""
+    return (module if python_module else None), ""
 
 
 def private_build_directory(name: str) -> Path:

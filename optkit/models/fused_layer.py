@@ -7,8 +7,6 @@ and each packed layer's checks, with the caches cold from the weights just strea
 long as the call itself (docs/results.md, issue 38).
 """
 
-from operator import attrgetter
-
 import torch
 from torch import nn
 
@@ -29,7 +27,7 @@ def w4a8_weights(layer: nn.Module, h: torch.Tensor) -> cpu_decode.W4A8Layer | No
         kept = (key, gather(layer, h))
         layer.__dict__["_w4a8_decode"] = kept
     derived = kept[1]
-    if derived.value is None or hooked(derived.modules):  # one call would run past the hook
+    if derived.value is None or derived.hooked():  # one call would run past the hook
         return None
     return derived.value
 
@@ -59,12 +57,3 @@ def gather(layer: nn.Module, h: torch.Tensor) -> Derived:
     biases = [None if m.bias is None else m.bias.to(h.dtype) for m in linears]
     weights = cpu_decode.W4A8Layer.of(list(zip(layouts, biases, strict=True)), norms, head_norms, mlp.gelu)
     return Derived(weights, slots)
-
-
-def hooked(modules: list[nn.Module]) -> bool:
-    """Whether a forward hook watches any of `modules` (torch's global hooks included)."""
-    from torch.nn.modules import module as torch_module
-
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(map(attrgetter("_forward_hooks"), modules)) or any(map(attrgetter("_forward_pre_hooks"), modules))

@@ -57,7 +57,7 @@ def _weights(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: tor
         kept = (key, _gather(layers, fusable, h))
         layers.__dict__["_w4a8_stack"] = kept
     derived = kept[1]
-    if derived.value is None or fused_layer.hooked(derived.modules):  # one call would run past the hook
+    if derived.value is None or derived.hooked():  # one call would run past the hook
         return None
     return derived.value
 
