@@ -3,7 +3,7 @@
 A decode step at batch 1 reads every weight byte once, in many short streams (a small model's linear
 is 0.1-1 MB). With 4 KiB pages each stream crosses a page every 4 KiB: a TLB miss, and a boundary
 the hardware prefetchers do not cross, so each page starts its stream cold again. In 2 MiB pages the
-same kernels read the same bytes faster (bench/cpu_huge_pages.py). The bytes and the results are
+same kernels read the same bytes faster (bench/cpu_decode_switches.py). The bytes and the results are
 the same: only where the memory lies changes.
 
 `copy_in(t)` returns a contiguous copy of a CPU tensor placed in an arena of anonymous mappings
