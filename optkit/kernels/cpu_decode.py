@@ -15,6 +15,7 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
   decode_layer_w4a8    a whole decoder layer of a decode step whose linears are W4A8 layers (its
                        norms, the four W4A8 calls, the attention above, the adds and activation)
   decode_stack_w4a8    every layer of such a model's decode step, each layer's call in turn
+  argmax               greedy decoding's torch.argmax over each row of float32 logits, the same index
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
 OPTKIT_CPU_OPS=0 (the reference, for A/B runs), takes the PyTorch code beside each call. Attention
@@ -91,6 +92,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return torch.ops.optkit_cpu.rope(x, cos, sin)
     except ValueError as e:
         raise shape_error(e) from e
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1), the same indices: for float32 logits [R, V] on the CPU in C++ (two
+    vector passes a row, the max then its first index; ATen's reduction took ~7x its own max on a
+    vocabulary row), else ATen's."""
+    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[-1] > 0 and enabled(logits):
+        return torch.ops.optkit_cpu.argmax(logits, avx512())
+    return logits.argmax(dim=-1)
 
 
 def decode_attention(

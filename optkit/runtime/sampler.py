@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optkit.kernels import cpu_decode
 from optkit.runtime.sequence import SamplingParams, Sequence
 
 _GREEDY_BELOW = 1e-5  # temperatures this small overflow logits / t: treat them as greedy
@@ -57,7 +58,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
 
         if all(is_greedy(p) and not has_penalties(p) for p in params):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = cpu_decode.argmax(logits)
         else:
             logits = apply_penalties(logits, seqs)
             token_ids = self._sample(logits, seqs)
@@ -69,7 +70,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         greedy = torch.tensor([is_greedy(p) for p in params], device=logits.device)
-        token_ids = logits.argmax(dim=-1)
+        token_ids = cpu_decode.argmax(logits)
         if bool(greedy.all()):
             return token_ids
 

@@ -52,9 +52,11 @@ def test_copies_lie_next_to_each_other_in_the_order_they_were_made():
 
 @needs_huge_pages
 def test_a_copy_outlives_the_arena_moving_on_and_its_mapping_goes_with_the_last_copy():
-    placed = huge_pages.copy_in(torch.arange(1000, dtype=torch.int32))
+    filling = torch.zeros(huge_pages.CHUNK + 1, dtype=torch.uint8)
+    huge_pages.copy_in(filling)  # a mapping of its own, full: the next copy starts a new one
+    placed = huge_pages.copy_in(torch.arange(1000, dtype=torch.int32))  # alone in its mapping
     address = placed.data_ptr()
-    huge_pages.copy_in(torch.zeros(huge_pages.CHUNK + 1, dtype=torch.uint8))  # the arena maps anew
+    huge_pages.copy_in(filling)  # no room left beside `placed`: the arena maps anew
     gc.collect()
     assert torch.equal(placed, torch.arange(1000, dtype=torch.int32))  # still readable, unchanged
     assert mapping_of(address) is not None
