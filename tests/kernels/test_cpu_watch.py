@@ -106,3 +106,24 @@ def test_a_deep_copy_leaves_the_watch_behind_and_does_not_stand(monkeypatch):
     copied = copy.deepcopy(derived)
     assert copied._watch is None and copied.value == "kept" and not copied.stands()
     assert derived.stands()
+
+
+@needs_watch
+def test_a_model_whose_stack_is_watched_is_freed_when_dropped(tmp_path, small_dir):
+    """The C++ watch holds references the garbage collector cannot see: none of them may close a cycle
+    that keeps a dropped model (and its weights) alive."""
+    import gc
+    import weakref
+
+    from optkit.models.loader import load_runtime_model
+    from tests.kernels.test_cpu_decode import w4_artifact
+    from tests.models.paged import chunked_then_decode, run_paged
+
+    model = load_runtime_model(w4_artifact("llama", tmp_path, small_dir))
+    run_paged(model, [list(range(3, 20))], chunked_then_decode([17], seed=1, max_chunk=6))
+    kept = model.model.layers.__dict__.get("_w4a8_stack")
+    assert kept is not None and kept[1]._watch is not None, "the decodes did not take the watched stack"
+    dropped, layer = weakref.ref(model), weakref.ref(model.model.layers[1])
+    del model, kept
+    gc.collect()
+    assert dropped() is None and layer() is None
