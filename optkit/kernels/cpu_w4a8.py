@@ -123,7 +123,7 @@ def pack(
         params = torch.cat([s16, c8.transpose(1, 2).contiguous().view(torch.uint8)], dim=-1)  # [T, G, 48]
     else:
         params = torch.nn.functional.pad(torch.stack([s, s * c], dim=1), (0, 0, 0, 0, 0, padded))  # [N', 2, G]
-        params = params.view(tiles, LANES, 2, groups).permute(0, 3, 2, 1).contiguous()  # [T, G, 2, 16]
+        params = params.view(tiles, LANES, 2, groups).permute(0, 3, 2, 1)  # [T, G, 2, 16], made contiguous below
     return W4A8Packed(weight, huge_pages.copy_in(params), size, perm, in_features, out_features)
 
 

@@ -66,8 +66,7 @@ class Watch {
   bool stands() const {
     for (const py::object& h : holders_) prefetch(h.ptr());
     for (const py::object& h : holders_) prefetch(reinterpret_cast<PyDictObject*>(h.ptr())->ma_keys, 3);
-    for (c10::TensorImpl* impl : tensor_impls_) prefetch(impl, 4);
-    for (c10::TensorImpl* impl : versioned_impls_) prefetch(impl, 4);
+    for (c10::TensorImpl* impl : tensor_impls_) prefetch(impl, 4);  // the versioned ones are among them
     for (c10::TensorImpl* impl : tensor_impls_) prefetch(impl->storage().unsafeGetStorageImpl(), 2);
     for (size_t i = 0; i < holders_.size(); ++i) {
       PyObject* now = PyDict_GetItemWithError(holders_[i].ptr(), names_[i].ptr());  // borrowed; str keys: no error
