@@ -1,9 +1,15 @@
 """Incremental detokenisation with stop strings: the new, final text of a request's output.
 
-Text is decoded from all output tokens and diffed against what was already emitted, so byte-level
-BPE tokens that split a UTF-8 character never leak a replacement character: text ending in
-U+FFFD waits for the next token. The last `len(longest stop) - 1` characters are held back until
-it is clear they do not begin a stop string, so a stop string never reaches the client. Where the
+The text is that of all output tokens decoded at once, diffed against what was already emitted, so
+byte-level BPE tokens that split a UTF-8 character never leak a replacement character: text ending
+in U+FFFD waits for the next token. It is decoded incrementally, as vLLM and TGI do: each call
+decodes a window of the last tokens (the previous call's new ones and this call's) and appends what
+the new ones add to the window's text, so a step costs the same at the 2,000th token as at the
+first (decoding every output token at every step made a long generation's steps grow with its
+length). Where a window's text does not extend its prefix's (a tokenizer whose decoding of a token
+depends on more than the token before it), that call decodes all the tokens. The last
+`len(longest stop) - 1` characters are held back until it is clear they do not begin a stop string,
+so a stop string never reaches the client. Where the
 output stops is decided in runtime/stopping.py, which feeds a request with stop strings one token
 at a time; the text waits in `pending` until the engine `take`s it for its next output.
 """
@@ -19,6 +25,9 @@ class Detokenizer:
         self.emitted = 0  # characters of the output text already returned
         self.stopped = False
         self.pending = ""  # new text not yet taken
+        # incremental decoding: `decoded` is the text of the tokens before `read_offset`; the next
+        # window starts at `prefix_offset` (the tokens the last call added)
+        self.decoded, self.prefix_offset, self.read_offset = "", 0, 0
 
     def watch(self, output_token_ids: list[int], finished: bool) -> bool:
         """Decode the output so far (`finished`: it ends here) and keep its new text for `take`;
@@ -31,8 +40,26 @@ class Detokenizer:
         text, self.pending = self.pending, ""
         return text
 
+    def _text(self, ids: list[int]) -> str:
+        """The text of all of `ids` (decode(ids)), decoding only the window of the last tokens."""
+        if len(ids) < self.read_offset:  # not the tokens seen before: start again
+            self.decoded, self.prefix_offset, self.read_offset = "", 0, 0
+        prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        window = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        if not window.startswith(prefix):  # all of it, and the next window starts from the first token
+            self.decoded, self.prefix_offset, self.read_offset = "", 0, 0
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        added = window[len(prefix) :]
+        text = self.decoded + added
+        # the new tokens settle once they end a whole character; the next window starts at them only
+        # where they have text (a window must not start at tokens decoding to nothing, such as skipped
+        # special tokens: its first token with text would lose a metaspace's leading space)
+        if added and not text.endswith(REPLACEMENT):
+            self.decoded, self.prefix_offset, self.read_offset = text, self.read_offset, len(ids)
+        return text
+
     def _new_text(self, output_token_ids: list[int], finished: bool) -> str:
-        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=True)
+        text = self._text(output_token_ids)
         for stop in self.stop:
             at = text.find(stop, max(0, self.emitted - len(stop) + 1))
             if at != -1:
