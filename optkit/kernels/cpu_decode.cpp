@@ -25,6 +25,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -605,6 +608,101 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
+// y = x + r (each sum rounded to T, as ATen's add of two T tensors), and rms_norm(y) where `weight` is
+// given, in one pass over rows [M, K]: the residual add and the norm that reads it without an ATen
+// operator's dispatch and iterator between them.
+template <typename T, typename W>
+void add_rows(const T* x, const T* r, T* y, const W* weight, T* n, int64_t M, int64_t K, float eps, bool cast_first,
+              float offset) {
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t k = 0; k < K; ++k) y[m * K + k] = rounded<T>(as_float(x[m * K + k]) + as_float(r[m * K + k]));
+      if (weight != nullptr) rms_norm_row(y + m * K, weight, n + m * K, K, eps, cast_first, offset);
+    }
+  });
+}
+
+// (x + r, rms_norm(x + r) or undefined): x, r [M, K] contiguous of one dtype; weight [K] or undefined
+std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
+                                               float eps, bool cast_first, float offset) {
+  TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && x.sizes() == r.sizes() &&
+                  x.scalar_type() == r.scalar_type() && is_float_or_bf16(x),
+              "residual add: contiguous float32 or bfloat16 tensors of one shape");
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  at::Tensor y = at::empty_like(x), n = weight.defined() ? at::empty_like(x) : at::Tensor();
+  const bool first = cast_first && x.scalar_type() == at::kBFloat16;  // as rms_norm
+  if (weight.defined())
+    TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
+                "residual add: norm weight [K]");
+  const auto run = [&](auto* xp, auto* np) {
+    using T = std::remove_pointer_t<decltype(xp)>;
+    if (!weight.defined())
+      add_rows<T, float>(xp, r.data_ptr<T>(), y.data_ptr<T>(), nullptr, nullptr, M, K, eps, first, offset);
+    else if (weight.scalar_type() == at::kFloat)
+      add_rows(xp, r.data_ptr<T>(), y.data_ptr<T>(), weight.data_ptr<float>(), np, M, K, eps, first, offset);
+    else
+      add_rows(xp, r.data_ptr<T>(), y.data_ptr<T>(), weight.data_ptr<BFloat16>(), np, M, K, eps, first, offset);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>(), weight.defined() ? n.data_ptr<float>() : nullptr);
+  else
+    run(x.data_ptr<BFloat16>(), weight.defined() ? n.data_ptr<BFloat16>() : nullptr);
+  return {y, n};
+}
+
+// gate[m, i] *= up[m, i] (each product rounded to T, as ATen's mul_): gate [M, I] contiguous, up rows at
+// any stride (the second half of the gate | up projection)
+void multiply_in_place(at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.is_contiguous() && gate.dim() == 2 && up.dim() == 2 && up.stride(1) == 1 &&
+                  gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() && is_float_or_bf16(gate),
+              "gated activation: gate [M, I] contiguous and up [M, I] rows of one dtype");
+  const int64_t M = gate.size(0), I = gate.size(1), stride = up.stride(0);
+  const auto run = [&](auto* g, const auto* u) {
+    using T = std::remove_pointer_t<decltype(g)>;
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        for (int64_t i = 0; i < I; ++i) g[m * I + i] = rounded<T>(as_float(g[m * I + i]) * as_float(u[m * stride + i]));
+    });
+  };
+  if (gate.scalar_type() == at::kFloat)
+    run(gate.data_ptr<float>(), up.data_ptr<float>());
+  else
+    run(gate.data_ptr<BFloat16>(), up.data_ptr<BFloat16>());
+}
+
+// A layer's output before its last residual add: (a, f) with the layer's output a + f (below). `normed`
+// is n_in(h), which the caller computed (the stack joins it to the add before it).
+std::pair<at::Tensor, at::Tensor> decode_layer_w4a8_parts(
+    const at::Tensor& h, const at::Tensor& normed, at::TensorList weights, at::TensorList params,
+    const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::IntArrayRef group_sizes,
+    int64_t isa, const at::Tensor& post_attention_norm, const c10::optional<at::Tensor>& pre_feedforward_norm,
+    const c10::optional<at::Tensor>& post_feedforward_norm, const c10::optional<at::Tensor>& q_norm,
+    const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first, double offset, bool gelu_tanh,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads,
+    double scale, int64_t window, bool avx512) {
+  const auto linear = [&](const at::Tensor& x, int i) {
+    return w4a8_linear(x, weights[i], params[i], biases.get(i), out_features[i], group_sizes[i], isa);
+  };
+  const auto norm = [&](const at::Tensor& x, const at::Tensor& weight) {
+    return rms_norm(x, weight, eps, cast_first, offset);
+  };
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  const bool sandwich = pre_feedforward_norm.has_value();
+  const at::Tensor attention =
+      decode_attention_qkv(linear(normed, 0), q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache, v_cache,
+                           slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
+  at::Tensor out = linear(attention.view({h.size(0), -1}), 1);
+  const auto [a, a_normed] = add_and_norm(h, sandwich ? norm(out, post_attention_norm) : out,
+                                          sandwich ? *pre_feedforward_norm : post_attention_norm, e, cast_first, o);
+  const at::Tensor gate_up = linear(a_normed, 2);
+  const int64_t I = gate_up.size(1) / 2;
+  at::Tensor gate = gelu_tanh ? at::gelu(gate_up.narrow(1, 0, I), "tanh") : at::silu(gate_up.narrow(1, 0, I));
+  multiply_in_place(gate, gate_up.narrow(1, I, I));  // act(gate) * up's bits
+  out = linear(gate, 3);
+  return {a, sandwich ? norm(out, *post_feedforward_norm) : out};
+}
+
 at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::TensorList params,
                              const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
                              at::IntArrayRef group_sizes, int64_t isa, const at::Tensor& input_norm,
@@ -620,24 +718,13 @@ at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
                     "decode_layer_w4a8: four linears (qkv, o, gate_up, down)");
   TORCH_CHECK_VALUE(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
                     "decode_layer_w4a8: the sandwich norms come in pairs");
-  const auto linear = [&](const at::Tensor& x, int i) {
-    return w4a8_linear(x, weights[i], params[i], biases.get(i), out_features[i], group_sizes[i], isa);
-  };
-  const auto norm = [&](const at::Tensor& x, const at::Tensor& weight) {
-    return rms_norm(x, weight, eps, cast_first, offset);
-  };
-  const bool sandwich = pre_feedforward_norm.has_value();
-  const at::Tensor attention =
-      decode_attention_qkv(linear(norm(h, input_norm), 0), q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache,
-                           v_cache, slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
-  at::Tensor out = linear(attention.view({h.size(0), -1}), 1);
-  const at::Tensor a = h.add(sandwich ? norm(out, post_attention_norm) : out);
-  const auto halves = linear(norm(a, sandwich ? *pre_feedforward_norm : post_attention_norm), 2).chunk(2, -1);
-  at::Tensor gate = gelu_tanh ? at::gelu(halves[0], "tanh") : at::silu(halves[0]);
-  out = linear(gate.mul_(halves[1]), 3);  // in place on act(gate)'s own tensor: act(gate) * up's bits
-  return a.add(sandwich ? norm(out, *post_feedforward_norm) : out);
+  const at::Tensor x = h.contiguous();
+  const auto [a, f] = decode_layer_w4a8_parts(
+      x, rms_norm(x, input_norm, eps, cast_first, offset), weights, params, biases, out_features, group_sizes, isa,
+      post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm, eps, cast_first, offset,
+      gelu_tanh, cos, sin, k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
+  return add_and_norm(a, f, at::Tensor(), static_cast<float>(eps), cast_first, static_cast<float>(offset)).first;
 }
-
 
 // ---- A decode step's whole decoder stack of W4A8 layers: decode_layer_w4a8 for layer l = 0..L-1 in
 // turn, each layer's output the next one's h, in one call (what the model's loop and its Python per
@@ -673,21 +760,28 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   TORCH_CHECK_VALUE(cos.size() == sin.size() && slot_mappings.size() == block_tables.size() &&
                         slot_mappings.size() == lens.size(),
                     "decode_stack_w4a8: cos and sin, slots, block tables and lens in pairs");
-  at::Tensor x = h;
+  if (L == 0) return h;
+  const float e = static_cast<float>(eps), o = static_cast<float>(offset);
+  at::Tensor x = h.contiguous();
+  at::Tensor normed = rms_norm(x, input_norms[0], eps, cast_first, offset);
   for (int64_t l = 0; l < L; ++l) {
     const int64_t r = rope_index[l], g = group_index[l];
     TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
                           g < static_cast<int64_t>(slot_mappings.size()),
                       "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
+    TORCH_CHECK_VALUE(pre_feedforward_norms.get(l).has_value() == post_feedforward_norms.get(l).has_value(),
+                      "decode_stack_w4a8: the sandwich norms come in pairs");
     c10::List<c10::optional<at::Tensor>> layer_biases;
     layer_biases.reserve(4);
     for (int64_t i = 0; i < 4; ++i) layer_biases.push_back(biases.get(4 * l + i));
-    x = decode_layer_w4a8(x, weights.slice(4 * l, 4), params.slice(4 * l, 4), layer_biases,
-                          out_features.slice(4 * l, 4), group_sizes.slice(4 * l, 4), isa, input_norms[l],
-                          post_attention_norms[l], pre_feedforward_norms.get(l), post_feedforward_norms.get(l),
-                          q_norms.get(l), k_norms.get(l), eps, cast_first, offset, gelu_tanh, cos[r], sin[r],
-                          k_caches[l], v_caches[l], slot_mappings[g], block_tables[g], lens[g], num_heads, scale,
-                          windows[l], avx512);
+    const auto [a, f] = decode_layer_w4a8_parts(
+        x, normed, weights.slice(4 * l, 4), params.slice(4 * l, 4), layer_biases, out_features.slice(4 * l, 4),
+        group_sizes.slice(4 * l, 4), isa, post_attention_norms[l], pre_feedforward_norms.get(l),
+        post_feedforward_norms.get(l), q_norms.get(l), k_norms.get(l), eps, cast_first, offset, gelu_tanh, cos[r],
+        sin[r], k_caches[l], v_caches[l], slot_mappings[g], block_tables[g], lens[g], num_heads, scale, windows[l],
+        avx512);
+    // the layer's residual add, joined to the next layer's input norm
+    std::tie(x, normed) = add_and_norm(a, f, l + 1 < L ? input_norms[l + 1] : at::Tensor(), e, cast_first, o);
   }
   return x;
 }
