@@ -6,7 +6,10 @@ decode step gets elsewhere (bench/cpu_real_shapes.py); this kernel streams each 
 `vpdpbusd` (unsigned x signed bytes, so the activations go in shifted by 128 and each row's weight
 sum takes the shift back out: cpu_int8_gemv.cpp). It takes 1 to `max_rows()` rows; more rows, CPUs
 without AVX-512 VNNI (or capped to AVX2: OPTKIT_CPU_ISA=avx2), and a failed build keep
-`torch._int_mm`. Built at first use into $OPTKIT_CACHE/kernels (kernels/cpp_build.py).
+`torch._int_mm`. `int8_linear_dynamic` is a dynamic W8A8 linear (w8a8.int8_linear) in one call, the
+PyTorch code's bits: at a decode step the ~10 ATen calls around the product (quantizing the
+activations, rescaling the int32 result) cost more than a small vocabulary's product itself.
+Built at first use into $OPTKIT_CACHE/kernels (kernels/cpp_build.py).
 """
 
 import functools
@@ -64,6 +67,20 @@ def int8_gemv(qx: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor) -> t
     return _gemv_op()(qx, weight_t.t(), sums)
 
 
+def int8_linear_dynamic(
+    x: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """A dynamic W8A8 linear in one call, bit for bit as w8a8.int8_linear's PyTorch code computes it:
+    x float32 [M, K] quantized per row, @ weight_t int8 [K, N], rescaled by the row's and weight_scale
+    float32 [N], plus bias float32 [N] -> float32 [M, N] (see `takes`, with x for qx)."""
+    return _linear_op()(x, weight_t.t(), sums, weight_scale, bias)
+
+
 @functools.cache
 def _gemv_op():
     return torch.ops.optkit_int8_gemv.gemv.default
+
+
+@functools.cache
+def _linear_op():
+    return torch.ops.optkit_int8_gemv.linear_dynamic.default

@@ -55,7 +55,14 @@ def int8_linear(
 
         return kernels.int8_linear(x, weight_t, weight_scale, bias, input_scale)
     shape = x.shape
-    qx, sx = quantize_activations(x.reshape(-1, shape[-1]), input_scale)
+    rows = x.reshape(-1, shape[-1])
+    if int_mm is None and input_scale is None and weight_sums is not None and cpu_int8_gemv.takes(rows, weight_t):
+        # the quantization, the product and the rescaling below, in one C++ call, the same bits
+        y = cpu_int8_gemv.int8_linear_dynamic(
+            rows.float(), weight_t, weight_sums, weight_scale.float(), None if bias is None else bias.float()
+        )
+        return y.to(x.dtype).reshape(*shape[:-1], weight_t.shape[1])
+    qx, sx = quantize_activations(rows, input_scale)
     if int_mm is None and weight_sums is not None and cpu_int8_gemv.takes(qx, weight_t):
         acc = cpu_int8_gemv.int8_gemv(qx, weight_t, weight_sums)  # int32 [M, N], as _int_mm's
     else:

@@ -1,11 +1,12 @@
 """optkit's int8 GEMV for W8A8 layers at decode (kernels/cpu_int8_gemv.py): the int32 result of
-torch._int_mm exactly, so a W8A8 artifact's outputs do not depend on which of the two ran."""
+torch._int_mm exactly, and the whole dynamic linear in one call with the PyTorch code's bits, so a
+W8A8 artifact's outputs do not depend on which ran."""
 
 import pytest
 import torch
 
 from optkit.kernels import cpu_int8_gemv
-from optkit.kernels.w8a8 import W8A8Linear
+from optkit.kernels.w8a8 import W8A8Linear, quantize_activations
 
 pytestmark = pytest.mark.skipif(
     bool(cpu_int8_gemv.unavailable_reason()), reason=f"int8 GEMV: {cpu_int8_gemv.unavailable_reason()}"
@@ -68,3 +69,37 @@ def test_a_layer_built_in_inference_mode_runs():
         layer = W8A8Linear(torch.randint(-127, 128, (32, 64), generator=gen, dtype=torch.int8), torch.full((32,), 0.01))
         x = torch.randn(2, 64, generator=gen)
         assert torch.equal(layer(x), layer(x.clone()))
+
+
+def pytorch_linear(x, weight_t, weight_scale, bias):
+    """w8a8.int8_linear's PyTorch code: per-row quantization, torch._int_mm, the rescaling."""
+    qx, sx = quantize_activations(x)
+    y = torch.mul(torch._int_mm(qx, weight_t), sx).mul_(weight_scale)
+    return y if bias is None else y.add_(bias)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (7, 33), (300, 65), (48, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("biased", [False, True])
+def test_the_dynamic_linear_in_one_call_has_the_pytorch_codes_bits(out_features, in_features, rows, biased):
+    gen = torch.Generator().manual_seed(out_features * 1000 + in_features + rows)
+    weight_t = column_major(torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8))
+    scale, bias = torch.rand(out_features, generator=gen) / 50, torch.randn(out_features, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen) * 10 ** torch.randint(-3, 4, (rows, 1), generator=gen)
+    x[0, : in_features // 2] = x[0, 0].abs() * torch.arange(in_features // 2) / 254  # quotients at .5: ties
+    if rows > 1:
+        x[1] = 0  # the scale's floor: 1e-12
+    if rows > 2:
+        x[2, 0] = 1e-30
+    got = cpu_int8_gemv.int8_linear_dynamic(x, weight_t, cpu_int8_gemv.weight_sums(weight_t), scale,
+                                            bias if biased else None)  # fmt: skip
+    assert torch.equal(got, pytorch_linear(x, weight_t, scale, bias if biased else None))
+
+
+def test_the_dynamic_linear_keeps_the_pytorch_codes_nans_and_infinities():
+    weight_t = column_major(torch.randint(-128, 128, (40, 64), generator=torch.Generator().manual_seed(3), dtype=torch.int8))
+    x = torch.randn(4, 64)
+    x[0, 5], x[1, 7], x[2, 9], x[2, 10] = float("nan"), float("inf"), float("-inf"), 3.0
+    scale = torch.full((40,), 0.01)
+    got = cpu_int8_gemv.int8_linear_dynamic(x, weight_t, cpu_int8_gemv.weight_sums(weight_t), scale, None)
+    torch.testing.assert_close(got, pytorch_linear(x, weight_t, scale, None), rtol=0, atol=0, equal_nan=True)
