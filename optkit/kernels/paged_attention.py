@@ -38,9 +38,19 @@ class _DecodeGroup:
 
     rows: torch.Tensor | slice  # rows of q: long [Bd], or a slice when they are 0..Bd-1
     block_tables: torch.Tensor  # long [Bd, nb]: only the blocks the longest of them uses
-    key_mask: torch.Tensor  # bool [Bd, 1, 1, nb * block_size]: True where the key is in the context
     lens: torch.Tensor  # long [Bd]: the keys of each sequence (its query the last)
+    block_size: int
+    _key_mask: torch.Tensor | None = field(default=None, repr=False)
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def key_mask(self) -> torch.Tensor:
+        """bool [Bd, 1, 1, nb * block_size]: True where the key is in the context. Made at the first
+        use: the C++ decode attention takes the lens, and a step that runs it never needs the mask."""
+        if self._key_mask is None:
+            positions = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.lens.device)
+            self._key_mask = (positions[None, :] < self.lens[:, None])[:, None, None, :]
+        return self._key_mask
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window is None:
@@ -148,16 +158,16 @@ class AttentionMetadata:
         rows = [starts[b] for b in decodes]
         lens = [self.context_lens_list[b] for b in decodes]
         num_blocks = math.ceil(max(lens) / block_size)
-        index = torch.tensor(decodes, dtype=torch.long, device=device)
-        tables = self.block_tables[index, :num_blocks].long()
-        positions = torch.arange(num_blocks * block_size, device=device)
-        lens_tensor = torch.tensor(lens, device=device)
-        key_mask = positions[None, :] < lens_tensor[:, None]  # [Bd, L]
+        if len(decodes) == len(self.query_lens):  # every sequence decodes (rows 0..B-1): no gather
+            tables, lens_tensor = self.block_tables[:, :num_blocks].long(), self.context_lens.long()
+        else:
+            index = torch.tensor(decodes, dtype=torch.long, device=device)
+            tables, lens_tensor = self.block_tables[index, :num_blocks].long(), torch.tensor(lens, device=device)
         group = _DecodeGroup(
             rows=slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=device),
             block_tables=tables,
-            key_mask=key_mask[:, None, None, :],
             lens=lens_tensor,
+            block_size=block_size,
         )
         return _Plan(group, chunks, short)
 

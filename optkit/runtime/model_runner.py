@@ -29,6 +29,7 @@ class PackedBatch:
     group_metas: list[AttentionMetadata]  # per KV cache group: its block tables and slots
     sample_rows: torch.Tensor  # long [R]: each sampling sequence's last new token, then its proposals
     sampling_seqs: list[Sequence]
+    samples_every_row: bool = False  # sample_rows is 0..T-1
 
 
 def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device, num_groups: int = 1) -> PackedBatch:
@@ -71,6 +72,7 @@ def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.devi
         group_metas=metas,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sampling_seqs=sampling_seqs,
+        samples_every_row=sample_rows == list(range(len(input_ids))),
     )
 
 
@@ -154,7 +156,9 @@ class ModelRunner:
             hidden, features = hidden
         if not batch.sampling_seqs:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], features
-        return self.model.compute_logits(hidden[batch.sample_rows]), batch.sampling_seqs, features
+        # every row sampled (a decode-only step without proposals): no gather
+        sampled = hidden if batch.samples_every_row else hidden[batch.sample_rows]
+        return self.model.compute_logits(sampled), batch.sampling_seqs, features
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto", *, scales: bool = True) -> int:
