@@ -2,9 +2,12 @@
 (oneDNN, the weight column-major as W8A8Linear keeps it) against optkit's int8 GEMV
 (kernels/cpu_int8_gemv.py, AVX-512 VNNI), on the vocabulary heads of real small models (an int8
 `--head` is a W8A8 layer) and one decoder matrix, at 1 to 8 rows. Both give the same int32 result
-(checked here on every shape). Each figure is the median over interleaved repeats of the mean time
-of a batch of calls; the ratio is the median of the ratios within a repeat; GB/s counts the weight's
-bytes once per call (a weight larger than the last-level cache is read from memory).
+(checked here on every shape). Then the whole dynamic linear (float32 activations in and out): the
+PyTorch code around the GEMV (w8a8.quantize_activations, the GEMV, the rescaling) against
+`int8_linear_dynamic`, the same in one C++ call (the same bits, checked). Each figure is the median
+over interleaved repeats of the mean time of a batch of calls; the ratio is the median of the ratios
+within a repeat; GB/s counts the weight's bytes once per call (a weight larger than the last-level
+cache is read from memory).
 
 Usage: python bench/cpu_int8_gemv.py [--threads 2] [--rows 1,4,8] [--repeats 5]
 """
@@ -57,7 +60,40 @@ def main() -> None:
                 f"{name:22} {rows:>4} {statistics.median(theirs) * 1e6:>11.0f} {t_ours * 1e6:>10.0f} "
                 f"{n * k / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x"
             )
+    print(f"\n{'shape':22} {'rows':>4} {'PyTorch us':>11} {'one call us':>11} {'GB/s':>6} {'vs PyTorch':>10}")
+    for name, (n, k) in SHAPES.items():
+        gen = torch.Generator().manual_seed(1)
+        weight_t = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).t()
+        sums, scale = cpu_int8_gemv.weight_sums(weight_t), torch.rand(n, generator=gen) / 100
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(pytorch_linear(x, weight_t, sums, scale), one_call(x, weight_t, sums, scale))
+            theirs, ours, ratios = [], [], []
+            for _ in range(args.repeats):
+                theirs.append(timed(lambda: pytorch_linear(x, weight_t, sums, scale), 0.2))  # noqa: B023
+                ours.append(timed(lambda: one_call(x, weight_t, sums, scale), 0.2))  # noqa: B023
+                ratios.append(theirs[-1] / ours[-1])
+            t_ours = statistics.median(ours)
+            print(
+                f"{name:22} {rows:>4} {statistics.median(theirs) * 1e6:>11.0f} {t_ours * 1e6:>11.0f} "
+                f"{n * k / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x"
+            )
     print(f"\n{args.threads} threads, torch {torch.__version__}")
+
+
+def pytorch_linear(x: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8a8.int8_linear's PyTorch code around optkit's GEMV."""
+    from optkit.kernels import cpu_int8_gemv
+    from optkit.kernels.w8a8 import quantize_activations
+
+    qx, sx = quantize_activations(x)
+    return torch.mul(cpu_int8_gemv.int8_gemv(qx, weight_t, sums), sx).mul_(scale)
+
+
+def one_call(x: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from optkit.kernels import cpu_int8_gemv
+
+    return cpu_int8_gemv.int8_linear_dynamic(x, weight_t, sums, scale, None)
 
 
 if __name__ == "__main__":
