@@ -595,8 +595,9 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool avx512) {
 //   pre-norms:      a = h + L_o(attn(L_qkv(n_in(h)))),         out = a + L_down(act(g) u)
 //   sandwich norms: a = h + n_post_attn(L_o(attn(L_qkv(n_in(h))))), out = a + n_post_ffw(L_down(act(g) u))
 // with g | u = L_gate_up(n_post_attn(a)) (pre-norms) or L_gate_up(n_pre_ffw(a)) (sandwich), attn as
-// decode_attention_qkv. models/llama.py's DecoderLayer in one call: the same kernels and ATen's own
-// adds and activations, so the same bits; what it saves is the Python between them.
+// decode_attention_qkv. models/llama.py's DecoderLayer in one call: the same kernels, ATen's own
+// activations, and adds and products rounded as ATen's (add_and_norm, multiply_in_place), so the same
+// bits; what it saves is the Python and the ATen calls between them.
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& params,
                        const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
   static const auto op =

@@ -29,73 +29,8 @@ import torch.nn.functional as F
 
 from optkit.kernels import cpu_decode
 from optkit.kernels import triton as triton_kernels  # imports triton only once a CUDA tensor asks
+from optkit.kernels.attention_plan import GROUPED_MAX_QUERY, DecodeGroup, Plan, ShortGroup
 from optkit.kernels.kv_cache import QuantizedKVCache
-
-
-@dataclass
-class _DecodeGroup:
-    """The step's decode sequences (query_len 1), attended together."""
-
-    rows: torch.Tensor | slice  # rows of q: long [Bd], or a slice when they are 0..Bd-1
-    block_tables: torch.Tensor  # long [Bd, nb]: only the blocks the longest of them uses
-    lens: torch.Tensor  # long [Bd]: the keys of each sequence (its query the last)
-    block_size: int
-    _key_mask: torch.Tensor | None = field(default=None, repr=False)
-    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-
-    @property
-    def key_mask(self) -> torch.Tensor:
-        """bool [Bd, 1, 1, nb * block_size]: True where the key is in the context. Made at the first
-        use: the C++ decode attention takes the lens, and a step that runs it never needs the mask."""
-        if self._key_mask is None:
-            positions = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.lens.device)
-            self._key_mask = (positions[None, :] < self.lens[:, None])[:, None, None, :]
-        return self._key_mask
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        if window is None:
-            return self.key_mask
-        if window not in self._windowed:
-            self._windowed[window] = _window_mask(self.key_mask, window)
-        return self._windowed[window]
-
-
-def _window_mask(key_mask: torch.Tensor, window: int) -> torch.Tensor:
-    """key_mask [..., L] (each row a prefix: the n keys a query sees, itself last) narrowed to its
-    last `window` keys."""
-    visible = key_mask.sum(dim=-1, keepdim=True)  # [..., 1]: n = the query's position + 1
-    positions = torch.arange(key_mask.shape[-1], device=key_mask.device)
-    return key_mask & (positions >= visible - window)
-
-
-_GROUPED_MAX_QUERY = 32  # chunks up to this long are attended in groups of equal length
-
-
-@dataclass
-class _ShortGroup:
-    """Chunks of one length Lq (2 <= Lq <= _GROUPED_MAX_QUERY), attended together."""
-
-    rows: torch.Tensor  # long [Bs, Lq]: the rows of q of each sequence's chunk
-    block_tables: torch.Tensor  # long [Bs, nb]
-    key_mask: torch.Tensor  # bool [Bs, 1, Lq, nb * block_size]: query i of b sees keys < context_b - Lq + 1 + i
-    visible: torch.Tensor  # long [Bs, Lq]: context_b - Lq + 1 + i, the keys query i of b sees
-    # per (query heads per KV head, window)
-    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict, repr=False)
-
-    def mask_for(self, group: int, window: int | None = None) -> torch.Tensor:
-        """key_mask (narrowed to the window) with each query row repeated for the G query heads of a
-        KV head: [Bs, 1, Lq * G, L]."""
-        if (group, window) not in self._masks:
-            mask = self.key_mask if window is None else _window_mask(self.key_mask, window)
-            self._masks[group, window] = mask.repeat_interleave(group, dim=2)
-        return self._masks[group, window]
-
-
-@dataclass
-class _Plan:
-    decode: _DecodeGroup | None
-    chunks: list[tuple[int, int, int]]  # (sequence b, first row, query_len) of each longer chunk
-    short: list[_ShortGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -111,7 +46,7 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     # per block size: the step's split into decodes and chunks, shared by every layer
-    _plans: dict[int, _Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _plans: dict[int, Plan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -140,20 +75,20 @@ class AttentionMetadata:
             max_context_len=max(context_lens, default=0),
         )
 
-    def plan(self, block_size: int) -> _Plan:
+    def plan(self, block_size: int) -> Plan:
         if block_size not in self._plans:
             self._plans[block_size] = self._make_plan(block_size)
         return self._plans[block_size]
 
-    def _make_plan(self, block_size: int) -> _Plan:
+    def _make_plan(self, block_size: int) -> Plan:
         starts = [0]
         for n in self.query_lens:
             starts.append(starts[-1] + n)
         decodes = [b for b, n in enumerate(self.query_lens) if n == 1]
-        chunks = [(b, starts[b], n) for b, n in enumerate(self.query_lens) if n > _GROUPED_MAX_QUERY]
+        chunks = [(b, starts[b], n) for b, n in enumerate(self.query_lens) if n > GROUPED_MAX_QUERY]
         short = self._short_groups(starts, block_size)
         if not decodes:
-            return _Plan(None, chunks, short)
+            return Plan(None, chunks, short)
         device = self.block_tables.device
         rows = [starts[b] for b in decodes]
         lens = [self.context_lens_list[b] for b in decodes]
@@ -163,18 +98,18 @@ class AttentionMetadata:
         else:
             index = torch.tensor(decodes, dtype=torch.long, device=device)
             tables, lens_tensor = self.block_tables[index, :num_blocks].long(), torch.tensor(lens, device=device)
-        group = _DecodeGroup(
+        group = DecodeGroup(
             rows=slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=device),
             block_tables=tables,
             lens=lens_tensor,
             block_size=block_size,
         )
-        return _Plan(group, chunks, short)
+        return Plan(group, chunks, short)
 
-    def _short_groups(self, starts: list[int], block_size: int) -> list[_ShortGroup]:
+    def _short_groups(self, starts: list[int], block_size: int) -> list[ShortGroup]:
         by_length: dict[int, list[int]] = {}
         for b, n in enumerate(self.query_lens):
-            if 1 < n <= _GROUPED_MAX_QUERY:
+            if 1 < n <= GROUPED_MAX_QUERY:
                 by_length.setdefault(n, []).append(b)
         device = self.block_tables.device
         groups = []
@@ -187,7 +122,7 @@ class AttentionMetadata:
             key_mask = torch.arange(num_blocks * block_size, device=device) < limits[:, :, None]  # [Bs, Lq, L]
             index = torch.tensor(members, dtype=torch.long, device=device)
             tables = self.block_tables[index, :num_blocks].long()
-            groups.append(_ShortGroup(rows, tables, key_mask[:, None], limits))
+            groups.append(ShortGroup(rows, tables, key_mask[:, None], limits))
         return groups
 
 
@@ -322,7 +257,7 @@ def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    group: _DecodeGroup,
+    group: DecodeGroup,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
@@ -353,7 +288,7 @@ def _short_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    group: _ShortGroup,
+    group: ShortGroup,
     scale: float,
     window: int | None = None,
     softcap: float | None = None,

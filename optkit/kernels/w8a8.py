@@ -8,7 +8,8 @@ same quantities in float, for tests and for devices without an int8 matmul. On C
 runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
 with the scales and bias in its epilogue) when triton imports and no `int_mm` is given. On the CPU
 `torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`); at 1 to 8
-rows on AVX-512 VNNI CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster.
+rows on AVX-512 VNNI CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster,
+and with dynamic activation scales the whole layer (quantization, product, rescaling) in one call.
 """
 
 import torch

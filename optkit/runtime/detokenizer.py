@@ -9,9 +9,9 @@ first (decoding every output token at every step made a long generation's steps 
 length). Where a window's text does not extend its prefix's (a tokenizer whose decoding of a token
 depends on more than the token before it), that call decodes all the tokens. The last
 `len(longest stop) - 1` characters are held back until it is clear they do not begin a stop string,
-so a stop string never reaches the client. Where the
-output stops is decided in runtime/stopping.py, which feeds a request with stop strings one token
-at a time; the text waits in `pending` until the engine `take`s it for its next output.
+so a stop string never reaches the client. Where the output stops is decided in runtime/stopping.py,
+which feeds a request with stop strings one token at a time; the text waits in `pending` until the
+engine `take`s it for its next output.
 """
 
 REPLACEMENT = "\ufffd"

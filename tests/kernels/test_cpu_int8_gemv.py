@@ -97,7 +97,8 @@ def test_the_dynamic_linear_in_one_call_has_the_pytorch_codes_bits(out_features,
 
 
 def test_the_dynamic_linear_keeps_the_pytorch_codes_nans_and_infinities():
-    weight_t = column_major(torch.randint(-128, 128, (40, 64), generator=torch.Generator().manual_seed(3), dtype=torch.int8))
+    gen = torch.Generator().manual_seed(3)
+    weight_t = column_major(torch.randint(-128, 128, (40, 64), generator=gen, dtype=torch.int8))
     x = torch.randn(4, 64)
     x[0, 5], x[1, 7], x[2, 9], x[2, 10] = float("nan"), float("inf"), float("-inf"), 3.0
     scale = torch.full((40,), 0.01)
