@@ -63,7 +63,7 @@ def test_the_streamed_text_is_the_text_of_all_the_tokens(make):
     tokenizer = make()
     for text in TEXT:
         ids = tokenizer.encode(text).ids
-        assert streamed(Counted(tokenizer), ids) == tokenizer.decode(ids) == text.replace("\t", "\t")
+        assert streamed(tokenizer, ids) == tokenizer.decode(ids) == text
     rng = random.Random(0)  # token sequences no text produced: split characters, bytes that never join
     for _ in range(300):
         ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randrange(1, 40))]
