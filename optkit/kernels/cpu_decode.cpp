@@ -630,11 +630,11 @@ std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Te
                   x.scalar_type() == r.scalar_type() && is_float_or_bf16(x),
               "residual add: contiguous float32 or bfloat16 tensors of one shape");
   const int64_t K = x.size(-1), M = x.numel() / K;
-  at::Tensor y = at::empty_like(x), n = weight.defined() ? at::empty_like(x) : at::Tensor();
-  const bool first = cast_first && x.scalar_type() == at::kBFloat16;  // as rms_norm
   if (weight.defined())
     TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
                 "residual add: norm weight [K]");
+  at::Tensor y = at::empty_like(x), n = weight.defined() ? at::empty_like(x) : at::Tensor();
+  const bool first = cast_first && x.scalar_type() == at::kBFloat16;  // as rms_norm
   const auto run = [&](auto* xp, auto* np) {
     using T = std::remove_pointer_t<decltype(xp)>;
     if (!weight.defined())

@@ -29,7 +29,6 @@ class PackedBatch:
     group_metas: list[AttentionMetadata]  # per KV cache group: its block tables and slots
     sample_rows: torch.Tensor  # long [R]: each sampling sequence's last new token, then its proposals
     sampling_seqs: list[Sequence]
-    samples_every_row: bool = False  # sample_rows is 0..T-1
 
 
 def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.device, num_groups: int = 1) -> PackedBatch:
@@ -72,7 +71,6 @@ def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.devi
         group_metas=metas,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sampling_seqs=sampling_seqs,
-        samples_every_row=sample_rows == list(range(len(input_ids))),
     )
 
 
@@ -156,8 +154,10 @@ class ModelRunner:
             hidden, features = hidden
         if not batch.sampling_seqs:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), [], features
-        # every row sampled (a decode-only step without proposals): no gather
-        sampled = hidden if batch.samples_every_row else hidden[batch.sample_rows]
+        # sample_rows are distinct and increasing: as many as the rows means every row (a decode-only
+        # step without proposals), taken without a gather
+        rows = batch.sample_rows
+        sampled = hidden if rows.shape[0] == hidden.shape[0] else hidden[rows]
         return self.model.compute_logits(sampled), batch.sampling_seqs, features
 
 
