@@ -9,6 +9,7 @@ from optkit.cli.options import (
     Dtype,
     EnforceEager,
     JsonFlag,
+    NumSchedulerSteps,
     NumSpeculativeTokens,
     Speculative,
     console,
@@ -53,6 +54,7 @@ def bench(
     ] = None,
     speculative: Speculative = None,
     num_speculative_tokens: NumSpeculativeTokens = None,
+    num_scheduler_steps: NumSchedulerSteps = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Output tokens/s, TTFT and TPOT p50/p95/p99 of the engine, the baselines at the same batch
@@ -86,6 +88,7 @@ def bench(
         enforce_eager=enforce_eager,
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
+        num_scheduler_steps=num_scheduler_steps,
     ).engine_config()
     config = BenchConfig(
         batch_sizes=parse_batch_sizes(batch_sizes),
@@ -99,6 +102,7 @@ def bench(
         vllm_python=python,
         speculative=engine.speculative,
         num_speculative_tokens=engine.num_speculative_tokens,
+        num_scheduler_steps=engine.num_scheduler_steps,
     )
     result = run_benchmark(model, config, log=lambda line: print(line, file=sys.stderr, flush=True))
     if json_output:
@@ -152,8 +156,9 @@ def show(result: dict) -> None:
     if result.get("step_overhead"):
         o = result["step_overhead"]
         console().print(
-            f"engine overhead per decode step (batch 1): {o['overhead_s'] * 1e3:.2f} ms of {o['step_s'] * 1e3:.2f} ms "
-            f"({o['overhead_share']:.1%}), median of {o['steps']} steps"
+            f"engine overhead per decoded token (batch 1): {o['overhead_s'] * 1e3:.2f} ms of "
+            f"{o['step_s'] * 1e3:.2f} ms ({o['overhead_share']:.1%}), median of {o['steps']} engine steps "
+            f"({o['tokens']} tokens)"
         )
     if "ceiling" in result:
         c = result["ceiling"]

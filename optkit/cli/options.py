@@ -50,6 +50,15 @@ NumSpeculativeTokens = Annotated[
     int | None,
     _engine_option("num_speculative_tokens", "Tokens proposed per sequence and step (--speculative).", min=1),
 ]
+NumSchedulerSteps = Annotated[
+    int | None,
+    _engine_option(
+        "num_scheduler_steps",
+        "Decode steps per schedule while every sequence decodes and none waits (multi-step decoding; default: "
+        "8 on the CPU, 1 on CUDA and with --speculative). 1 returns to the scheduler after every token.",
+        min=1,
+    ),
+]
 KvCacheDtype = Annotated[
     str | None,
     _engine_option(

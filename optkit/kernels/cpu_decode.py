@@ -265,11 +265,11 @@ class StackStep:
         )  # fmt: skip
 
 
-def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step: StackStep) -> torch.Tensor:
+def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step_args: tuple) -> torch.Tensor:
     """`decode_layer_w4a8` through every layer of the stack in turn, in one call, the same bits: h
-    [B, hidden] -> the last layer's output [B, hidden]."""
+    [B, hidden] -> the last layer's output [B, hidden]; `step_args`: the step's StackStep.op_args()."""
     try:
-        return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step.op_args())
+        return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step_args)
     except ValueError as e:
         raise shape_error(e) from e
 

@@ -41,10 +41,10 @@ def decode(
     whether the layer is the plain decoder layer the fused call computes; `rope`: the step's RoPE
     tables, layer i taking rope[rope_index[i]]; `metas` and `kv_caches`: each layer's."""
     kept = _weights(layers, fusable, h)
-    if kept is None:
+    if kept is None or not _takes(kept, h, rope, kv_caches):
         return None
     step = _step(kept, h, rope, rope_index, metas, kv_caches)
-    return None if step is None else cpu_decode.decode_stack_w4a8(h, kept.stack, step)
+    return None if step is None else cpu_decode.decode_stack_w4a8(h, kept.stack, step.op_args())
 
 
 def _weights(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: torch.Tensor) -> _Kept | None:
@@ -81,6 +81,56 @@ def _gather(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: torc
     return Derived(_Kept(stack, [layer.self_attn for _, _, layer in slots[: len(layers)]]), slots)
 
 
+def decode_steps(
+    layers: nn.ModuleList,
+    fusable: Callable[[nn.Module], bool],
+    h: torch.Tensor,
+    rope: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    rope_index: list[int],
+    metas: list[list[AttentionMetadata]],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> "Steps | None":
+    """`decode` for n decode steps in a row (models/llama.py's CausalLM.decode_steps), the stack's
+    calls prepared at once: its weights checked and every step's arguments built before the first
+    runs; None where one call cannot run the stack. rope[i] and metas[i]: step i's, as `decode`
+    takes them; h: step 0's input (its dtype and rows are every step's)."""
+    kept = _weights(layers, fusable, h)
+    if kept is None or not _takes(kept, h, rope[0], kv_caches):
+        return None
+    steps = []
+    for step_rope, step_metas in zip(rope, metas, strict=True):
+        step = _step(kept, h, step_rope, rope_index, step_metas, kv_caches)
+        if step is None:
+            return None
+        steps.append(step.op_args())
+    return Steps(kept.stack, steps)
+
+
+class Steps:
+    """The stack's calls of n decode steps, their arguments made (`decode_steps`)."""
+
+    def __init__(self, stack: cpu_decode.W4A8Stack, step_args: list[tuple]):
+        self.stack, self.step_args = stack, step_args
+
+    def run(self, h: torch.Tensor, i: int) -> torch.Tensor:
+        """Step i: h [B, hidden] through every layer -> the last layer's output."""
+        return cpu_decode.decode_stack_w4a8(h, self.stack, self.step_args[i])
+
+
+def _takes(kept: _Kept, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[tuple]) -> bool:
+    """Whether the fused call takes these attentions, RoPE tables and caches (as
+    paged_attention.fused_decode_attention decides for one layer)."""
+    attentions = kept.attentions
+    num_heads, scale = attentions[0].num_heads, attentions[0].scale
+    if any(a.num_heads != num_heads or a.scale != scale or a.softcap is not None for a in attentions):
+        return False
+    tables = [t for pair in rope for t in pair]
+    if any(t.dtype != h.dtype or not t.is_contiguous() for t in tables):
+        return False
+    caches = [t for pair in kv_caches for t in pair]
+    return not any(isinstance(t, QuantizedKVCache) or t.dtype != h.dtype or not t.is_contiguous() for t in caches)
+
+
 def _step(
     kept: _Kept,
     h: torch.Tensor,
@@ -89,19 +139,8 @@ def _step(
     metas: list[AttentionMetadata],
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> cpu_decode.StackStep | None:
-    """This step's attention arguments for every layer (None where the fused call cannot take them:
-    as paged_attention.fused_decode_attention decides for one layer)."""
-    attentions = kept.attentions
-    num_heads, scale = attentions[0].num_heads, attentions[0].scale
-    if any(a.num_heads != num_heads or a.scale != scale or a.softcap is not None for a in attentions):
-        return None
-    dtype = h.dtype
-    tables = [t for pair in rope for t in pair]
-    if any(t.dtype != dtype or not t.is_contiguous() for t in tables):
-        return None
-    caches = [t for pair in kv_caches for t in pair]
-    if any(isinstance(t, QuantizedKVCache) or t.dtype != dtype or not t.is_contiguous() for t in caches):
-        return None
+    """This step's attention arguments for every layer, once `_takes` holds (None where a KV cache
+    group's tables are not a decode-only step's)."""
     groups, group_of = [], {}  # one entry per distinct metadata (a KV cache group's block tables)
     group_index = []
     for meta, (k_cache, _) in zip(metas, kv_caches, strict=True):
@@ -113,5 +152,7 @@ def _step(
             group_of[key] = len(groups)
             groups.append(found)
         group_index.append(group_of[key])
+    attentions = kept.attentions
     windows = [a.window or 0 for a in attentions]
+    num_heads, scale = attentions[0].num_heads, attentions[0].scale
     return cpu_decode.StackStep(rope, rope_index, kv_caches, groups, group_index, num_heads, scale, windows)

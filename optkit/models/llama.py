@@ -6,13 +6,15 @@ key and quantized layers keep their names.
 A step runs T packed tokens (docs/runtime.md): input_ids and positions are [T], no batch dim.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels import cpu_decode
 from optkit.kernels.paged_attention import AttentionMetadata, fused_decode_attention, paged_attention, write_kv
-from optkit.models import fused_layer, fused_stack
+from optkit.models import decode_steps, fused_layer, fused_stack
 from optkit.models.config import SLIDING, ModelConfig
 from optkit.models.moe import SparseMoE
 
@@ -332,12 +334,8 @@ class CausalLM(nn.Module):
         With `aux_layers` (an EAGLE-3 head's features): also the residual stream entering each of those
         layers (layer i's input: layer i-1's output, no norm; vLLM's aux_hidden_state_layers),
         concatenated in their order, [T, len(aux_layers)·hidden_size]."""
-        h = self.config.scale_embeddings(self.model.embed_tokens(input_ids))  # h: [T, hidden]
-        tables = [rope_cos_sin(positions, self.inv_freq, self.attention_scaling, h.dtype)]  # cos, sin [T, 1, R]
-        rope_index = [0] * len(self.model.layers)
-        if self.local_rope:
-            tables.append(rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, h.dtype))
-            rope_index = [int(is_local) for is_local in self.local_rope]
+        h = self.embed(input_ids)  # h: [T, hidden]
+        tables, rope_index = self.rope_tables(positions, h.dtype)
         metas = meta if isinstance(meta, list) else [meta] * len(self.model.layers)
         if not aux_layers:  # a decode step of a 4-bit artifact on the CPU: every layer in one call
             stacked = fused_stack.decode(self.model.layers, _plain_layer, h, tables, rope_index, metas, kv_caches)
@@ -354,6 +352,36 @@ class CausalLM(nn.Module):
         if not aux_layers:
             return self.model.norm(h)
         return self.model.norm(h), torch.cat([entering[i] for i in aux_layers], dim=-1)
+
+    def decode_steps(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metas: list[AttentionMetadata | list[AttentionMetadata]],
+        kv_caches: list[KVCache],
+        choose: Callable[[torch.Tensor, int], torch.Tensor | None],
+    ) -> None:
+        """n = len(metas) decode steps in a row, each as `forward` then `compute_logits`, the same bits
+        (models/decode_steps.py): input_ids long [B] (each sequence's last token), positions long [n,
+        B], metas[i] step i's as forward takes it; choose(logits [B, vocab] float32, i) -> long [B],
+        the tokens step i chose, step i + 1's input (None: stop here)."""
+        decode_steps.run(self, input_ids, positions, metas, kv_caches, choose, _plain_layer)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids long [T] -> what the first decoder layer receives [T, hidden]."""
+        return self.config.scale_embeddings(self.model.embed_tokens(input_ids))
+
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """positions long [T] -> the RoPE tables (cos, signed sin [T, 1, R]: the global one, then
+        Gemma 3's local one) and each layer's index into them."""
+        tables = [rope_cos_sin(positions, self.inv_freq, self.attention_scaling, dtype)]
+        rope_index = [0] * len(self.model.layers)
+        if self.local_rope:
+            tables.append(rope_cos_sin(positions, self.local_inv_freq, self.local_attention_scaling, dtype))
+            rope_index = [int(is_local) for is_local in self.local_rope]
+        return tables, rope_index
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""

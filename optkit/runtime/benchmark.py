@@ -38,6 +38,7 @@ class BenchConfig:
     vllm_python: str | None = None  # vLLM's venv python, for the vllm baseline
     speculative: str | None = None  # the engine's proposer (EngineArgs.speculative); None: none
     num_speculative_tokens: int = 4
+    num_scheduler_steps: int | None = None  # EngineArgs': None, the device's default
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -187,6 +188,7 @@ def build_engine(model, config: BenchConfig, enforce_eager: bool, speculate: boo
         enforce_eager=enforce_eager,
         speculative=config.speculative if speculate else None,
         num_speculative_tokens=config.num_speculative_tokens,
+        num_scheduler_steps=config.num_scheduler_steps,
     )
     return LLMEngine(model, engine_config)
 
@@ -264,38 +266,64 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
 
 def step_overhead(engine: LLMEngine, prompt: list[int], steps: int = 100) -> dict:
     """The engine's own time per decode step (scheduling, packing, metadata, sampling, outputs): wall
-    time of `engine.step()` minus the time inside the model (its forward and the logits), median
-    over `steps` decode steps of one request."""
-    model = engine.model
-    inside: list[float] = []
+    time of `engine.step()` minus the time inside the model (its forward and the logits), per token,
+    median over the engine steps that decode `steps` tokens of one request (with multi-step decoding
+    an engine step decodes several: the model's time is then that of decode_steps less the sampling
+    between its steps)."""
+    model, sampler = engine.model, engine.sampler
+    inside: list[float] = []  # the model's time in this engine step
+    depth = [0]
 
-    def timed(method):
+    def timed(method):  # the model's time: its outermost call
         def run(*args, **kwargs):
-            start = time.perf_counter()
+            if depth[0]:  # compute_logits inside decode_steps: counted there
+                return method(*args, **kwargs)
+            depth[0], start = 1, time.perf_counter()
             try:
                 return method(*args, **kwargs)
             finally:
+                depth[0] = 0
                 inside.append(time.perf_counter() - start)
 
         return run
 
+    class Sampling:  # between decode_steps' steps: the engine's time, not the model's
+        def __call__(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return sampler(*args, **kwargs)
+            finally:
+                if depth[0]:
+                    inside.append(start - time.perf_counter())
+
+        def __getattr__(self, name: str):
+            return getattr(sampler, name)
+
     model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    model.decode_steps, engine.sampler = timed(model.decode_steps), Sampling()
     try:
         params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
         engine.add_request(prompt, params, f"overhead-{id(prompt)}")
         engine.step()  # the prefill
-        walls, models = [], []
+        walls, models, num_tokens = [], [], 0
         while engine.has_unfinished():
             inside.clear()
+            before = engine.num_generation_tokens
             start = time.perf_counter()
             engine.step()
-            walls.append(time.perf_counter() - start)
-            models.append(sum(inside))
+            tokens = max(1, engine.num_generation_tokens - before)
+            walls.append((time.perf_counter() - start) / tokens)
+            models.append(sum(inside) / tokens)
+            num_tokens += tokens
     finally:
-        del model.forward, model.compute_logits  # back to the class's methods
+        del model.forward, model.compute_logits, model.decode_steps  # back to the class's methods
+        engine.sampler = sampler
     overheads = [w - m for w, m in zip(walls, models, strict=True)]
     step, overhead = statistics.median(walls), statistics.median(overheads)
-    return {"step_s": step, "overhead_s": overhead, "overhead_share": overhead / step, "steps": len(walls)}
+    return {
+        "step_s": step, "overhead_s": overhead, "overhead_share": overhead / step, "steps": len(walls),
+        "tokens": num_tokens,
+    }  # fmt: skip
 
 
 def decode_operators(model: torch.nn.Module, device: str) -> str | None:

@@ -18,8 +18,9 @@ from optkit.runtime.decoding import make_decoding
 from optkit.runtime.detokenizer import Detokenizer
 from optkit.runtime.engine_args import EngineConfig
 from optkit.runtime.kv_groups import KVCacheGroups
+from optkit.runtime.multi_step import DecodeStepTokens
 from optkit.runtime.sampler import Sampler, TokenLogprobs
-from optkit.runtime.scheduler import Scheduler, SchedulerConfig
+from optkit.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from optkit.runtime.sequence import SamplingParams, Sequence
 
 KV_CACHE_MEMORY_FRACTION = 0.25  # of physical memory, when --kv-cache-blocks is not given
@@ -115,6 +116,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 eos_token_ids=tuple(model_config.eos_token_ids),
                 num_speculative_tokens=config.num_speculative_tokens if config.speculative else 0,
+                num_scheduler_steps=config.scheduler_steps(),
             ),
             self.block_manager,
         )
@@ -172,15 +174,13 @@ class LLMEngine:
             self.decoding.release(seq)
         if not schedule.scheduled:
             return []
-        self.decoding.propose(schedule.scheduled)
-        hidden = None  # every token's hidden state, for a proposer that reads the target's features
-        if self.decoding.needs_hidden:
-            logits, seqs, hidden = self.runner.run_with_hidden(schedule.scheduled, self.decoding.feature_layers)
+        if schedule.num_steps > 1:  # multi-step decoding (runtime/multi_step.py)
+            seqs = [item.seq for item in schedule.scheduled]
+            chooser = DecodeStepTokens(seqs, self.sampler, self.scheduler.config.eos_token_ids)
+            self.runner.run_decode_steps(schedule.scheduled, schedule.num_steps, chooser)
+            tokens, logprobs = chooser.sampled()
         else:
-            logits, seqs = self.runner.run(schedule.scheduled)
-        tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)
-        if hidden is not None:
-            self.decoding.observe(schedule.scheduled, tokens, hidden)
+            tokens, logprobs, seqs = self._run_step(schedule)
         before = [seq.num_output_tokens for seq in seqs]
         finished = self.scheduler.update(schedule, tokens, self._stop_strings(seqs))
         for seq, num_before in zip(seqs, before, strict=True):
@@ -191,6 +191,19 @@ class LLMEngine:
         outputs = [self._output(seq) for seq in seqs if not seq.is_finished]
         outputs += [self._output(seq) for seq in finished]
         return [o for o in outputs if o is not None]
+
+    def _run_step(self, schedule: SchedulerOutput) -> tuple[dict, dict, list[Sequence]]:
+        """One model step and its sampling: the tokens and logprobs of each sequence that samples."""
+        self.decoding.propose(schedule.scheduled)
+        hidden = None  # every token's hidden state, for a proposer that reads the target's features
+        if self.decoding.needs_hidden:
+            logits, seqs, hidden = self.runner.run_with_hidden(schedule.scheduled, self.decoding.feature_layers)
+        else:
+            logits, seqs = self.runner.run(schedule.scheduled)
+        tokens, logprobs = self.decoding.sample(logits, seqs, schedule.scheduled, self.sampler)
+        if hidden is not None:
+            self.decoding.observe(schedule.scheduled, tokens, hidden)
+        return tokens, logprobs, seqs
 
     def _stop_strings(self, seqs: list[Sequence]) -> dict[int, Detokenizer]:
         """The detokenizers that watch each new token of `seqs` for a stop string (runtime/stopping.py)."""

@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from optkit.devices import DTYPES, resolve_device, resolve_dtype
 from optkit.errors import OptkitError, shown
 
+# multi-step decoding's default on the CPU: the engine's work around a decode step paid once for this many
+CPU_SCHEDULER_STEPS = 8
+
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -35,6 +38,10 @@ class EngineArgs(BaseModel):
     max_waiting: int = 1024
     speculative: str | None = None  # "ngram", "draft:PATH" or "eagle:DIR" (runtime/speculative.py); None: off
     num_speculative_tokens: int = 4  # proposals per decoding sequence and step
+    # multi-step decoding (runtime/multi_step.py): decode steps per schedule when every running
+    # sequence decodes and none waits. None: CPU_SCHEDULER_STEPS on the CPU, 1 on CUDA (its decode
+    # steps replay CUDA graphs) and with speculative decoding (which excludes it)
+    num_scheduler_steps: int | None = None
     # CUDA graphs and the compile cache (runtime/cuda_graphs.py, runtime/compile_cache.py)
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are always off on CPU)
     torch_compile: bool = False  # torch.compile each decode bucket before capture (CUDA only, experimental)
@@ -55,7 +62,11 @@ class EngineArgs(BaseModel):
             raise OptkitError(f"--threads {self.threads}: give a positive number of CPU threads")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise OptkitError(f"unknown --kv-cache-dtype {shown(self.kv_cache_dtype)}: choose auto, int8 or fp8")
+        if self.num_scheduler_steps is not None and self.num_scheduler_steps < 1:
+            raise OptkitError("--num-scheduler-steps must be at least 1")
         if self.speculative is not None:
+            if (self.num_scheduler_steps or 1) > 1:
+                raise OptkitError("--num-scheduler-steps above 1 and --speculative exclude each other: drop one")
             from optkit.runtime.proposers import parse_speculative
 
             parse_speculative(self.speculative)
@@ -65,6 +76,12 @@ class EngineArgs(BaseModel):
                     f"--max-num-batched-tokens {self.max_num_batched_tokens}: lower the first or raise the second"
                 )
         return self
+
+    def scheduler_steps(self) -> int:
+        """num_scheduler_steps, its default resolved for the device (resolved: EngineConfig)."""
+        if self.num_scheduler_steps is not None:
+            return self.num_scheduler_steps
+        return CPU_SCHEDULER_STEPS if self.speculative is None and self.device == "cpu" else 1
 
     @classmethod
     def from_cli_args(cls, **flags) -> "EngineArgs":

@@ -7,6 +7,7 @@ Each sampling sequence has one row of logits, its last token's, plus one per spe
 it carries (`spec_token_ids`, run after its tokens): R = S + the number of proposals.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,54 @@ def pack(scheduled: list[ScheduledSequence], block_size: int, device: torch.devi
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
         sampling_seqs=sampling_seqs,
     )
+
+
+@dataclass
+class DecodeSteps:
+    """n decode steps of B sequences packed at once (multi-step decoding): step i runs each
+    sequence's token at position num_computed_tokens + i, its slots reserved by the scheduler."""
+
+    input_ids: torch.Tensor  # long [B]: each sequence's last token, step 0's input
+    positions: torch.Tensor  # long [n, B]
+    metas: list[list[AttentionMetadata]]  # [step][KV cache group]
+
+
+def pack_decode_steps(
+    scheduled: list[ScheduledSequence], num_steps: int, block_size: int, device: torch.device, num_groups: int = 1
+) -> DecodeSteps:
+    """`pack` for `num_steps` decode steps of sequences that each decode one token (step i's slot of
+    position p: block_table[p // block_size] * block_size + p % block_size, as `pack`'s)."""
+    seqs = [item.seq for item in scheduled]
+    assert all(len(seq) - seq.num_computed_tokens == 1 for seq in seqs), "multi-step decoding runs decodes only"
+    starts = [seq.num_computed_tokens for seq in seqs]
+    num_seqs = len(seqs)
+    positions = torch.tensor(starts, dtype=torch.long)[None, :] + torch.arange(num_steps)[:, None]  # [n, B]
+    query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+    context_lens = (positions + 1).to(torch.int32)
+    context_lists = context_lens.tolist()
+    metas: list[list[AttentionMetadata]] = [[] for _ in range(num_steps)]
+    for g in range(num_groups):
+        tables = [seq.block_tables[g] for seq in seqs]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, nb]
+        slots = block_tables.gather(1, (positions // block_size).T).T * block_size + positions % block_size
+        block_tables = block_tables.to(torch.int32).to(device)
+        slots = slots.contiguous().to(device)  # [n, B]: row i step i's
+        for i in range(num_steps):
+            metas[i].append(
+                AttentionMetadata(
+                    slot_mapping=slots[i],
+                    query_start_loc=query_start_loc,
+                    context_lens=context_lens[i].to(device),
+                    block_tables=block_tables,
+                    query_lens=[1] * num_seqs,
+                    context_lens_list=context_lists[i],
+                    max_query_len=1,
+                    max_context_len=max(context_lists[i]),
+                )
+            )
+    input_ids = torch.tensor([seq.token_ids[-1] for seq in seqs], dtype=torch.long, device=device)
+    return DecodeSteps(input_ids, positions.to(device), metas)
 
 
 class ModelRunner:
@@ -159,6 +208,24 @@ class ModelRunner:
         rows = batch.sample_rows
         sampled = hidden if rows.shape[0] == hidden.shape[0] else hidden[rows]
         return self.model.compute_logits(sampled), batch.sampling_seqs, features
+
+    @torch.inference_mode()
+    def run_decode_steps(
+        self,
+        scheduled: list[ScheduledSequence],
+        num_steps: int,
+        choose: Callable[[torch.Tensor, int], torch.Tensor | None],
+    ) -> None:
+        """`num_steps` decode steps of the scheduled sequences, each of which decodes one token and
+        holds the slots of the num_steps - 1 after it: choose(logits [B, vocab] float32, i) -> long
+        [B], the tokens step i appends (step i + 1's input; None: the steps left are skipped), in
+        `scheduled`'s order."""
+        steps = pack_decode_steps(scheduled, num_steps, self.block_size, self.device, self.groups.num_groups)
+        metas = [
+            group_metas[0] if self.groups.num_groups == 1 else [group_metas[g] for g in self.groups.layer_groups]
+            for group_metas in steps.metas
+        ]
+        self.model.decode_steps(steps.input_ids, steps.positions, metas, self.kv_caches, choose)
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto", *, scales: bool = True) -> int:

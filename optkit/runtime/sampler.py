@@ -38,7 +38,7 @@ def is_greedy(params: SamplingParams) -> bool:
 
 
 def has_penalties(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1 or params.frequency_penalty != 0 or params.presence_penalty != 0
+    return params.has_penalties
 
 
 class Sampler:

@@ -8,6 +8,14 @@ may shortcut that). No torch.
 With speculative decoding (runtime/speculative.py), a decoding sequence also reserves budget and KV
 slots for up to `num_speculative_tokens` proposals (its lookahead); the step then appends 1 to
 k + 1 tokens, and the slots of rejected proposals are given back.
+
+With `num_scheduler_steps` n > 1 (multi-step decoding, after vLLM's multi-step scheduling), a step in
+which every running sequence decodes and none waits runs up to n decode steps at once: each sequence
+reserves the slots of the n - 1 tokens after its next one (the same lookahead), the engine runs them
+one after the other without coming back here, and `update` appends them as it appends accepted
+proposals (the tokens after a stop dropped, their slots given back). The engine's work around a step
+(scheduling, packing, outputs) is then paid once for n tokens; a request that arrives meanwhile waits
+for at most n - 1 decode steps.
 """
 
 from collections import deque
@@ -26,6 +34,7 @@ class SchedulerConfig:
     max_model_len: int  # prompt plus output, in tokens
     eos_token_ids: tuple[int, ...] = ()
     num_speculative_tokens: int = 0  # lookahead slots per decoding sequence (0: no speculation)
+    num_scheduler_steps: int = 1  # decode steps per schedule when every sequence decodes (1: one)
 
     def __post_init__(self) -> None:
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -40,6 +49,11 @@ class SchedulerConfig:
             (
                 0 <= self.num_speculative_tokens < self.max_num_batched_tokens,
                 f"num_speculative_tokens must be in [0, max_num_batched_tokens), got {self.num_speculative_tokens}",
+            ),
+            (self.num_scheduler_steps >= 1, f"num_scheduler_steps must be at least 1, got {self.num_scheduler_steps}"),
+            (
+                self.num_scheduler_steps == 1 or not self.num_speculative_tokens,
+                "num_scheduler_steps above 1 and speculative decoding exclude each other",
             ),
         ]
         for ok, message in checks:
@@ -66,6 +80,8 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]  # running sequences first, then the newly admitted ones
     preempted: list[Sequence]
+    # decode steps to run (> 1: every scheduled sequence decodes, its lookahead num_steps - 1 tokens)
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -117,12 +133,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
+        num_steps = self._num_steps()
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(len(seq) - seq.num_computed_tokens, budget)
-            lookahead = self._num_lookahead(seq)
+            lookahead = num_steps - 1 if num_steps > 1 else self._num_lookahead(seq)
             if num_new + lookahead > budget:
                 # A sequence's proposals are all or nothing, so that how many it gets never depends on
                 # what it is batched with (seeded sampling stays reproducible); it waits a step.
@@ -153,7 +170,29 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, num_steps)
+
+    def _num_steps(self) -> int:
+        """How many decode steps this schedule runs: up to num_scheduler_steps when every running
+        sequence decodes one token, none waits, no sampler reads the tokens the steps add
+        (penalties), and budget, request ends and free KV blocks have room for all of them; else 1."""
+        n, running = self.config.num_scheduler_steps, self.running
+        if n == 1 or self.waiting or not running:
+            return 1
+        for seq in running:
+            if len(seq) - seq.num_computed_tokens != 1 or seq.params.has_penalties:
+                return 1
+            remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq))
+            n = min(n, remaining, self.block_manager.max_tokens_held - len(seq) + 1)
+        n = min(n, self.config.max_num_batched_tokens // len(running))
+        # the blocks the steps' slots need beyond those held, in every group: all or none run
+        blocks = self.block_manager
+        needed = sum(
+            max(0, blocks.num_blocks_for(seq.num_computed_tokens + n) - len(table))
+            for seq in running
+            for table in seq.block_tables
+        )
+        return n if n > 1 and needed <= blocks.num_free_blocks else 1
 
     def update(
         self,

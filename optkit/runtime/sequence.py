@@ -64,6 +64,11 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the tokens so far (repetition, frequency or presence penalties)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
 
 _ids = itertools.count()
 

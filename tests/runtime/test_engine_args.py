@@ -109,3 +109,16 @@ def test_generate_takes_the_threads_flag_and_no_runtime_head_flag(run_cli):
         assert code == 2 and "--head" in err  # the head runs as the artifact stores it (quantize --head)
     finally:
         torch.set_num_threads(before)
+
+
+def test_multi_step_decoding_is_the_cpus_default_and_excludes_speculation(with_cuda):
+    from optkit.runtime.engine_args import CPU_SCHEDULER_STEPS
+
+    assert EngineArgs(device="cpu").engine_config().scheduler_steps() == CPU_SCHEDULER_STEPS > 1
+    assert EngineArgs().engine_config().scheduler_steps() == 1  # CUDA: decode steps replay CUDA graphs
+    assert EngineArgs(device="cpu", speculative="ngram").engine_config().scheduler_steps() == 1
+    assert EngineArgs(device="cpu", num_scheduler_steps=3).engine_config().scheduler_steps() == 3
+    with pytest.raises(OptkitError, match="--num-scheduler-steps must be at least 1"):
+        EngineArgs(num_scheduler_steps=0)
+    with pytest.raises(OptkitError, match="--num-scheduler-steps above 1 and --speculative exclude each other"):
+        EngineArgs(num_scheduler_steps=4, speculative="ngram")

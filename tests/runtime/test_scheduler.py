@@ -223,3 +223,50 @@ def test_growth_past_the_cache_finishes_with_length():
     while sched.has_unfinished():
         step(sched)
     assert s.finish_reason is FinishReason.LENGTH and len(s) == 9  # the 9th token would need a third block
+
+
+def multi_step(num_blocks=64, budget=32, steps=4) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_batched_tokens=budget, max_model_len=256, eos_token_ids=(EOS,), num_scheduler_steps=steps
+    )
+    return Scheduler(config, BlockManager(num_blocks, 4, True))
+
+
+def decoding(sched: Scheduler, *seqs: Sequence) -> None:
+    """Admit and prefill the sequences: each then decodes."""
+    for s in seqs:
+        sched.add(s)
+    while any(len(s) - s.num_computed_tokens > 1 for s in seqs):
+        step(sched)
+
+
+def test_multi_steps_run_when_every_sequence_decodes_and_there_is_room():
+    sched = multi_step()
+    a, b = seq(6, max_tokens=20), seq(9, max_tokens=20)
+    decoding(sched, a, b)
+    out = sched.schedule()
+    assert out.num_steps == 4 and [s.num_lookahead_tokens for s in out.scheduled] == [3, 3]
+    sched.update(out, {a.seq_id: [5, 6, 7, 8], b.seq_id: [5, EOS, 7, 8]})
+    assert a.output_token_ids[-4:] == [5, 6, 7, 8] and a.num_computed_tokens == len(a) - 1
+    assert b.is_finished and b.output_token_ids[-1] == EOS  # the tokens after its stop dropped
+    sched.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "why", ["a request waits", "a penalty", "a prefill", "the budget", "the blocks", "one token left", "no setting"]
+)
+def test_a_step_decodes_one_token_when_a_multi_step_cannot_run(why):
+    sched = multi_step(
+        num_blocks=9 if why == "the blocks" else 64, budget=3 if why == "the budget" else 32,
+        steps=1 if why == "no setting" else 4,
+    )  # fmt: skip
+    penalty = {"repetition_penalty": 1.2} if why == "a penalty" else {}
+    a = seq(13, max_tokens=2 if why == "one token left" else 20, **penalty)
+    b = seq(15, max_tokens=20, start=40)
+    decoding(sched, a, b)  # 8 of 9 blocks held, 4 each: 4 steps need one more each
+    if why == "a request waits":
+        sched.add(seq(3, start=90))
+    if why == "a prefill":
+        sched.running[0].num_computed_tokens -= 2  # as after a preemption's recompute began
+    out = sched.schedule()
+    assert out.num_steps == 1 and all(s.num_lookahead_tokens == 0 for s in out.scheduled)

@@ -1,0 +1,51 @@
+"""Several decode steps of the runtime model in a row (CausalLM.decode_steps, for the runtime's
+multi-step decoding: runtime/model_runner.py), each token chosen from the step before's logits. The
+model's work around a step is paid once for all of them: the RoPE tables of every step are computed
+in one call, and a 4-bit artifact's stack checks its weights and builds every step's arguments once
+(models/fused_stack.py). Each step computes what `forward` and `compute_logits` compute, the same bits.
+"""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from optkit.kernels.paged_attention import AttentionMetadata
+from optkit.models import fused_stack
+
+if TYPE_CHECKING:
+    from optkit.models.llama import CausalLM
+
+
+def run(
+    model: "CausalLM",
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    metas: list[AttentionMetadata | list[AttentionMetadata]],
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    choose: Callable[[torch.Tensor, int], torch.Tensor | None],
+    fusable: Callable[[nn.Module], bool],
+) -> None:
+    """CausalLM.decode_steps (its arguments); `fusable(layer)`: whether the fused stack computes the layer."""
+    num_steps, num_seqs = positions.shape
+    layers = model.model.layers
+    dtype = model.get_input_embeddings().weight.dtype
+    all_tables, rope_index = model.rope_tables(positions.reshape(-1), dtype)  # [n·B, 1, R] each
+    rows = [slice(i * num_seqs, (i + 1) * num_seqs) for i in range(num_steps)]
+    tables = [[(cos[r], sin[r]) for cos, sin in all_tables] for r in rows]  # step i's: [B, 1, R] views
+    layer_metas = [m if isinstance(m, list) else [m] * len(layers) for m in metas]
+    stack = None
+    for i in range(num_steps):
+        h = model.embed(input_ids)
+        if i == 0:  # a 4-bit artifact on the CPU: every step's stack call prepared at once
+            stack = fused_stack.decode_steps(layers, fusable, h, tables, rope_index, layer_metas, kv_caches)
+        if stack is not None:
+            h = stack.run(h, i)
+        else:
+            rope = [tables[i][j] for j in rope_index]
+            for layer, kv_cache, (cos, sin), meta in zip(layers, kv_caches, rope, layer_metas[i], strict=True):
+                h = layer(h, cos, sin, meta, kv_cache)
+        input_ids = choose(model.compute_logits(model.model.norm(h)), i)
+        if input_ids is None:  # the steps left would change nothing
+            return

@@ -1,0 +1,109 @@
+"""Multi-step decoding (runtime/multi_step.py): an engine step that runs several decode steps gives
+every request the tokens, text, logprobs and finish reasons of one decode step at a time, stops
+where one step at a time stops, gives back the slots it reserved, and never holds up a request
+that arrives."""
+
+import pytest
+
+from optkit.runtime.engine import EngineConfig, LLMEngine
+from optkit.runtime.model_runner import ModelRunner
+from optkit.runtime.sequence import SamplingParams
+from tests.kernels.test_cpu_decode import w4_artifact
+
+PROMPTS = [list(range(5, 30)), list(range(100, 107)), list(range(300, 341)), [7, 8, 9]]
+
+
+def engine(model_dir, steps: int) -> LLMEngine:
+    # blocks of 4 tokens: the reserved slots of a multi-step cross block boundaries
+    return LLMEngine(model_dir, EngineConfig(num_scheduler_steps=steps, block_size=4, max_model_len=256))
+
+
+def outputs(eng: LLMEngine, prompts, params) -> dict[str, tuple]:
+    """Every request's tokens, text, finish reason and logprobs, as its outputs streamed them."""
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(prompt, p, f"r{i}")
+    seen: dict[str, list] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens, text, reason, logprobs = seen.setdefault(out.request_id, [[], "", None, []])
+            seen[out.request_id] = [tokens + out.token_ids, text + out.text, out.finish_reason, logprobs]
+            if out.logprobs:
+                logprobs += [(lp.token_id, round(lp.logprob, 5), [t for t, _ in lp.top]) for lp in out.logprobs]
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks  # the reserved slots given back
+    return {request: tuple(value) for request, value in seen.items()}
+
+
+def counted_runs(monkeypatch) -> list[int]:
+    """The number of steps of each multi-step ModelRunner.run_decode_steps ran."""
+    calls = []
+    real = ModelRunner.run_decode_steps
+    monkeypatch.setattr(
+        ModelRunner, "run_decode_steps", lambda self, s, n, choose: calls.append(n) or real(self, s, n, choose)
+    )
+    return calls
+
+
+@pytest.fixture(params=["llama fp32", "llama 4-bit", "gemma3_text 4-bit"])
+def model_dir(request, tmp_path, small_dir):
+    """The reference model, and 4-bit artifacts whose decode steps run the fused stack (Gemma 3: two KV
+    cache groups, sliding and full, and two RoPE tables)."""
+    if request.param == "llama fp32":
+        return small_dir
+    return w4_artifact(request.param.split()[0], tmp_path, small_dir)
+
+
+def test_many_steps_at_once_give_one_step_at_a_times_requests(model_dir, monkeypatch):
+    from optkit.modeldir import load_tokenizer
+
+    plain = outputs(engine(model_dir, 1), PROMPTS, [SamplingParams(max_tokens=30, temperature=0)] * 4)
+    # stops inside a multi-step: a stop token, a stop string, a max_tokens that no step count divides
+    first_seen = {}  # token -> where it first appears in r1's output
+    for i, token in enumerate(plain["r1"][0]):
+        first_seen.setdefault(token, i)
+    stop_token = max(first_seen, key=first_seen.get)  # the token that appears last for the first time
+    stop_text = load_tokenizer(model_dir).decode(plain["r2"][0][:9])[-4:]
+    params = [
+        SamplingParams(max_tokens=23, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=30, temperature=0, stop=[stop_text]),
+        SamplingParams(max_tokens=19, temperature=0.8, top_p=0.9, seed=7),  # seeded: one draw per token, in order
+    ]
+    want = outputs(engine(model_dir, 1), PROMPTS, params)
+    runs = counted_runs(monkeypatch)
+    got = outputs(engine(model_dir, 5), PROMPTS, params)
+    assert got == want
+    assert want["r1"][2] == want["r2"][2] == "stop" and len(want["r1"][0]) == first_seen[stop_token] + 1
+    assert max(runs) == 5 and sum(runs) >= 20  # most of the 19-30 tokens a request decodes came from multi-steps
+
+
+def test_a_request_that_arrives_is_admitted_at_the_next_step(small_dir, monkeypatch):
+    runs = counted_runs(monkeypatch)
+    eng = engine(small_dir, 8)
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0), "first")
+    eng.step()  # the prefill
+    eng.step()
+    assert runs == [8]
+    eng.add_request(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0), "second")
+    (out,) = [o for o in eng.step() if o.request_id == "second"]  # its prefill: a one-token step with it
+    assert out.token_ids and runs == [8]
+    eng.step()
+    assert runs == [8, 8]
+
+
+def test_penalties_and_short_requests_take_single_steps(small_dir, monkeypatch):
+    runs = counted_runs(monkeypatch)
+    eng = engine(small_dir, 8)
+    outputs(eng, PROMPTS[:1], [SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3)])
+    assert runs == []  # a penalty reads the tokens a multi-step would only append at its end
+    outputs(eng, PROMPTS[:1], [SamplingParams(max_tokens=12, temperature=0)])
+    assert runs == [8, 3]  # the first token came from the prefill; the last run stops at max_tokens
+
+
+def test_a_multi_step_stops_where_the_cache_ends(small_dir, monkeypatch):
+    """A cache of 5 blocks of 4 holds 20 tokens: after a 16-token prompt, 4 steps at once, then the end."""
+    runs = counted_runs(monkeypatch)
+    prompt, params = [list(range(5, 21))], [SamplingParams(max_tokens=30, temperature=0)]
+    small = {"block_size": 4, "kv_cache_blocks": 5, "max_model_len": 64}
+    got = outputs(LLMEngine(small_dir, EngineConfig(num_scheduler_steps=8, **small)), prompt, params)
+    want = outputs(LLMEngine(small_dir, EngineConfig(num_scheduler_steps=1, **small)), prompt, params)
+    assert got == want and runs == [4] and got["r0"][2] == "length" and len(got["r0"][0]) == 5
