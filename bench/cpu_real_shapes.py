@@ -15,12 +15,14 @@ llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, wher
 to llama.cpp Q4_0 and Q4_K_M and to vLLM's best at each batch size, and at batch 1 the bytes of
 weights a decode step reads (every weight once; the embedding only where it is the tied head), that
 divided by the step time (the median time per output token after the first: the prefill apart),
-and its share of the read bandwidth measured in the same run (summing a 1 GiB
-float32 array with the same threads). Each optkit and llama.cpp figure is the median of --repeats
-runs of its batch size (the sizes interleaved; vLLM runs each size once). With --prefill-lens
-(issue 38 §4): the time to first token of one request with a prompt of each length (batch 1, the
-median of --prefill-repeats), every optkit run in its engine and llama.cpp on each GGUF file, with
-the ratio to llama.cpp Q4_K_M's.
+and its share of the read bandwidth measured in the same run (summing a 1 GiB float32 array with
+the same threads) right before and right after that engine's decode runs (the mean of the two: on a
+shared machine the bandwidth drifts by up to 1.8x over a run, so each step time is set against the
+bandwidth of its own minutes; the header shows the run's first measurement). Each optkit and
+llama.cpp figure is the median of --repeats runs of its batch size (the sizes interleaved; vLLM runs
+each size once). With --prefill-lens (issue 38 §4): the time to first token of one request with a
+prompt of each length (batch 1, the median of --prefill-repeats), every optkit run in its engine and
+llama.cpp on each GGUF file, with the ratio to llama.cpp Q4_K_M's.
 
 Usage: python bench/cpu_real_shapes.py [--shapes smollm2-135m,gemma-3-270m] [--threads 2]
        [--batch-sizes 1,16] [--gen-len 32] [--repeats 3] [--prefill-lens 64,512] [--prefill-repeats 5]
@@ -268,7 +270,7 @@ def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
     return rows
 
 
-def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
+def bench_shape(shape: str, args, log) -> dict:
     import importlib.util
 
     llama_cpp = not args.no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None
@@ -279,13 +281,16 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
     runs |= {name: (path, "float32", vllm and name == "w4a16 head full") for name, path in artifacts.items()
              if not name.startswith("llama.cpp")}  # fmt: skip
     rows, about, step_bytes, ttft = [], {}, {}, {}
+    read = {}  # run -> the read bandwidth measured around its decode runs
     for name, (path, dtype, with_vllm) in runs.items():
         if prefill_lens(args):
             log(f"{name}: time to first token")
             ttft[name] = optkit_ttft(path, dtype, args)
         if args.no_decode:
             continue
+        before = read_bandwidth(args.threads)
         found, about[name] = optkit_rows(name, path, dtype, args, with_vllm, log)
+        read[name] = (before + read_bandwidth(args.threads)) / 2
         rows += found
         step_bytes[name] = decode_step_bytes(path, dtype)
     for name, path in artifacts.items():
@@ -309,7 +314,8 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
         if row["batch_size"] == 1 and row["run"] in step_bytes and "step_s" in row:
             row["step_bytes"] = step_bytes[row["run"]]
             row["achieved_bytes_per_s"] = step_bytes[row["run"]] / row["step_s"]
-            row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / bandwidth
+            row["read_bytes_per_s"] = read[row["run"]]
+            row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / read[row["run"]]
     prefill = []
     for name, times in ttft.items():
         for n, seconds in times.items():
@@ -321,8 +327,11 @@ def bench_shape(shape: str, args, bandwidth: float, log) -> dict:
 
 
 def print_shape(result: dict, bandwidth: float) -> None:
-    print(f"\n{result['shape']} (read bandwidth {bandwidth / 1e9:.1f} GB/s)")
-    columns = f"{'vs Q4_0':>8} {'vs Q4_K_M':>9} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'share':>6}"
+    print(
+        f"\n{result['shape']} (read bandwidth {bandwidth / 1e9:.1f} GB/s at the run's start; GB/s: the weights a "
+        "step reads / its time; read: the bandwidth measured around that engine's runs; share: GB/s / read)"
+    )
+    columns = f"{'vs Q4_0':>8} {'vs Q4_K_M':>9} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'read':>6} {'share':>6}"
     print(f"{'run':34} {'batch':>5} {'tok/s':>8} {columns}")
 
     def cell(row, key, fmt):
@@ -331,11 +340,12 @@ def print_shape(result: dict, bandwidth: float) -> None:
     for row in sorted(result["rows"], key=lambda r: (r["batch_size"], r["run"])):
         mb = format(row["step_bytes"] / 1e6, ".0f") if "step_bytes" in row else "-"
         gbs = format(row["achieved_bytes_per_s"] / 1e9, ".1f") if "achieved_bytes_per_s" in row else "-"
+        read = format(row["read_bytes_per_s"] / 1e9, ".1f") if "read_bytes_per_s" in row else "-"
         print(
             f"{row['run']:34} {row['batch_size']:>5} {row['tokens_per_s']:>8.1f} "
             f"{cell(row, 'vs llama.cpp Q4_0', '>8.2f')} {cell(row, 'vs llama.cpp Q4_K_M', '>9.2f')} "
             f"{cell(row, 'vs vLLM best', '>8.2f')} "
-            f"{mb:>8} {gbs:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')}"
+            f"{mb:>8} {gbs:>6} {read:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')}"
         )
 
 
@@ -362,7 +372,7 @@ def main() -> None:
         print(message, file=sys.stderr, flush=True)
 
     bandwidth = read_bandwidth(args.threads)
-    results = [bench_shape(shape, args, bandwidth, log) for shape in args.shapes.split(",")]
+    results = [bench_shape(shape, args, log) for shape in args.shapes.split(",")]
     for result in results:
         if result["rows"]:
             print_shape(result, bandwidth)

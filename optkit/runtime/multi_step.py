@@ -9,8 +9,9 @@ steps after that are skipped: their tokens would all be dropped).
 
 import torch
 
+from optkit.kernels import cpu_decode
 from optkit.runtime.decoding import Sampled
-from optkit.runtime.sampler import Sampler, TokenLogprobs
+from optkit.runtime.sampler import Sampler, TokenLogprobs, is_greedy
 from optkit.runtime.sequence import Sequence
 
 
@@ -27,18 +28,24 @@ class DecodeStepTokens:
             for seq in seqs
         ]
         self._running = set(range(len(seqs)))  # the sequences that have not drawn a stop token
+        # every row the argmax and nothing else asked: the sampler's greedy path without its bookkeeping
+        self._argmax = all(is_greedy(seq.params) and seq.params.logprobs is None for seq in seqs)
 
     def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor | None:
-        result = self.sampler(logits, self.seqs)
-        for b, (seq, token, logprobs) in enumerate(zip(self.seqs, result.token_ids, result.logprobs, strict=True)):
+        if self._argmax:
+            chosen = cpu_decode.argmax(logits)  # as Sampler: its float32 logits' argmax
+            token_ids, logprobs = chosen.tolist(), [None] * len(self.seqs)
+        else:
+            result = self.sampler(logits, self.seqs)
+            token_ids, logprobs = result.token_ids, result.logprobs
+            chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+        for b, (seq, token, token_logprobs) in enumerate(zip(self.seqs, token_ids, logprobs, strict=True)):
             self.tokens[seq.seq_id].append(token)
-            if logprobs is not None:
-                self.logprobs.setdefault(seq.seq_id, []).append(logprobs)
+            if token_logprobs is not None:
+                self.logprobs.setdefault(seq.seq_id, []).append(token_logprobs)
             if token in self._stop_ids[b]:
                 self._running.discard(b)
-        if not self._running:
-            return None
-        return torch.tensor(result.token_ids, dtype=torch.long, device=logits.device)
+        return chosen if self._running else None
 
     def sampled(self) -> Sampled:
         return self.tokens, self.logprobs

@@ -15,7 +15,9 @@ reserves the slots of the n - 1 tokens after its next one (the same lookahead), 
 one after the other without coming back here, and `update` appends them as it appends accepted
 proposals (the tokens after a stop dropped, their slots given back). The engine's work around a step
 (scheduling, packing, outputs) is then paid once for n tokens; a request that arrives meanwhile waits
-for at most n - 1 decode steps.
+for at most n - 1 decode steps. A multi-step computes at most MULTI_STEP_TOKENS tokens in all, fewer
+steps the more sequences run: a large batch's step is long and the work around it small by
+comparison, while a request that arrives meanwhile would wait longer.
 """
 
 from collections import deque
@@ -25,6 +27,9 @@ from dataclasses import dataclass, field
 from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
 from optkit.runtime.stopping import StopLimits, StopStrings, append_until_stop
+
+
+MULTI_STEP_TOKENS = 64  # tokens a multi-step computes at most (steps × sequences)
 
 
 @dataclass(kw_only=True)
@@ -175,7 +180,8 @@ class Scheduler:
     def _num_steps(self) -> int:
         """How many decode steps this schedule runs: up to num_scheduler_steps when every running
         sequence decodes one token, none waits, no sampler reads the tokens the steps add
-        (penalties), and budget, request ends and free KV blocks have room for all of them; else 1."""
+        (penalties), and budget (MULTI_STEP_TOKENS), request ends and free KV blocks have room for all
+        of them; else 1."""
         n, running = self.config.num_scheduler_steps, self.running
         if n == 1 or self.waiting or not running:
             return 1
@@ -184,7 +190,7 @@ class Scheduler:
                 return 1
             remaining = min(seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq))
             n = min(n, remaining, self.block_manager.max_tokens_held - len(seq) + 1)
-        n = min(n, self.config.max_num_batched_tokens // len(running))
+        n = min(n, min(MULTI_STEP_TOKENS, self.config.max_num_batched_tokens) // len(running))
         # the blocks the steps' slots need beyond those held, in every group: all or none run
         blocks = self.block_manager
         needed = sum(

@@ -252,6 +252,15 @@ def test_multi_steps_run_when_every_sequence_decodes_and_there_is_room():
     sched.block_manager.check_invariants()
 
 
+def test_a_multi_step_runs_fewer_steps_the_more_sequences_decode():
+    """At most MULTI_STEP_TOKENS tokens a multi-step: a request that arrives waits less at large batches."""
+    from optkit.runtime.scheduler import MULTI_STEP_TOKENS
+
+    sched = multi_step(budget=512, steps=8)
+    decoding(sched, *[seq(5, max_tokens=20, start=10 + 7 * i) for i in range(17)])
+    assert sched.schedule().num_steps == MULTI_STEP_TOKENS // 17 == 3
+
+
 @pytest.mark.parametrize(
     "why", ["a request waits", "a penalty", "a prefill", "the budget", "the blocks", "one token left", "no setting"]
 )
