@@ -7,7 +7,9 @@
 #   5. CUDA graphs against --enforce-eager, decode at batch 8 (--baseline eager), bf16
 #   6. FP8 W8A8 through torch._scaled_mm (cc >= 8.9) against its exact emulation, and NF4 through the
 #      W4A16 Triton kernel's code-book mode against the reference: one PASS/FAIL line
-#   7. EAGLE speculative decoding on a trained target (issue 35): `deep` (12 layers, ~42 MB in fp32)
+#   7. multi-step decoding on CUDA (opt-in, --num-scheduler-steps 4): greedy tokens equal one step at a
+#      time's (tests/runtime/test_multi_step.py -k cuda), eager, bf16: one PASS/FAIL line
+#   8. EAGLE speculative decoding on a trained target (issue 35): `deep` (12 layers, ~42 MB in fp32)
 #      and its trained head, carried in $EAGLE_TARGET and $EAGLE_HEAD (default shared/eagle/deep and
 #      shared/eagle/deep-head: copy them there from `optkit zoo build deep` and `optkit speculator
 #      train DEEP --out HEAD`), CUDA bf16, batch 1 greedy, k=2..4: PASS when the best EAGLE run is
@@ -45,6 +47,9 @@ step graphs_vs_eager 60 bash -c "${BENCH[*]} $MODELS/llama-1b --batch-sizes 8 --
 step fp8_nf4 120 bash -c "python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8.py tests/kernels/test_nf4.py \
   && echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: PASS' \
   || { echo 'fp8 torch._scaled_mm vs emulation, nf4 triton vs reference: FAIL'; exit 1; }"
+step multi_step 90 bash -c "python3 -m pytest -q -p no:cacheprovider tests/runtime/test_multi_step.py -k cuda \
+  && echo 'multi-step decoding on CUDA, greedy tokens as one step at a time: PASS' \
+  || { echo 'multi-step decoding on CUDA, greedy tokens as one step at a time: FAIL'; exit 1; }"
 EAGLE_TARGET="${EAGLE_TARGET:-shared/eagle/deep}" EAGLE_HEAD="${EAGLE_HEAD:-shared/eagle/deep-head}"
 if [ -f "$EAGLE_TARGET/config.json" ] && [ -f "$EAGLE_HEAD/config.json" ]; then
   step eagle_deep 150 bash -c "python3 bench/speculative.py --target '$EAGLE_TARGET' --speculative 'eagle:$EAGLE_HEAD' \

@@ -4,6 +4,7 @@ where one step at a time stops, gives back the slots it reserved, and never hold
 that arrives."""
 
 import pytest
+import torch
 
 from optkit.runtime.engine import EngineConfig, LLMEngine
 from optkit.runtime.model_runner import ModelRunner
@@ -107,3 +108,44 @@ def test_a_multi_step_stops_where_the_cache_ends(small_dir, monkeypatch):
     got = outputs(LLMEngine(small_dir, EngineConfig(num_scheduler_steps=8, **small)), prompt, params)
     want = outputs(LLMEngine(small_dir, EngineConfig(num_scheduler_steps=1, **small)), prompt, params)
     assert got == want and runs == [4] and got["r0"][2] == "length" and len(got["r0"][0]) == 5
+
+
+def tiny_random_llama(out) -> object:
+    """A 2-layer random Llama with a byte-level tokenizer trained on a few lines: no reference model to
+    train first (the device machine starts bare)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optkit.zoo.tokenizer import train_tokenizer
+
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+    tokenizer = train_tokenizer(texts, vocab_size=512)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu/run.sh runs it on the device)")
+def test_cuda_multi_steps_give_one_step_at_a_times_greedy_tokens(tmp_path):
+    """Opt-in on CUDA (`--num-scheduler-steps 4`): the eager decode steps' tokens, in bfloat16."""
+    model_dir = tiny_random_llama(tmp_path / "tiny")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (23, 30, 19, 30)]
+    prompts = [[t % 512 for t in prompt] for prompt in PROMPTS]
+    settings = {"device": "cuda", "dtype": "bfloat16", "enforce_eager": True, "max_model_len": 256}
+    want = outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=1, **settings)), prompts, params)
+    got = outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=4, **settings)), prompts, params)
+    assert got == want
+
+
+def test_the_tiny_random_model_runs_multi_steps_on_the_cpu(tmp_path, monkeypatch):
+    """The CUDA test's model and requests, on the CPU: its check runs here too, without the device."""
+    runs = counted_runs(monkeypatch)
+    model_dir = tiny_random_llama(tmp_path / "tiny")
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (23, 30, 19, 30)]
+    prompts = [[t % 512 for t in prompt] for prompt in PROMPTS]
+    want = outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=1)), prompts, params)
+    assert outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=4)), prompts, params) == want and runs
