@@ -26,9 +26,17 @@ def run(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     choose: Callable[[torch.Tensor, int], torch.Tensor | None],
     fusable: Callable[[nn.Module], bool],
+    own_forward: bool = False,
 ) -> None:
-    """CausalLM.decode_steps (its arguments); `fusable(layer)`: whether the fused stack computes the layer."""
+    """CausalLM.decode_steps (its arguments); `fusable(layer)`: whether the fused stack computes the
+    layer; `own_forward`: the model's class has its own forward, which each step then calls."""
     num_steps, num_seqs = positions.shape
+    if own_forward:
+        for i in range(num_steps):
+            input_ids = choose(model.compute_logits(model(input_ids, positions[i], metas[i], kv_caches)), i)
+            if input_ids is None:
+                return
+        return
     layers = model.model.layers
     dtype = model.get_input_embeddings().weight.dtype
     all_tables, rope_index = model.rope_tables(positions.reshape(-1), dtype)  # [n·B, 1, R] each

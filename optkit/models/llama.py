@@ -365,7 +365,8 @@ class CausalLM(nn.Module):
         (models/decode_steps.py): input_ids long [B] (each sequence's last token), positions long [n,
         B], metas[i] step i's as forward takes it; choose(logits [B, vocab] float32, i) -> long [B],
         the tokens step i chose, step i + 1's input (None: stop here)."""
-        decode_steps.run(self, input_ids, positions, metas, kv_caches, choose, _plain_layer)
+        own_forward = type(self).forward is not CausalLM.forward  # a subclass's: each step through it
+        decode_steps.run(self, input_ids, positions, metas, kv_caches, choose, _plain_layer, own_forward)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids long [T] -> what the first decoder layer receives [T, hidden]."""

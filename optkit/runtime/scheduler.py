@@ -28,7 +28,6 @@ from optkit.runtime.block_manager import BlockManager
 from optkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
 from optkit.runtime.stopping import StopLimits, StopStrings, append_until_stop
 
-
 MULTI_STEP_TOKENS = 64  # tokens a multi-step computes at most (steps × sequences)
 
 

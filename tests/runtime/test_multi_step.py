@@ -149,3 +149,22 @@ def test_the_tiny_random_model_runs_multi_steps_on_the_cpu(tmp_path, monkeypatch
     prompts = [[t % 512 for t in prompt] for prompt in PROMPTS]
     want = outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=1)), prompts, params)
     assert outputs(LLMEngine(model_dir, EngineConfig(num_scheduler_steps=4)), prompts, params) == want and runs
+
+
+def test_a_runtime_class_with_its_own_forward_runs_it_at_every_step(small_dir, monkeypatch):
+    """A family's runtime class (families/: a plugin's) that overrides forward: each of a multi-step's
+    steps goes through it, as one step at a time does."""
+    from optkit.models import llama, loader
+
+    calls = []
+
+    class Counted(llama.CausalLM):
+        def forward(self, input_ids, *args, **kwargs):
+            calls.append(input_ids.shape[0])
+            return super().forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(loader, "_runtime_class", lambda model_type: Counted)
+    params = [SamplingParams(max_tokens=12, temperature=0)]
+    got = outputs(engine(small_dir, 8), PROMPTS[:1], params)
+    assert len(calls) == 12  # the prefill, then 11 decode steps: 8 and 3
+    assert got == outputs(LLMEngine(small_dir, EngineConfig(num_scheduler_steps=1, block_size=4)), PROMPTS[:1], params)
