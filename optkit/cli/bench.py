@@ -120,6 +120,8 @@ def show(result: dict) -> None:
     )
     if result.get("speculative"):
         title += f", --speculative {result['speculative']} k={result['num_speculative_tokens']}"
+    if result.get("num_scheduler_steps", 1) > 1:
+        title += f", up to {result['num_scheduler_steps']} decode steps per schedule"
     table = Table(title=title)
     ratio_keys = sorted({k for row in result["rows"] for k in row if k.startswith("vs ")})
     columns = ["batch", "run", "tok/s", *ratio_keys, "TTFT p50/p95/p99 ms", "TPOT p50/p95/p99 ms"]

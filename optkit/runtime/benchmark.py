@@ -250,6 +250,7 @@ def run_benchmark(model, config: BenchConfig, log=print) -> dict:
         "cuda_graphs": engine.cuda_graphs_note,
         "speculative": config.speculative,
         "num_speculative_tokens": config.num_speculative_tokens if config.speculative else None,
+        "num_scheduler_steps": engine.scheduler.config.num_scheduler_steps,  # multi-step decoding's, resolved
         "rows": rows,
     }
     if vllm is not None:

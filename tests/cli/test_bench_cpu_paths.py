@@ -19,6 +19,7 @@ def test_bench_names_kernels_step_overhead_and_threads(run_cli, draft_w2):
     assert code == 0, err
     result = json.loads(out)
     assert result["threads"] == 1
+    assert result["num_scheduler_steps"] == 8  # multi-step decoding: the CPU's default
     kernels = result["kernels"]
     # every quantized linear of draft's 2 layers, each named once: q/k/v and gate/up are fused at load
     # (models/fusion.py), so a layer runs 4: qkv, o, gate_up, down
