@@ -78,7 +78,8 @@ class EngineArgs(BaseModel):
         return self
 
     def scheduler_steps(self) -> int:
-        """num_scheduler_steps, its default resolved for the device (resolved: EngineConfig)."""
+        """num_scheduler_steps with its default resolved for the device (on an EngineConfig: an
+        EngineArgs' device may still be "auto", which counts as not the CPU here)."""
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         return CPU_SCHEDULER_STEPS if self.speculative is None and self.device == "cpu" else 1
