@@ -70,7 +70,8 @@ def test_an_unknown_engine_key_is_named_with_the_nearest():
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "bench", "compile"])
-def test_every_engine_command_takes_device_and_dtype_defaulting_to_auto(run_cli, command):
+def test_every_engine_command_takes_device_and_dtype_defaulting_to_auto(run_cli, command, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the help at any terminal width: a narrow one elides the flag names
     code, out, _ = run_cli(command, "--help")
     assert code == 0
     assert "--device" in out and "--dtype" in out and "default: auto" in out
