@@ -40,11 +40,8 @@ def decode(
     where one call cannot run the stack (the model then runs its layers one by one). `fusable(layer)`:
     whether the layer is the plain decoder layer the fused call computes; `rope`: the step's RoPE
     tables, layer i taking rope[rope_index[i]]; `metas` and `kv_caches`: each layer's."""
-    kept = _weights(layers, fusable, h)
-    if kept is None or not _takes(kept, h, rope, kv_caches):
-        return None
-    step = _step(kept, h, rope, rope_index, metas, kv_caches)
-    return None if step is None else cpu_decode.decode_stack_w4a8(h, kept.stack, step.op_args())
+    steps = decode_steps(layers, fusable, h, [rope], rope_index, [metas], kv_caches)
+    return None if steps is None else steps.run(h, 0)
 
 
 def _weights(layers: nn.ModuleList, fusable: Callable[[nn.Module], bool], h: torch.Tensor) -> _Kept | None:
