@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from optkit.runtime.sequence import FinishReason, Sequence
+from optkit.runtime.sequence import FinishReason, SamplingParams, Sequence
 
 
 class StopStrings(Protocol):
@@ -34,10 +34,16 @@ class StopLimits:
     max_tokens_held: int  # the longest sequence the whole KV cache holds
 
 
+def is_stop_token(token: int, params: SamplingParams, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether `token` stops a request of these params by its id alone: an EOS token (unless the
+    request ignores EOS) or one of the request's stop_token_ids."""
+    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+
+
 def token_stop_reason(seq: Sequence, limits: StopLimits) -> FinishReason | None:
     """Why `seq` stops at its last token by that token's id or the sequence's length (None: it goes on)."""
-    params, token = seq.params, seq.token_ids[-1]
-    if (token in limits.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    params = seq.params
+    if is_stop_token(seq.token_ids[-1], params, limits.eos_token_ids):
         return FinishReason.STOP
     if seq.num_output_tokens >= params.max_tokens or len(seq) >= limits.max_model_len:
         return FinishReason.LENGTH
