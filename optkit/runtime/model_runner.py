@@ -98,6 +98,7 @@ def pack_decode_steps(
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
     context_lens = (positions + 1).to(torch.int32)
     context_lists = context_lens.tolist()
+    context_lens = context_lens.to(device)  # [n, B]: row i step i's, every group's
     metas: list[list[AttentionMetadata]] = [[] for _ in range(num_steps)]
     for g in range(num_groups):
         tables = [seq.block_tables[g] for seq in seqs]
@@ -111,7 +112,7 @@ def pack_decode_steps(
                 AttentionMetadata(
                     slot_mapping=slots[i],
                     query_start_loc=query_start_loc,
-                    context_lens=context_lens[i].to(device),
+                    context_lens=context_lens[i],
                     block_tables=block_tables,
                     query_lens=[1] * num_seqs,
                     context_lens_list=context_lists[i],
