@@ -12,6 +12,8 @@
 // rounds twice as the separate operators do: RoPE gives the same bits as apply_rope.
 
 #include <ATen/Parallel.h>
+#include <ATen/TensorIterator.h>
+#include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -333,7 +335,9 @@ void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const 
                             int64_t window, bool avx512) {
   const int64_t group = Hq / Hkv, slot_stride = Hkv * D;  // values from one slot's head to the next slot's
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, q(D), out(D);
+    thread_local std::vector<float> scores, q, out;  // each thread's, kept from call to call
+    q.resize(D);
+    out.resize(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hq, h = task % Hq, n = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
@@ -434,7 +438,8 @@ void norm_rotate_store(const T* qkv, int64_t row_stride, const W* q_norm, const 
                        float offset, const T* cos, const T* sin, int64_t R, const int64_t* slots, T* q_out, T* k_cache,
                        T* v_cache, int64_t B, int64_t Hq, int64_t Hkv, int64_t D) {
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> normed(D);
+    thread_local std::vector<T> normed;  // each thread's, kept from call to call
+    normed.resize(D);
     for (int64_t b = begin; b < end; ++b) {
       const T* row = qkv + b * row_stride;
       for (int64_t h = 0; h < Hq + Hkv; ++h) {  // query heads, then key heads
@@ -671,6 +676,54 @@ void multiply_in_place(at::Tensor& gate, const at::Tensor& up) {
     run(gate.data_ptr<BFloat16>(), up.data_ptr<BFloat16>());
 }
 
+// Whether ATen's own kernels run at AVX-512 (its silu then takes Sleef_expf16_u10 for e^x), asked once.
+bool aten_runs_avx512() {
+  static const bool avx512 = at::get_cpu_capability() == "AVX512";
+  return avx512;
+}
+
+#if defined(__x86_64__)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // libtorch_cpu's: ATen's Vectorized<float>::exp on AVX-512
+
+// y[i] = silu(g[i]) * u[i] over one row of n float32 values, as ATen's AVX-512 silu computes it and
+// multiply_in_place multiplies: ATen's vectorized loop takes the row's chunks of 32 values,
+// x / (1 + e^-x) with Sleef's e^x, and its scalar loop the rest, x / (1 + std::exp(-x)); each
+// product then rounded to float32.
+OPTKIT_AVX512 void silu_times_row(const float* g, const float* u, float* y, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  const int64_t vectorized = n - n % 32;
+  for (int64_t i = 0; i < vectorized; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 minus_x = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));  // ATen's neg()
+    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(minus_x)));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+  }
+  for (int64_t i = vectorized; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+}
+#endif
+
+// act(gate) * up from gate | up = gate_up [M, 2I] contiguous -> [M, I]: ATen's activation, then
+// multiply_in_place. Where ATen's silu would run its AVX-512 loops on one thread over rows of float32
+// (below its grain size), both in one pass of silu_times_row: the same bits without its iterator,
+// its allocation and a second pass over the gate.
+at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu_tanh, bool avx512) {
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+#if defined(__x86_64__)
+  if (!gelu_tanh && avx512 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+      M * I < at::internal::GRAIN_SIZE && aten_runs_avx512()) {
+    at::Tensor out = at::empty({M, I}, gate_up.options());
+    const float* g = gate_up.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) silu_times_row(g + m * 2 * I, g + m * 2 * I + I, y + m * I, I);
+    return out;
+  }
+#endif
+  at::Tensor gate = gelu_tanh ? at::gelu(gate_up.narrow(1, 0, I), "tanh") : at::silu(gate_up.narrow(1, 0, I));
+  multiply_in_place(gate, gate_up.narrow(1, I, I));  // act(gate) * up's bits
+  return gate;
+}
+
 // A layer's output before its last residual add: (a, f) with the layer's output a + f (below). `normed`
 // is n_in(h), which the caller computed (the stack joins it to the add before it).
 std::pair<at::Tensor, at::Tensor> decode_layer_w4a8_parts(
@@ -697,10 +750,7 @@ std::pair<at::Tensor, at::Tensor> decode_layer_w4a8_parts(
   const auto [a, a_normed] = add_and_norm(h, sandwich ? norm(out, post_attention_norm) : out,
                                           sandwich ? *pre_feedforward_norm : post_attention_norm, e, cast_first, o);
   const at::Tensor gate_up = linear(a_normed, 2);
-  const int64_t I = gate_up.size(1) / 2;
-  at::Tensor gate = gelu_tanh ? at::gelu(gate_up.narrow(1, 0, I), "tanh") : at::silu(gate_up.narrow(1, 0, I));
-  multiply_in_place(gate, gate_up.narrow(1, I, I));  // act(gate) * up's bits
-  out = linear(gate, 3);
+  out = linear(gated_activation(gate_up, gelu_tanh, avx512), 3);
   return {a, sandwich ? norm(out, *post_feedforward_norm) : out};
 }
 
@@ -801,6 +851,7 @@ TORCH_LIBRARY(optkit_cpu, m) {
         "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, "
         "Tensor lens, int num_heads, float scale, int window, bool avx512) -> Tensor",
         &decode_attention_qkv);
+  m.def("gated_activation(Tensor gate_up, bool gelu_tanh, bool avx512) -> Tensor", &gated_activation);
   m.def("decode_layer_w4a8(Tensor h, Tensor[] weights, Tensor[] params, Tensor?[] biases, int[] out_features, "
         "int[] group_sizes, int isa, Tensor input_norm, Tensor post_attention_norm, Tensor? pre_feedforward_norm, "
         "Tensor? post_feedforward_norm, Tensor? q_norm, Tensor? k_norm, float eps, bool cast_first, float offset, "

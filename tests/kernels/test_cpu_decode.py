@@ -115,6 +115,32 @@ def test_every_rms_norm_of_the_families_takes_the_operator_and_rounds_as_pytorch
     assert ((got.float() - want.float()).abs() <= step).all()
 
 
+SPECIAL_VALUES = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.7, -88.7, 89.0, -104.0, 1e30, -1e30, 1e-40]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gelu_tanh", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 21, 40])  # 21 x 1,537 values: the last shape below ATen's grain size
+@pytest.mark.parametrize("size", [1, 31, 32, 33, 1536, 1537])  # ATen's vector loop takes chunks of 32
+def test_the_decode_layers_gated_activation_has_atens_bits(isa, dtype, gelu_tanh, rows, size):
+    """act(gate) * up, as the fused decode layer computes it from gate | up (one pass where ATen's
+    silu would run its AVX-512 loops on one thread), equals ATen's activation then the product to the
+    bit, infinities, overflowing and denormal values included, and NaN where ATen's is."""
+    gate_up = torch.randn(rows, 2 * size, generator=torch.Generator().manual_seed(size)) * 8
+    flat = gate_up.view(-1)
+    flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(rows))[: len(SPECIAL_VALUES)]] = (
+        torch.tensor(SPECIAL_VALUES)[: flat.numel()]
+    )
+    gate_up = gate_up.to(dtype)
+    gate, up = gate_up[:, :size], gate_up[:, size:]
+    want = (F.gelu(gate, approximate="tanh") if gelu_tanh else F.silu(gate)) * up
+    got = torch.ops.optkit_cpu.gated_activation(gate_up, gelu_tanh, cpu_decode.avx512())
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.dtype == dtype and got.shape == (rows, size)
+    assert torch.equal(got.isnan(), want.isnan())  # a NaN's payload aside (ATen's bf16 rounding sets its own)
+    assert torch.equal(got.view(bits)[~want.isnan()], want.view(bits)[~want.isnan()])
+
+
 def test_the_operators_run_alike_on_one_thread_and_on_two():
     q, k_cache, v_cache, meta = decode_step([3, 50, 77], 16, (8, 2), 64, torch.float32)
     threads = torch.get_num_threads()
