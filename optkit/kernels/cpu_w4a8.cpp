@@ -28,7 +28,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -43,6 +45,8 @@ constexpr int kTileBytes = 256;  // one tile's block: 16 lanes x 32 columns x 4 
 // streams 0.1-1 MB split across the threads, too short for the hardware prefetcher to reach the
 // memory's bandwidth on its own (bench/cpu_prefetch.py)
 constexpr int kPrefetchBytes = 4096;
+
+constexpr int64_t kKeptScratchRows = 16;  // calls of up to this many rows quantize into a kept buffer
 
 enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -305,12 +309,24 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
     bias_ptr = bias->data_ptr<float>();
   }
   TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
-  TORCH_CHECK(isa <= cpu_isa(), "this CPU lacks the requested instruction set");
+  static const int64_t best_isa = cpu_isa();
+  TORCH_CHECK(isa <= best_isa, "this CPU lacks the requested instruction set");
 
-  // one allocation for the quantized activations: d [M, B] and xs [M, G] (float), then a [M, K] (int8)
-  at::Tensor scratch = at::empty({M * (B + G) * 4 + M * K}, x.options().dtype(at::kByte));
+  // the quantized activations: d [M, B] and xs [M, G] (float), then a [M, K] (int8). At decode's few
+  // rows in this thread's buffer, kept from call to call (a decode step makes ~120 of these calls; the
+  // worker threads read it while this one waits for them); else in one allocation of their own
+  const int64_t scratch_floats = M * (B + G) + (M * K + 3) / 4;
+  thread_local std::vector<float> kept;
+  at::Tensor own;
+  float* dp;
+  if (M <= kKeptScratchRows) {
+    kept.resize(std::max<size_t>(kept.size(), scratch_floats));
+    dp = kept.data();
+  } else {
+    own = at::empty({scratch_floats}, x.options());
+    dp = own.data_ptr<float>();
+  }
   at::Tensor y = at::empty({M, n}, x.options());
-  float* dp = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
   float* xsp = dp + M * B;
   int8_t* ap = reinterpret_cast<int8_t*>(xsp + M * G);
   const float* xp = x.data_ptr<float>();

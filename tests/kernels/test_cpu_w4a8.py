@@ -124,6 +124,19 @@ def test_a_row_gets_the_same_output_alone_as_in_a_batch(isa):
     assert layer.kernel_for("cpu", rows=4096) == cpu_w4a8.name()
 
 
+def test_calls_of_any_shape_in_turn_each_get_their_own_result(isa):
+    """A call's quantized activations live in a buffer kept from call to call (at decode's few rows):
+    a call after a larger or smaller one, of other rows and columns, gets what it gets alone."""
+    layers = {k: layer_and_reference(4, 64, False, False, in_features=k, seed=k)[0] for k in (2048, 512)}
+    calls = [(2048, 16), (512, 1), (2048, 3), (512, 17), (512, 16), (2048, 1)]
+    inputs = {(k, m): torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) for k, m in calls}
+    alone = {}
+    for k, m in calls:  # each first in a process where a larger call has not run yet (per shape)
+        alone[k, m] = layers[k](inputs[k, m])
+    for k, m in reversed(calls):
+        assert torch.equal(layers[k](inputs[k, m]), alone[k, m])
+
+
 def test_thread_count_is_honoured_and_does_not_change_the_result():
     """at::parallel_for splits the output tiles over torch's threads (`--threads N` sets them); each
     output is computed by one thread in a fixed order, so any thread count gives the same bits."""
