@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -367,7 +368,8 @@ void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const 
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t B, int64_t num_blocks,
                         int64_t block_size);
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512);
+                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512,
+                  at::Tensor out = at::Tensor());
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window,
@@ -407,14 +409,16 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& lens, 
   }
 }
 
-// decode_attention over checked arguments: q contiguous [B, Hq, D].
+// decode_attention over checked arguments: q contiguous [B, Hq, D]; into `out` where given (B·Hq·D
+// contiguous values of q's dtype: [B, Hq, D] or a [B, Hq·D] the caller keeps).
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512) {
+                  const at::Tensor& block_tables, const at::Tensor& lens, double scale, int64_t window, bool avx512,
+                  at::Tensor out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t nb = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  if (!out.defined()) out = at::empty({B, Hq, D}, q.options());
   const float s = static_cast<float>(scale);
   static const bool cpu_avx512 = cpu_has_avx512();
   avx512 = avx512 && cpu_avx512;
@@ -480,11 +484,14 @@ void norm_rotate_store_for(const at::Tensor& qkv, const c10::optional<at::Tensor
                       q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
 }
 
-at::Tensor decode_attention_qkv(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
-                                const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first, double offset,
-                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
-                                const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
-                                int64_t num_heads, double scale, int64_t window, bool avx512) {
+// The rotated queries go to `q` and the attention to `out` where given ([B, Hq, D] and B·Hq·D
+// contiguous values of qkv's dtype, the fused decode stack's), else to tensors of their own.
+at::Tensor decode_attention_qkv_into(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                                     const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first,
+                                     double offset, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                                     at::Tensor v_cache, const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads,
+                                     double scale, int64_t window, bool avx512, at::Tensor q, at::Tensor out) {
   TORCH_CHECK(is_float_or_bf16(qkv) && k_cache.scalar_type() == qkv.scalar_type() &&
                   v_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -516,14 +523,28 @@ at::Tensor decode_attention_qkv(const at::Tensor& qkv, const c10::optional<at::T
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks * block_size, "slot_mapping: a slot outside the cache");
   check_block_tables(block_tables, lens, B, num_blocks, block_size);
-  at::Tensor q = at::empty({B, Hq, D}, qkv.options());
+  if (!q.defined()) q = at::empty({B, Hq, D}, qkv.options());
+  TORCH_CHECK(q.sizes() == at::IntArrayRef({B, Hq, D}) && q.is_contiguous() && q.scalar_type() == qkv.scalar_type() &&
+                  (!out.defined() || (out.numel() == B * Hq * D && out.is_contiguous() &&
+                                      out.scalar_type() == qkv.scalar_type())),
+              "decode_attention_qkv: q [B, Hq, D] and out of B·Hq·D values, contiguous, of qkv's dtype");
   const float e = static_cast<float>(eps), o = static_cast<float>(offset);
   const bool first = cast_first && qkv.scalar_type() == at::kBFloat16;  // as rms_norm
   if (qkv.scalar_type() == at::kFloat)
     norm_rotate_store_for<float>(qkv, q_norm, k_norm, e, first, o, cos, sin, slot_mapping, q, k_cache, v_cache);
   else
     norm_rotate_store_for<BFloat16>(qkv, q_norm, k_norm, e, first, o, cos, sin, slot_mapping, q, k_cache, v_cache);
-  return attend(q, k_cache, v_cache, block_tables, lens, scale, window, avx512);
+  return attend(q, k_cache, v_cache, block_tables, lens, scale, window, avx512, out);
+}
+
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                                const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first, double offset,
+                                const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens,
+                                int64_t num_heads, double scale, int64_t window, bool avx512) {
+  return decode_attention_qkv_into(qkv, q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache, v_cache,
+                                   slot_mapping, block_tables, lens, num_heads, scale, window, avx512, at::Tensor(),
+                                   at::Tensor());
 }
 
 // ---- Greedy decoding's argmax over each row of float32 logits [R, V]: torch.argmax's answer (the first
@@ -604,7 +625,17 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool avx512) {
 // activations, and adds and products rounded as ATen's (add_and_norm, multiply_in_place), so the same
 // bits; what it saves is the Python and the ATen calls between them.
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& params,
-                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
+                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa,
+                       const at::Tensor& out = at::Tensor()) {
+  if (out.defined() && x.scalar_type() == at::kFloat) {  // into the stack's kept float32 [M, N]
+    static const auto op_out =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("optkit_w4a8::linear_out", "")
+            .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                        int64_t, int64_t, int64_t, at::Tensor)>();
+    op_out.call(x, weight, params, bias, n, group_size, isa, out);
+    return out;
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("optkit_w4a8::linear", "")
@@ -613,6 +644,27 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const at::Tensor y = op.call(x, weight, params, bias, n, group_size, isa);
   return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
+
+// The intermediate tensors of a decode layer, kept by the fused stack's call from one layer to the next
+// for float32 activations (an at::empty and its free cost ~0.4 us, and a layer made ~11): `take` gives
+// the same tensor back while the sizes asked for are the same. A single layer's call keeps none.
+enum Slot { kQkv, kQ, kAttention, kO, kA, kANormed, kGateUp, kGate, kDown, kX0, kX1, kN0, kN1, kSlots };
+
+class LayerBuffers {
+ public:
+  explicit LayerBuffers(bool keep) : keep_(keep) {}
+  at::Tensor take(int slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    if (!keep_) return at::empty(sizes, options);
+    at::Tensor& kept = slots_[slot];
+    if (!kept.defined() || kept.sizes() != sizes || kept.scalar_type() != options.dtype())
+      kept = at::empty(sizes, options);
+    return kept;
+  }
+
+ private:
+  bool keep_;
+  std::array<at::Tensor, kSlots> slots_;
+};
 
 // y = x + r (each sum rounded to T, as ATen's add of two T tensors), and rms_norm(y) where `weight` is
 // given, in one pass over rows [M, K]: the residual add and the norm that reads it without an ATen
@@ -628,9 +680,11 @@ void add_rows(const T* x, const T* r, T* y, const W* weight, T* n, int64_t M, in
   });
 }
 
-// (x + r, rms_norm(x + r) or undefined): x, r [M, K] contiguous of one dtype; weight [K] or undefined
+// (x + r, rms_norm(x + r) or undefined): x, r [M, K] contiguous of one dtype; weight [K] or undefined.
+// Into y and n where given (x's sizes and dtype, contiguous, neither x nor r), else tensors of their own.
 std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
-                                               float eps, bool cast_first, float offset) {
+                                               float eps, bool cast_first, float offset, at::Tensor y = at::Tensor(),
+                                               at::Tensor n = at::Tensor()) {
   TORCH_CHECK(x.is_contiguous() && r.is_contiguous() && x.sizes() == r.sizes() &&
                   x.scalar_type() == r.scalar_type() && is_float_or_bf16(x),
               "residual add: contiguous float32 or bfloat16 tensors of one shape");
@@ -638,7 +692,15 @@ std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Te
   if (weight.defined())
     TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
                 "residual add: norm weight [K]");
-  at::Tensor y = at::empty_like(x), n = weight.defined() ? at::empty_like(x) : at::Tensor();
+  if (!y.defined()) y = at::empty_like(x);
+  if (!weight.defined())
+    n = at::Tensor();
+  else if (!n.defined())
+    n = at::empty_like(x);
+  for (const at::Tensor* out : {&y, &n})
+    TORCH_CHECK(!out->defined() || (out->sizes() == x.sizes() && out->scalar_type() == x.scalar_type() &&
+                                    out->is_contiguous()),
+                "residual add: outputs of x's sizes and dtype, contiguous");
   const bool first = cast_first && x.scalar_type() == at::kBFloat16;  // as rms_norm
   const auto run = [&](auto* xp, auto* np) {
     using T = std::remove_pointer_t<decltype(xp)>;
@@ -707,12 +769,15 @@ OPTKIT_AVX512 void silu_times_row(const float* g, const float* u, float* y, int6
 // multiply_in_place. Where ATen's silu would run its AVX-512 loops on one thread over rows of float32
 // (below its grain size), both in one pass of silu_times_row: the same bits without its iterator,
 // its allocation and a second pass over the gate.
-at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu_tanh, bool avx512) {
+// Into `out` (float32 [M, I] contiguous, the stack's) where given and that pass runs.
+at::Tensor gated_activation_into(const at::Tensor& gate_up, bool gelu_tanh, bool avx512, at::Tensor out) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
 #if defined(__x86_64__)
   if (!gelu_tanh && avx512 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
       M * I < at::internal::GRAIN_SIZE && aten_runs_avx512()) {
-    at::Tensor out = at::empty({M, I}, gate_up.options());
+    if (!out.defined()) out = at::empty({M, I}, gate_up.options());
+    TORCH_CHECK(out.sizes() == at::IntArrayRef({M, I}) && out.scalar_type() == at::kFloat && out.is_contiguous(),
+                "gated activation: out float32 [M, I] contiguous");
     const float* g = gate_up.data_ptr<float>();
     float* y = out.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) silu_times_row(g + m * 2 * I, g + m * 2 * I + I, y + m * I, I);
@@ -724,10 +789,15 @@ at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu_tanh, bool avx5
   return gate;
 }
 
+at::Tensor gated_activation(const at::Tensor& gate_up, bool gelu_tanh, bool avx512) {
+  return gated_activation_into(gate_up, gelu_tanh, avx512, at::Tensor());
+}
+
 // A layer's output before its last residual add: (a, f) with the layer's output a + f (below). `normed`
-// is n_in(h), which the caller computed (the stack joins it to the add before it).
+// is n_in(h), which the caller computed (the stack joins it to the add before it); the intermediates
+// come from `buffers` (h and normed may be none of them but the kX and kN slots).
 std::pair<at::Tensor, at::Tensor> decode_layer_w4a8_parts(
-    const at::Tensor& h, const at::Tensor& normed, at::TensorList weights, at::TensorList params,
+    LayerBuffers& buffers, const at::Tensor& h, const at::Tensor& normed, at::TensorList weights, at::TensorList params,
     const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::IntArrayRef group_sizes,
     int64_t isa, const at::Tensor& post_attention_norm, const c10::optional<at::Tensor>& pre_feedforward_norm,
     const c10::optional<at::Tensor>& post_feedforward_norm, const c10::optional<at::Tensor>& q_norm,
@@ -735,22 +805,30 @@ std::pair<at::Tensor, at::Tensor> decode_layer_w4a8_parts(
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads,
     double scale, int64_t window, bool avx512) {
-  const auto linear = [&](const at::Tensor& x, int i) {
-    return w4a8_linear(x, weights[i], params[i], biases.get(i), out_features[i], group_sizes[i], isa);
+  const int64_t M = h.size(0), head_dim = k_cache.size(3);
+  const auto take = [&](int slot, at::IntArrayRef sizes) { return buffers.take(slot, sizes, h.options()); };
+  const auto linear = [&](const at::Tensor& x, int i, int slot) {
+    const at::Tensor out = x.scalar_type() == at::kFloat ? take(slot, {M, out_features[i]}) : at::Tensor();
+    return w4a8_linear(x, weights[i], params[i], biases.get(i), out_features[i], group_sizes[i], isa, out);
   };
   const auto norm = [&](const at::Tensor& x, const at::Tensor& weight) {
     return rms_norm(x, weight, eps, cast_first, offset);
   };
   const float e = static_cast<float>(eps), o = static_cast<float>(offset);
   const bool sandwich = pre_feedforward_norm.has_value();
-  const at::Tensor attention =
-      decode_attention_qkv(linear(normed, 0), q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache, v_cache,
-                           slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
-  at::Tensor out = linear(attention.view({h.size(0), -1}), 1);
-  const auto [a, a_normed] = add_and_norm(h, sandwich ? norm(out, post_attention_norm) : out,
-                                          sandwich ? *pre_feedforward_norm : post_attention_norm, e, cast_first, o);
-  const at::Tensor gate_up = linear(a_normed, 2);
-  out = linear(gated_activation(gate_up, gelu_tanh, avx512), 3);
+  const at::Tensor attention = take(kAttention, {M, num_heads * head_dim});  // [M, Hq, D] as o_proj reads it
+  decode_attention_qkv_into(linear(normed, 0, kQkv), q_norm, k_norm, eps, cast_first, offset, cos, sin, k_cache,
+                            v_cache, slot_mapping, block_tables, lens, num_heads, scale, window, avx512,
+                            take(kQ, {M, num_heads, head_dim}), attention);
+  at::Tensor out = linear(attention, 1, kO);
+  const auto [a, a_normed] =
+      add_and_norm(h, sandwich ? norm(out, post_attention_norm) : out,
+                   sandwich ? *pre_feedforward_norm : post_attention_norm, e, cast_first, o, take(kA, h.sizes()),
+                   take(kANormed, h.sizes()));
+  const at::Tensor gate_up = linear(a_normed, 2, kGateUp);
+  const at::Tensor gate_out = h.scalar_type() == at::kFloat ? take(kGate, {M, gate_up.size(1) / 2}) : at::Tensor();
+  const at::Tensor gate = gated_activation_into(gate_up, gelu_tanh, avx512, gate_out);
+  out = linear(gate, 3, kDown);
   return {a, sandwich ? norm(out, *post_feedforward_norm) : out};
 }
 
@@ -770,9 +848,10 @@ at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   TORCH_CHECK_VALUE(pre_feedforward_norm.has_value() == post_feedforward_norm.has_value(),
                     "decode_layer_w4a8: the sandwich norms come in pairs");
   const at::Tensor x = h.contiguous();
+  LayerBuffers buffers(false);
   const auto [a, f] = decode_layer_w4a8_parts(
-      x, rms_norm(x, input_norm, eps, cast_first, offset), weights, params, biases, out_features, group_sizes, isa,
-      post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm, eps, cast_first, offset,
+      buffers, x, rms_norm(x, input_norm, eps, cast_first, offset), weights, params, biases, out_features, group_sizes,
+      isa, post_attention_norm, pre_feedforward_norm, post_feedforward_norm, q_norm, k_norm, eps, cast_first, offset,
       gelu_tanh, cos, sin, k_cache, v_cache, slot_mapping, block_tables, lens, num_heads, scale, window, avx512);
   return add_and_norm(a, f, at::Tensor(), static_cast<float>(eps), cast_first, static_cast<float>(offset)).first;
 }
@@ -815,6 +894,7 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   const float e = static_cast<float>(eps), o = static_cast<float>(offset);
   at::Tensor x = h.contiguous();
   at::Tensor normed = rms_norm(x, input_norms[0], eps, cast_first, offset);
+  LayerBuffers buffers(x.scalar_type() == at::kFloat);  // where the W4A8 linears write float32 into them
   for (int64_t l = 0; l < L; ++l) {
     const int64_t r = rope_index[l], g = group_index[l];
     TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
@@ -826,13 +906,18 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
     layer_biases.reserve(4);
     for (int64_t i = 0; i < 4; ++i) layer_biases.push_back(biases.get(4 * l + i));
     const auto [a, f] = decode_layer_w4a8_parts(
-        x, normed, weights.slice(4 * l, 4), params.slice(4 * l, 4), layer_biases, out_features.slice(4 * l, 4),
+        buffers, x, normed, weights.slice(4 * l, 4), params.slice(4 * l, 4), layer_biases, out_features.slice(4 * l, 4),
         group_sizes.slice(4 * l, 4), isa, post_attention_norms[l], pre_feedforward_norms.get(l),
         post_feedforward_norms.get(l), q_norms.get(l), k_norms.get(l), eps, cast_first, offset, gelu_tanh, cos[r],
         sin[r], k_caches[l], v_caches[l], slot_mappings[g], block_tables[g], lens[g], num_heads, scale, windows[l],
         avx512);
-    // the layer's residual add, joined to the next layer's input norm
-    std::tie(x, normed) = add_and_norm(a, f, l + 1 < L ? input_norms[l + 1] : at::Tensor(), e, cast_first, o);
+    // the layer's residual add, joined to the next layer's input norm, into the slots the layer before's
+    // output did not take (layer l reads kX0/kN0 + (l + 1) % 2)
+    const at::Tensor next_norm = l + 1 < L ? input_norms[l + 1] : at::Tensor();
+    const at::Tensor next_x = buffers.take(kX0 + l % 2, a.sizes(), a.options());
+    const at::Tensor next_normed =
+        next_norm.defined() ? buffers.take(kN0 + l % 2, a.sizes(), a.options()) : at::Tensor();
+    std::tie(x, normed) = add_and_norm(a, f, next_norm, e, cast_first, o, next_x, next_normed);
   }
   return x;
 }

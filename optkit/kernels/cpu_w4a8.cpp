@@ -274,8 +274,10 @@ void run_tiles(const Problem& pr, int64_t T, int64_t isa) {
 #endif
 }
 
-at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
-                       const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa) {
+// y = the linear of x into y: float32 [M, N] contiguous (`linear` allocates it, `linear_out` is given it).
+void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
+                      const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa,
+                      at::Tensor& y) {
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.is_floating_point(), "w4a8 linear: x float [M, K]; got ", x_in.sizes());
   // shapes come from the model: a wrong one raises ValueError (the Python wrapper's user error); the
   // group size is checked positive before K % group_size, so never a SIGFPE
@@ -326,7 +328,10 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
     own = at::empty({scratch_floats}, x.options());
     dp = own.data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, n}, x.options());
+  if (!y.defined()) y = at::empty({M, n}, x.options());
+  TORCH_CHECK_VALUE(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M &&
+                        y.size(1) == n,
+                    "w4a8 linear: out float32 [M, N] contiguous; got ", y.sizes(), " for M ", M, ", N ", n);
   float* xsp = dp + M * B;
   int8_t* ap = reinterpret_cast<int8_t*>(xsp + M * G);
   const float* xp = x.data_ptr<float>();
@@ -347,7 +352,22 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
     run_tiles<true>(pr, T, isa);
   else
     run_tiles<false>(pr, T, isa);
+}
+
+at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& params,
+                       const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa) {
+  at::Tensor y;
+  w4a8_linear_into(x, weight, params, bias, n, group_size, isa, y);
   return y;
+}
+
+// The same into `out` (a float32 [M, N] the caller keeps: the fused decode stack's, rewritten layer
+// after layer)
+void w4a8_linear_out(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& params,
+                     const c10::optional<at::Tensor>& bias, int64_t n, int64_t group_size, int64_t isa,
+                     at::Tensor out) {
+  TORCH_CHECK_VALUE(out.defined(), "w4a8 linear_out: an out tensor");
+  w4a8_linear_into(x, weight, params, bias, n, group_size, isa, out);
 }
 
 }  // namespace
@@ -355,5 +375,8 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
 TORCH_LIBRARY(optkit_w4a8, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor params, Tensor? bias, int n, int group_size, int isa) -> Tensor",
         &w4a8_linear);
+  m.def("linear_out(Tensor x, Tensor weight, Tensor params, Tensor? bias, int n, int group_size, int isa, "
+        "Tensor(a!) out) -> ()",
+        &w4a8_linear_out);
   m.def("cpu_isa() -> int", &cpu_isa);
 }

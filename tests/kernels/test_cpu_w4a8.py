@@ -137,6 +137,23 @@ def test_calls_of_any_shape_in_turn_each_get_their_own_result(isa):
         assert torch.equal(layers[k](inputs[k, m]), alone[k, m])
 
 
+def test_the_out_variant_writes_the_same_bits_into_its_tensor_and_refuses_a_wrong_one(isa):
+    """`linear_out` (the fused decode stack's: an output it keeps from layer to layer) writes what
+    `linear` returns, into the tensor given; one of the wrong shape or dtype is a ValueError."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (48, 512), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(48, 8, generator=gen) * 0.01 + 1e-3).bfloat16().float()
+    packed = cpu_w4a8.pack(q, scale, torch.zeros(48, 8), 4)
+    x = torch.randn(3, 512, generator=gen)
+    args = (packed.weight, packed.params, None, packed.out_features, packed.group_size, cpu_w4a8.selected_isa())
+    out = torch.full((3, packed.out_features), float("nan"))
+    torch.ops.optkit_w4a8.linear_out(x, *args, out)
+    assert torch.equal(out, torch.ops.optkit_w4a8.linear(x, *args))
+    for wrong in (torch.empty(2, packed.out_features), torch.empty(3, packed.out_features, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="out float32"):
+            torch.ops.optkit_w4a8.linear_out(x, *args, wrong)
+
+
 def test_thread_count_is_honoured_and_does_not_change_the_result():
     """at::parallel_for splits the output tiles over torch's threads (`--threads N` sets them); each
     output is computed by one thread in a fixed order, so any thread count gives the same bits."""
