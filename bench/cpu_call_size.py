@@ -39,17 +39,6 @@ def parse_args():
     return p.parse_args()
 
 
-def step_packs(shape: str):
-    """A decode step's W4A8 linears of `shape`: (packs, rows) with rows[K] a one-row input of K columns."""
-    import torch
-    from cpu_prefetch import SHAPES, random_w4
-
-    hidden, mlp, qkv, layers, _ = SHAPES[shape]
-    shapes = [(qkv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)]
-    packs = [random_w4(n, k, seed=4 * layer + i) for layer in range(layers) for i, (n, k) in enumerate(shapes)]
-    return packs, {k: torch.randn(1, k) for k in (hidden, mlp)}
-
-
 def large_packs(shape: str, small_bytes: int, calls: int):
     """`calls` linears of K = hidden whose bytes add up to about `small_bytes` (rows a multiple of 16)."""
     from cpu_prefetch import SHAPES, random_w4
@@ -77,7 +66,7 @@ def floor_packs(small):
 def main():
     args = parse_args()
     import torch
-    from cpu_prefetch import interleaved, w4a8_step
+    from cpu_prefetch import interleaved, step_packs, w4a8_step
     from cpu_real_shapes import read_bandwidth
 
     from optkit.kernels import cpu_w4a8

@@ -82,6 +82,17 @@ def interleaved(calls: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(ts[2:]) for name, ts in times.items()}
 
 
+def step_packs(shape: str):
+    """A decode step's W4A8 linears of `shape` (qkv, o, gate_up, down per layer, each layer its own
+    weights): (packs, rows) with rows[K] a one-row input of K columns."""
+    import torch
+
+    hidden, mlp, qkv, layers, _ = SHAPES[shape]
+    shapes = [(qkv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)]
+    packs = [random_w4(n, k, seed=4 * layer + i) for layer in range(layers) for i, (n, k) in enumerate(shapes)]
+    return packs, {k: torch.randn(1, k) for k in (hidden, mlp)}
+
+
 def w4a8_step(op, packs, rows):
     from optkit.kernels import cpu_w4a8
 
@@ -120,10 +131,8 @@ def main():
           f"W4A8 on {cpu_w4a8.ISA_NAMES[cpu_w4a8.selected_isa()]}")  # fmt: skip
     print(f"{'shape':14} {'kernel':18} {'MB':>6} {'no prefetch':>12} {'prefetch':>10} {'GB/s':>11} {'speed-up':>9}")
     for shape in args.shapes.split(","):
-        hidden, mlp, qkv, layers, vocab = SHAPES[shape]
-        shapes = [(qkv, hidden), (hidden, hidden), (2 * mlp, hidden), (hidden, mlp)]
-        packs = [random_w4(n, k, seed=4 * layer + i) for layer in range(layers) for i, (n, k) in enumerate(shapes)]
-        rows = {k: torch.randn(1, k) for k in (hidden, mlp)}
+        hidden, _, _, _, vocab = SHAPES[shape]
+        packs, rows = step_packs(shape)
         runs = {"W4A8 step, batch 1": (
             sum(p.weight.numel() + p.params.numel() * p.params.element_size() for p in packs),
             {pf: w4a8_step(ops["w4a8", pf], packs, rows) for pf in (True, False)},
