@@ -24,7 +24,7 @@ class DecodeStepTokens:
         self.seqs, self.sampler = seqs, sampler
         self.tokens: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
         self.logprobs: dict[int, list[TokenLogprobs]] = {}
-        self.eos_token_ids = eos_token_ids
+        self._eos_token_ids = eos_token_ids
         self._running = set(range(len(seqs)))  # the sequences that have not drawn a stop token
         # every row the argmax and nothing else asked: the sampler's greedy path without its bookkeeping
         self._argmax = all(is_greedy(seq.params) and seq.params.logprobs is None for seq in seqs)
@@ -41,7 +41,7 @@ class DecodeStepTokens:
             self.tokens[seq.seq_id].append(token)
             if token_logprobs is not None:
                 self.logprobs.setdefault(seq.seq_id, []).append(token_logprobs)
-            if is_stop_token(token, seq.params, self.eos_token_ids):
+            if is_stop_token(token, seq.params, self._eos_token_ids):
                 self._running.discard(b)
         return chosen if self._running else None
 
