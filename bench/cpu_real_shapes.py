@@ -18,7 +18,10 @@ divided by the step time (the median time per output token after the first: the 
 and its share of the read bandwidth measured in the same run (summing a 1 GiB float32 array with
 the same threads) right before and right after that engine's decode runs (the mean of the two: on a
 shared machine the bandwidth drifts by up to 1.8x over a run, so each step time is set against the
-bandwidth of its own minutes; the header shows the run's first measurement). Each optkit and
+bandwidth of its own minutes; the header shows the run's first measurement), and beside it the
+core-to-core round trip measured at the same two moments (bench/cpu_placement.py: which placement
+the host gave the two CPUs; across L3s the read is highest and each of the step's ~150 hand-offs
+between its threads costs most, so a share below the line there is read against that). Each optkit and
 llama.cpp figure is the median of --repeats runs of its batch size (the sizes interleaved; vLLM runs
 each size once). With --prefill-lens (issue 38 §4): the time to first token of one request with a
 prompt of each length (batch 1, the median of --prefill-repeats), every optkit run in its engine and
@@ -26,7 +29,10 @@ llama.cpp on each GGUF file, with the ratio to llama.cpp Q4_K_M's.
 
 Usage: python bench/cpu_real_shapes.py [--shapes smollm2-135m,gemma-3-270m] [--threads 2]
        [--batch-sizes 1,16] [--gen-len 32] [--repeats 3] [--prefill-lens 64,512] [--prefill-repeats 5]
-       [--no-decode] [--no-vllm] [--no-llama-cpp] [--json out.json]
+       [--runs NAMES] [--no-decode] [--no-vllm] [--no-llama-cpp] [--json out.json]
+--runs keeps only the optkit runs named (comma-separated: fp32, bf16, or an artifact's name as printed,
+e.g. "bf16,w4a16 head full,w4a16 head int8"); vLLM rides with bf16 and w4a16 head full, so a run
+without those has no vLLM rows (a batch-64 run of Gemma 3 with every run takes over 30 minutes).
 """
 
 import argparse
@@ -39,7 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # bench/llama_cpp_decode.py
+sys.path.insert(0, str(Path(__file__).parent))  # bench/llama_cpp_decode.py, bench/cpu_placement.py
+
+from cpu_placement import round_trip_ns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
@@ -73,6 +81,7 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=3, help="runs of each batch size per engine (vLLM: one); the median")
     p.add_argument("--prefill-lens", default="", help="prompt lengths whose TTFT to measure, e.g. 64,512")
     p.add_argument("--prefill-repeats", type=int, default=5)
+    p.add_argument("--runs", default="", help="only these optkit runs (comma-separated names; default: all)")
     p.add_argument("--no-decode", action="store_true", help="only the TTFT runs of --prefill-lens")
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--no-llama-cpp", action="store_true")
@@ -280,17 +289,25 @@ def bench_shape(shape: str, args, log) -> dict:
     runs = {"fp32": (base, "float32", False), "bf16": (base, "bfloat16", vllm)}
     runs |= {name: (path, "float32", vllm and name == "w4a16 head full") for name, path in artifacts.items()
              if not name.startswith("llama.cpp")}  # fmt: skip
+    if args.runs:
+        chosen = [name.strip() for name in args.runs.split(",")]
+        unknown = [name for name in chosen if name not in runs]
+        if unknown:
+            sys.exit(f"--runs: no run named {', '.join(unknown)}; the runs: {', '.join(runs)}")
+        runs = {name: run for name, run in runs.items() if name in chosen}
     rows, about, step_bytes, ttft = [], {}, {}, {}
     read = {}  # run -> the read bandwidth measured around its decode runs
+    trips = {}  # run -> the core-to-core round trips (ns) measured before and after them
     for name, (path, dtype, with_vllm) in runs.items():
         if prefill_lens(args):
             log(f"{name}: time to first token")
             ttft[name] = optkit_ttft(path, dtype, args)
         if args.no_decode:
             continue
-        before = read_bandwidth(args.threads)
+        before, trip_before = read_bandwidth(args.threads), round_trip_ns()
         found, about[name] = optkit_rows(name, path, dtype, args, with_vllm, log)
         read[name] = (before + read_bandwidth(args.threads)) / 2
+        trips[name] = [trip_before, round_trip_ns()]
         rows += found
         step_bytes[name] = decode_step_bytes(path, dtype)
     for name, path in artifacts.items():
@@ -316,6 +333,7 @@ def bench_shape(shape: str, args, log) -> dict:
             row["achieved_bytes_per_s"] = step_bytes[row["run"]] / row["step_s"]
             row["read_bytes_per_s"] = read[row["run"]]
             row["share_of_read_bandwidth"] = row["achieved_bytes_per_s"] / read[row["run"]]
+            row["round_trip_ns"] = trips[row["run"]]
     prefill = []
     for name, times in ttft.items():
         for n, seconds in times.items():
@@ -329,23 +347,27 @@ def bench_shape(shape: str, args, log) -> dict:
 def print_shape(result: dict, bandwidth: float) -> None:
     print(
         f"\n{result['shape']} (read bandwidth {bandwidth / 1e9:.1f} GB/s at the run's start; GB/s: the weights a "
-        "step reads / its time; read: the bandwidth measured around that engine's runs; share: GB/s / read)"
+        "step reads / its time; read: the bandwidth measured around that engine's runs; share: GB/s / read; "
+        "rt: the core-to-core round trip before / after them, ns)"
     )
-    columns = f"{'vs Q4_0':>8} {'vs Q4_K_M':>9} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'read':>6} {'share':>6}"
+    columns = (f"{'vs Q4_0':>8} {'vs Q4_K_M':>9} {'vs vLLM':>8} {'MB/step':>8} {'GB/s':>6} {'read':>6} {'share':>6} "
+               f"{'rt ns':>9}")  # fmt: skip
     print(f"{'run':34} {'batch':>5} {'tok/s':>8} {columns}")
 
-    def cell(row, key, fmt):
-        return format(row[key], fmt) if key in row else "-"
+    def cell(row, key, fmt):  # "-" where the row has no value, in the column's width
+        return format(row[key], fmt) if key in row else format("-", fmt.split(".")[0])
 
     for row in sorted(result["rows"], key=lambda r: (r["batch_size"], r["run"])):
         mb = format(row["step_bytes"] / 1e6, ".0f") if "step_bytes" in row else "-"
         gbs = format(row["achieved_bytes_per_s"] / 1e9, ".1f") if "achieved_bytes_per_s" in row else "-"
         read = format(row["read_bytes_per_s"] / 1e9, ".1f") if "read_bytes_per_s" in row else "-"
+        trips = row.get("round_trip_ns")
+        trip = "/".join("-" if ns is None else f"{ns:.0f}" for ns in trips) if trips else "-"
         print(
             f"{row['run']:34} {row['batch_size']:>5} {row['tokens_per_s']:>8.1f} "
             f"{cell(row, 'vs llama.cpp Q4_0', '>8.2f')} {cell(row, 'vs llama.cpp Q4_K_M', '>9.2f')} "
             f"{cell(row, 'vs vLLM best', '>8.2f')} "
-            f"{mb:>8} {gbs:>6} {read:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')}"
+            f"{mb:>8} {gbs:>6} {read:>6} {cell(row, 'share_of_read_bandwidth', '>6.0%')} {trip:>9}"
         )
 
 
