@@ -8,11 +8,12 @@ step hands data between its threads ~150 times (each linear's split outputs, eac
 its share of the read bandwidth depends on the placement, not only on the kernels: this prints
 the two together so that a run's share can be read against the placement it ran in.
 
-Every --interval seconds for --seconds: the core-to-core round trip (two threads pinned to the first
-two CPUs this process may run on pass one cache line back and forth: bench/cpu_round_trip.cpp) and
-the read bandwidth (bench/cpu_real_shapes.py's: summing a 1 GiB float32 array with --threads
-threads). Printed: the samples grouped by round trip (below 45 ns: one core; 45-150: one L3; above:
-across L3s), each group's count and its read bandwidth's median and range.
+For --seconds, one sample after another with --interval seconds between: the core-to-core round
+trip (two threads pinned to the first two CPUs this process may run on pass one cache line back and
+forth: bench/cpu_round_trip.cpp) and the read bandwidth (bench/cpu_real_shapes.py's: summing a 1 GiB
+float32 array with --threads threads). Printed: the samples grouped by round trip (below 45 ns: one
+core; 45-150: one L3; above: across L3s), each group's count and its read bandwidth's median and
+range.
 
 Usage: python bench/cpu_placement.py [--seconds 60] [--interval 0.2] [--threads 2] [--json out.json]
 """

@@ -59,8 +59,7 @@ double core_round_trip_ns(int64_t cpu_a, int64_t cpu_b, int64_t rounds, int64_t 
     const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
     means.push_back(took.count() / static_cast<double>(rounds));
   }
-  pinned = pinned.load() && static_cast<int64_t>(means.size()) == batches;
-  if (!pinned) line.value.store(-1);
+  pinned = pinned.load() && static_cast<int64_t>(means.size()) == batches;  // else the partner stops waiting
   partner.join();
   pthread_setaffinity_np(pthread_self(), sizeof(before), &before);  // the caller's CPUs back
   if (!pinned) return -1.0;
