@@ -122,10 +122,13 @@ def build_base(shape: str, log) -> Path:
     return base
 
 
-def build_artifacts(shape: str, base: Path, log, llama_cpp: bool) -> dict[str, Path]:
-    """Each artifact of ARTIFACTS, the Q4_0 GGUF and (where optkit writes it) the Q4_K_M one."""
+def build_artifacts(shape: str, base: Path, log, llama_cpp: bool, names: list[str] | None = None) -> dict[str, Path]:
+    """Each artifact of ARTIFACTS (or those `names`), the Q4_0 GGUF and (where optkit writes it) the
+    Q4_K_M one."""
     paths = {}
     for name, flags in ARTIFACTS.items():
+        if names is not None and name not in names:
+            continue
         out = base.parent / name.replace(" ", "-")
         if not (out / "config.json").exists():
             log(f"{shape}: quantizing {name}")

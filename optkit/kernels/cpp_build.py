@@ -1,8 +1,9 @@
 """Compile and load one of optkit's C++ operator libraries (optkit/kernels/*.cpp) at first use.
 
 torch.utils.cpp_extension builds it with g++ and ninja into $OPTKIT_CACHE/kernels/<name>_<hash>, the
-hash over the source, the flags and torch's version, so a machine builds each version once (~20 s)
-and a changed source or flag never loads a stale library. The libraries register their operators
+hash over the source, the headers it includes from beside it (`#include "name.h"`), the flags and
+torch's version, so a machine builds each version once (~20 s) and a changed source, header or flag
+never loads a stale library. The libraries register their operators
 with TORCH_LIBRARY (torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules;
 one that reads Python objects (cpu_watch.cpp) is imported as a Python module (`load_module`).
 
@@ -21,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -56,7 +58,7 @@ def _build(source: Path, prefix: str, python_module: bool) -> tuple[ModuleType |
         return None, f"not x86-64 ({platform.machine()})"
     from torch.utils import cpp_extension
 
-    key = source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()
+    key = source_bytes(source) + " ".join(FLAGS).encode() + torch.__version__.encode()
     name = f"{prefix}_{hashlib.sha256(key).hexdigest()[:16]}"
     with _lock:
         try:
@@ -82,6 +84,14 @@ def _build(source: Path, prefix: str, python_module: bool) -> tuple[ModuleType |
         finally:
             os.umask(umask)  # process-wide, so only while the lock is held
     return (module if python_module else None), ""
+
+
+def source_bytes(source: Path) -> bytes:
+    """`source` followed by each header it includes from its own directory, in the order included
+    (g++ finds `#include "name.h"` there first)."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', text, flags=re.MULTILINE)
+    return text + b"".join(source.with_name(name.decode()).read_bytes() for name in headers)
 
 
 def private_build_directory(name: str) -> Path:

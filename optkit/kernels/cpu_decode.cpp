@@ -24,18 +24,25 @@
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <type_traits>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+#include "cpu_w4a8_tiles.h"
 
 namespace {
 
@@ -330,33 +337,41 @@ bool cpu_has_avx512() {
 #endif
 }
 
+// Query heads [begin, end) of the B * Hq (task b * Hq + h: head h of sequence b), on this thread
+template <typename T>
+void attend_tasks(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
+                  int64_t Hq, int64_t Hkv, int64_t D, int64_t nb, int64_t block_size, float scale, int64_t window,
+                  bool avx512, int64_t begin, int64_t end) {
+  const int64_t group = Hq / Hkv, slot_stride = Hkv * D;  // values from one slot's head to the next slot's
+  thread_local std::vector<float> scores, q, out;  // each thread's, kept from call to call
+  q.resize(D);
+  out.resize(D);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / Hq, h = task % Hq, n = lens[b];
+    const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+    scores.resize(n - first);
+    for (int64_t i = 0; i < D; ++i) q[i] = as_float(qp[task * D + i]);
+    const T* k = kp + (h / group) * D;  // KV head h / group of slot 0
+    const T* v = vp + (h / group) * D;
+    const int64_t* table = tables + b * nb;
+#if defined(__x86_64__)
+    if (avx512)
+      attend_head_avx512<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
+                            out.data());
+    else
+#endif
+      attend_head<Portable, T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
+                               out.data());
+    for (int64_t i = 0; i < D; ++i) op[task * D + i] = rounded<T>(out[i]);
+  }
+}
+
 template <typename T>
 void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
                             int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t nb, int64_t block_size, float scale,
                             int64_t window, bool avx512) {
-  const int64_t group = Hq / Hkv, slot_stride = Hkv * D;  // values from one slot's head to the next slot's
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> scores, q, out;  // each thread's, kept from call to call
-    q.resize(D);
-    out.resize(D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hq, h = task % Hq, n = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      scores.resize(n - first);
-      for (int64_t i = 0; i < D; ++i) q[i] = as_float(qp[task * D + i]);
-      const T* k = kp + (h / group) * D;  // KV head h / group of slot 0
-      const T* v = vp + (h / group) * D;
-      const int64_t* table = tables + b * nb;
-#if defined(__x86_64__)
-      if (avx512)
-        attend_head_avx512<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
-                              out.data());
-      else
-#endif
-        attend_head<Portable, T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
-                                 out.data());
-      for (int64_t i = 0; i < D; ++i) op[task * D + i] = rounded<T>(out[i]);
-    }
+    attend_tasks(qp, kp, vp, op, tables, lens, Hq, Hkv, D, nb, block_size, scale, window, avx512, begin, end);
   });
 }
 
@@ -437,27 +452,42 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // rotated (as rope), its key and value heads written to the cache at slot slot_mapping[b], then
 // decode_attention over the cache. The model code's q/k norms, rope, write_kv and decode_attention in
 // one call, with their bits: each step rounds where one of those operators writes a T tensor.
+// Tasks [begin, end) of the B * (Hq + Hkv + 1), on this thread: task b * (Hq + Hkv + 1) + h is query head h
+// (h < Hq), key head h - Hq (h < Hq + Hkv) or the value heads (the last) of sequence b
+template <typename T, typename W>
+void norm_rotate_store_tasks(const T* qkv, int64_t row_stride, const W* q_norm, const W* k_norm, float eps,
+                             bool cast_first, float offset, const T* cos, const T* sin, int64_t R, const int64_t* slots,
+                             T* q_out, T* k_cache, T* v_cache, int64_t Hq, int64_t Hkv, int64_t D, int64_t begin,
+                             int64_t end) {
+  thread_local std::vector<T> normed;  // each thread's, kept from call to call
+  normed.resize(D);
+  const int64_t per_sequence = Hq + Hkv + 1;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / per_sequence, h = task % per_sequence;
+    const T* row = qkv + b * row_stride;
+    if (h == Hq + Hkv) {
+      std::copy(row + (Hq + Hkv) * D, row + (Hq + 2 * Hkv) * D, v_cache + slots[b] * Hkv * D);
+      continue;
+    }
+    const T* x = row + h * D;
+    const W* weight = h < Hq ? q_norm : k_norm;
+    if (weight != nullptr) {
+      rms_norm_row(x, weight, normed.data(), D, eps, cast_first, offset);
+      x = normed.data();
+    }
+    T* y = h < Hq ? q_out + (b * Hq + h) * D : k_cache + (slots[b] * Hkv + h - Hq) * D;
+    rope_head(x, cos + b * R, sin + b * R, y, D, R);
+  }
+}
+
 template <typename T, typename W>
 void norm_rotate_store(const T* qkv, int64_t row_stride, const W* q_norm, const W* k_norm, float eps, bool cast_first,
                        float offset, const T* cos, const T* sin, int64_t R, const int64_t* slots, T* q_out, T* k_cache,
                        T* v_cache, int64_t B, int64_t Hq, int64_t Hkv, int64_t D) {
+  const int64_t per_sequence = Hq + Hkv + 1;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<T> normed;  // each thread's, kept from call to call
-    normed.resize(D);
-    for (int64_t b = begin; b < end; ++b) {
-      const T* row = qkv + b * row_stride;
-      for (int64_t h = 0; h < Hq + Hkv; ++h) {  // query heads, then key heads
-        const T* x = row + h * D;
-        const W* weight = h < Hq ? q_norm : k_norm;
-        if (weight != nullptr) {
-          rms_norm_row(x, weight, normed.data(), D, eps, cast_first, offset);
-          x = normed.data();
-        }
-        T* y = h < Hq ? q_out + (b * Hq + h) * D : k_cache + (slots[b] * Hkv + h - Hq) * D;
-        rope_head(x, cos + b * R, sin + b * R, y, D, R);
-      }
-      std::copy(row + (Hq + Hkv) * D, row + (Hq + 2 * Hkv) * D, v_cache + slots[b] * Hkv * D);
-    }
+    norm_rotate_store_tasks(qkv, row_stride, q_norm, k_norm, eps, cast_first, offset, cos, sin, R, slots, q_out,
+                            k_cache, v_cache, Hq, Hkv, D, begin * per_sequence, end * per_sequence);
   });
 }
 
@@ -466,32 +496,38 @@ const W* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<W>() : nullptr;
 }
 
-// norm_rotate_store for activations of T and norm weights of either dtype (both of one)
+// norm_rotate_store for activations of T and norm weights of either dtype (both of one): every task
+// across ATen's threads, or (`tasks`) only tasks [begin, end), on this thread
 template <typename T>
 void norm_rotate_store_for(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
                            const c10::optional<at::Tensor>& k_norm, float eps, bool cast_first, float offset,
                            const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, at::Tensor& q,
-                           at::Tensor& k_cache, at::Tensor& v_cache) {
+                           at::Tensor& k_cache, at::Tensor& v_cache,
+                           c10::optional<std::pair<int64_t, int64_t>> tasks = c10::nullopt) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), R = cos.size(-1);
+  const auto run = [&](const auto* q_weight, const auto* k_weight) {
+    if (tasks.has_value())
+      norm_rotate_store_tasks(qkv.data_ptr<T>(), qkv.stride(0), q_weight, k_weight, eps, cast_first, offset,
+                              cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(), q.data_ptr<T>(),
+                              k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), Hq, Hkv, D, tasks->first, tasks->second);
+    else
+      norm_rotate_store(qkv.data_ptr<T>(), qkv.stride(0), q_weight, k_weight, eps, cast_first, offset,
+                        cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(), q.data_ptr<T>(),
+                        k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
+  };
   const auto& any_norm = q_norm.has_value() ? q_norm : k_norm;
   if (any_norm.has_value() && any_norm->scalar_type() == at::kBFloat16)
-    norm_rotate_store(qkv.data_ptr<T>(), qkv.stride(0), data_or_null<BFloat16>(q_norm), data_or_null<BFloat16>(k_norm),
-                      eps, cast_first, offset, cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(),
-                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
+    run(data_or_null<BFloat16>(q_norm), data_or_null<BFloat16>(k_norm));
   else
-    norm_rotate_store(qkv.data_ptr<T>(), qkv.stride(0), data_or_null<float>(q_norm), data_or_null<float>(k_norm), eps,
-                      cast_first, offset, cos.data_ptr<T>(), sin.data_ptr<T>(), R, slots.data_ptr<int64_t>(),
-                      q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), B, Hq, Hkv, D);
+    run(data_or_null<float>(q_norm), data_or_null<float>(k_norm));
 }
 
-// The rotated queries go to `q` and the attention to `out` where given ([B, Hq, D] and B·Hq·D
-// contiguous values of qkv's dtype, the fused decode stack's), else to tensors of their own.
-at::Tensor decode_attention_qkv_into(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
-                                     const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first,
-                                     double offset, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                                     at::Tensor v_cache, const at::Tensor& slot_mapping,
-                                     const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads,
-                                     double scale, int64_t window, bool avx512, at::Tensor q, at::Tensor out) {
+// decode_attention_qkv's checks: every shape, dtype and slot its arguments must have (raising ValueError
+// or RuntimeError), before any of them is read
+void check_attention_qkv(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                         const c10::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads) {
   TORCH_CHECK(is_float_or_bf16(qkv) && k_cache.scalar_type() == qkv.scalar_type() &&
                   v_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type() &&
                   sin.scalar_type() == qkv.scalar_type() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -523,6 +559,18 @@ at::Tensor decode_attention_qkv_into(const at::Tensor& qkv, const c10::optional<
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(slots[b] >= 0 && slots[b] < num_blocks * block_size, "slot_mapping: a slot outside the cache");
   check_block_tables(block_tables, lens, B, num_blocks, block_size);
+}
+
+// The rotated queries go to `q` and the attention to `out` where given ([B, Hq, D] and B·Hq·D
+// contiguous values of qkv's dtype, the fused decode stack's), else to tensors of their own.
+at::Tensor decode_attention_qkv_into(const at::Tensor& qkv, const c10::optional<at::Tensor>& q_norm,
+                                     const c10::optional<at::Tensor>& k_norm, double eps, bool cast_first,
+                                     double offset, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                                     at::Tensor v_cache, const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables, const at::Tensor& lens, int64_t num_heads,
+                                     double scale, int64_t window, bool avx512, at::Tensor q, at::Tensor out) {
+  check_attention_qkv(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, slot_mapping, block_tables, lens, num_heads);
+  const int64_t B = qkv.size(0), Hq = num_heads, D = k_cache.size(3);
   if (!q.defined()) q = at::empty({B, Hq, D}, qkv.options());
   TORCH_CHECK(q.sizes() == at::IntArrayRef({B, Hq, D}) && q.is_contiguous() && q.scalar_type() == qkv.scalar_type() &&
                   (!out.defined() || (out.numel() == B * Hq * D && out.is_contiguous() &&
@@ -856,6 +904,275 @@ at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   return add_and_norm(a, f, at::Tensor(), static_cast<float>(eps), cast_first, static_cast<float>(offset)).first;
 }
 
+// ---- The stack in one parallel region. Where the activations are float32 and few (a decode step of
+// up to kOneRegionRows sequences), decode_stack_w4a8 runs every layer inside one OpenMP region of
+// ATen's threads instead of ~5 regions a layer: an OpenMP region's start and end cost 0.65 us between
+// two cores that share an L3 and 1.56 us across L3s, and the second thread's late start left the
+// threads' ends ~1.7-2.8 us apart in every region; a step of SmolLM2 has ~150 (docs/results.md). Inside the
+// region the threads meet at a SpinBarrier (~0.09 / 0.35 us) after each linear's tiles and each half
+// of the attention. What every thread needs whole (the residual, the norms, the activation, each
+// linear's quantized input) it computes itself, from the same inputs by the same code: the same bits on
+// every thread, and no barrier before it. The work split between the threads is by tiles and heads,
+// which do not depend on one another: the same bits as the regions' split.
+constexpr int64_t kOneRegionRows = 4;
+
+// Threads meeting on one cache line, as ggml's CPU backend's threads meet after each operation: each
+// arrival is one atomic add, and the last one flips `released_`, which the others spin on. Each thread
+// keeps its own `phase` (0 before its first wait).
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+  void wait(int& phase) {
+    phase ^= 1;
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);  // before the release: the next wait's adds see 0
+      released_.store(phase, std::memory_order_release);
+      return;
+    }
+    // spin, then yield: on shared cores the thread awaited may be descheduled, and the spinner would keep
+    // its core from it
+    for (int spins = 0; released_.load(std::memory_order_acquire) != phase; ++spins) {
+      if (spins < kSpinsBeforeYield)
+        pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int kSpinsBeforeYield = 4096;  // tens of microseconds; a layer's wait is ~1-20
+  static void pause() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  }
+  alignas(64) std::atomic<int> arrived_{0};
+  std::atomic<int> released_{0};
+  int threads_;
+};
+
+// One W4A8 linear as the region's threads run it: the packed weight and what its checks found
+struct RegionLinear {
+  const uint8_t* weight;
+  const void* params;
+  const float* bias;  // or null
+  bool bf16_params;
+  int64_t n, K, B, G, group_blocks, T;
+};
+
+// The checks of cpu_w4a8.cpp's w4a8_linear_into for an input of K float32 columns; nullopt where the
+// region cannot run it as given (a bias not float32)
+c10::optional<RegionLinear> region_linear(const at::Tensor& weight, const at::Tensor& params,
+                                          const c10::optional<at::Tensor>& bias, int64_t n, int64_t K,
+                                          int64_t group_size) {
+  TORCH_CHECK_VALUE(n >= 1 && K >= 1 && group_size >= w4a8::kBlock && group_size % w4a8::kBlock == 0 && K % group_size == 0,
+                    "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n, ", K ",
+                    K, ", group size ", group_size);
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == w4a8::kTileBytes,
+                    "w4a8 linear: weight uint8 [T, B, 256]; got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
+  const int64_t T = weight.size(0), B = weight.size(1), G = K / group_size;
+  TORCH_CHECK_VALUE(K == B * w4a8::kBlock && T == (n + w4a8::kLanes - 1) / w4a8::kLanes,
+                    "w4a8 linear: x and weight disagree on K or N; got K ", K, ", weight ", weight.sizes(), ", N ", n);
+  const bool bf16_params = params.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE((bf16_params && params.numel() == T * G * 3 * w4a8::kLanes) ||
+                        (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * w4a8::kLanes),
+                    "w4a8 linear: params float32 [T, G, 2, 16] or uint8 [T, G, 48]; got ", params.sizes());
+  TORCH_CHECK(params.is_contiguous(), "params: contiguous");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    if (bias->scalar_type() != at::kFloat || !bias->is_contiguous()) return c10::nullopt;
+    TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
+    bias_ptr = bias->data_ptr<float>();
+  }
+  return RegionLinear{weight.data_ptr<uint8_t>(), params.data_ptr(), bias_ptr, bf16_params, n, K, B, G,
+                      group_size / w4a8::kBlock, T};
+}
+
+// [begin, end) of thread `tid` of `threads` over `count` tasks: at::parallel_for's static split
+std::pair<int64_t, int64_t> share(int64_t count, int tid, int threads) {
+  const int64_t chunk = (count + threads - 1) / threads;
+  const int64_t begin = std::min(count, tid * chunk);
+  return {begin, std::min(count, begin + chunk)};
+}
+
+// rms_norm of float32 x [M, K] into y, norm weights of either dtype (rms_norm's float32 cases)
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, float eps, float offset, at::Tensor& y) {
+  const int64_t K = x.size(1), M = x.size(0);
+  if (weight.scalar_type() == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, eps, false, offset);
+  else
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<BFloat16>(), y.data_ptr<float>(), M, K, eps, false, offset);
+}
+
+// A norm weight the region reads: [K], contiguous, float32 or bfloat16 (add_and_norm's checks)
+void check_norm_weight(const at::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
+              "residual add: norm weight [K]");
+}
+
+// The CPUs this process may run on (its affinity mask), read once
+int allowed_cpus() {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+
+// Whether decode_stack_w4a8 takes the one region where it can (the stack_in_one_region operator sets it:
+// bench/cpu_stack_region.py's A/B in one process), and how many calls did
+std::atomic<bool> one_region_enabled{true};
+std::atomic<int64_t> one_region_calls{0};
+
+bool stack_in_one_region(bool on) { return one_region_enabled.exchange(on); }
+int64_t one_region_steps() { return one_region_calls.load(); }
+
+// decode_stack_w4a8 (below, whose checks ran) in one parallel region; nullopt where it cannot run so
+// (bfloat16 or too many rows, one thread, layers of different sizes, a bias not float32), which the
+// regions' path then runs
+c10::optional<at::Tensor> decode_stack_w4a8_one_region(
+    const at::Tensor& h, at::TensorList weights, at::TensorList params, const c10::List<c10::optional<at::Tensor>>& biases,
+    at::IntArrayRef out_features, at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
+    at::TensorList post_attention_norms, const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
+    const c10::List<c10::optional<at::Tensor>>& post_feedforward_norms,
+    const c10::List<c10::optional<at::Tensor>>& q_norms, const c10::List<c10::optional<at::Tensor>>& k_norms,
+    double eps, bool cast_first, double offset, bool gelu_tanh, at::TensorList cos, at::TensorList sin,
+    at::IntArrayRef rope_index, at::TensorList k_caches, at::TensorList v_caches, at::TensorList slot_mappings,
+    at::TensorList block_tables, at::TensorList lens, at::IntArrayRef group_index, int64_t num_heads, double scale,
+    at::IntArrayRef windows, bool avx512) {
+  const int threads = at::get_num_threads();
+  const int64_t L = static_cast<int64_t>(input_norms.size());
+  // more threads than CPUs to run them: a spinning thread would hold the CPU its peer waits for
+  static const int cpus = allowed_cpus();
+  if (!one_region_enabled.load(std::memory_order_relaxed) || threads < 2 || threads > cpus ||
+      at::in_parallel_region() || L == 0 ||
+      h.scalar_type() != at::kFloat || h.dim() != 2 || h.size(0) < 1 || h.size(0) > kOneRegionRows ||
+      h.size(1) < 1 || k_caches[0].dim() != 4)
+    return c10::nullopt;
+  static const int64_t best_isa = w4a8::cpu_isa();
+  if ((isa != w4a8::kAvx2 && isa != w4a8::kAvx512Vnni) || isa > best_isa) return c10::nullopt;  // the linear says why
+  const int64_t M = h.size(0), H = h.size(1), Hq = num_heads, Hkv = k_caches[0].size(2), D = k_caches[0].size(3);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t i = 0; i < 4; ++i)
+      if (out_features[4 * l + i] != out_features[i]) return c10::nullopt;
+    if (k_caches[l].dim() != 4 || k_caches[l].size(2) != Hkv || k_caches[l].size(3) != D) return c10::nullopt;
+  }
+  const int64_t n_qkv = out_features[0], n_gate_up = out_features[2];
+  if (out_features[1] != H || out_features[3] != H || n_gate_up % 2 != 0 || Hq < 1) return c10::nullopt;
+  const at::TensorOptions f32 = h.options();
+  at::Tensor qkv = at::empty({M, n_qkv}, f32), q = at::empty({M, Hq, D}, f32), attention = at::empty({M, Hq * D}, f32),
+             o = at::empty({M, H}, f32), gate_up = at::empty({M, n_gate_up}, f32), down = at::empty({M, H}, f32);
+  // every check before the region: nothing inside it may throw
+  std::vector<RegionLinear> linears;
+  linears.reserve(4 * L);
+  const std::array<int64_t, 4> in_features{H, Hq * D, H, n_gate_up / 2};
+  int64_t scratch_floats = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t r = rope_index[l], g = group_index[l];
+    TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
+                          g < static_cast<int64_t>(slot_mappings.size()),
+                      "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
+    TORCH_CHECK_VALUE(pre_feedforward_norms.get(l).has_value() == post_feedforward_norms.get(l).has_value(),
+                      "decode_stack_w4a8: the sandwich norms come in pairs");
+    for (int64_t i = 0; i < 4; ++i) {
+      const auto linear = region_linear(weights[4 * l + i], params[4 * l + i], biases.get(4 * l + i),
+                                        out_features[4 * l + i], in_features[i], group_sizes[4 * l + i]);
+      if (!linear.has_value()) return c10::nullopt;
+      linears.push_back(*linear);
+      scratch_floats = std::max(scratch_floats, M * (linear->B + linear->G) + (M * linear->K + 3) / 4);
+    }
+    check_attention_qkv(qkv, q_norms.get(l), k_norms.get(l), cos[r], sin[r], k_caches[l], v_caches[l],
+                        slot_mappings[g], block_tables[g], lens[g], num_heads);
+    for (const at::Tensor& weight : {input_norms[l], post_attention_norms[l]}) check_norm_weight(weight, H);
+    for (const c10::optional<at::Tensor>& weight : {pre_feedforward_norms.get(l), post_feedforward_norms.get(l)})
+      if (weight.has_value()) check_norm_weight(*weight, H);
+  }
+  // what each thread computes whole for itself: the residual x and its norm, a (after the attention)
+  // and its norm, a sandwich norm's output, the activation, the linears' quantized inputs
+  struct Own {
+    at::Tensor x, normed, a, a_normed, sandwich, gate;
+    std::vector<float> scratch;
+  };
+  std::vector<Own> own(threads);
+  for (Own& t : own) {
+    for (at::Tensor* each : {&t.x, &t.normed, &t.a, &t.a_normed, &t.sandwich}) *each = at::empty({M, H}, f32);
+    t.gate = at::empty({M, n_gate_up / 2}, f32);
+    t.scratch.resize(scratch_floats);
+  }
+  const at::Tensor x0 = h.contiguous(), normed0 = rms_norm(x0, input_norms[0], eps, cast_first, offset);
+  const float e = static_cast<float>(eps), off = static_cast<float>(offset), s = static_cast<float>(scale);
+  const bool attention_avx512 = avx512 && cpu_has_avx512();  // as attend()
+  SpinBarrier barrier(threads);
+  std::atomic<bool> ran{false};
+#pragma omp parallel num_threads(threads)
+  {
+    // all or none: a team smaller than asked for (OMP_DYNAMIC, a thread limit) would never release the
+    // barrier, and leaves the step to the regions' path
+    if (omp_get_num_threads() == threads) {
+      const int tid = omp_get_thread_num();
+      Own& mine = own[tid];
+      int phase = 0;
+      const auto linear = [&](const float* in, const RegionLinear& lin, float* y) {
+        float* d = mine.scratch.data();
+        float* xs = d + M * lin.B;
+        int8_t* quantized = reinterpret_cast<int8_t*>(xs + M * lin.G);
+        for (int64_t m = 0; m < M; ++m) {
+#if defined(__x86_64__)
+          if (isa == w4a8::kAvx512Vnni) {
+            w4a8::quantize_row_avx512(in + m * lin.K, lin.K, lin.group_blocks, quantized + m * lin.K, d + m * lin.B,
+                                      xs + m * lin.G);
+            continue;
+          }
+#endif
+          w4a8::quantize_row(in + m * lin.K, lin.K, lin.group_blocks, quantized + m * lin.K, d + m * lin.B,
+                             xs + m * lin.G);
+        }
+        const w4a8::Problem pr{lin.weight, lin.params, lin.bias, quantized, d, xs, y,
+                               M,          lin.n,      lin.K,    lin.B,     lin.G, lin.group_blocks};
+        const auto [begin, end] = share(lin.T, tid, threads);
+        if (lin.bf16_params)
+          w4a8::run_tile_range<true>(pr, begin, end, isa);
+        else
+          w4a8::run_tile_range<false>(pr, begin, end, isa);
+        barrier.wait(phase);  // the output whole before anyone reads it
+      };
+      at::Tensor x = x0, normed = normed0;
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t r = rope_index[l], g = group_index[l];
+        at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+        const RegionLinear* lin = linears.data() + 4 * l;
+        const bool sandwich = pre_feedforward_norms.get(l).has_value();
+        linear(normed.data_ptr<float>(), lin[0], qkv.data_ptr<float>());
+        norm_rotate_store_for<float>(qkv, q_norms.get(l), k_norms.get(l), e, false, off, cos[r], sin[r],
+                                     slot_mappings[g], q, k_cache, v_cache, share(M * (Hq + Hkv + 1), tid, threads));
+        barrier.wait(phase);  // the new keys and values in the cache
+        const auto [begin, end] = share(M * Hq, tid, threads);
+        attend_tasks(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                     attention.data_ptr<float>(), block_tables[g].data_ptr<int64_t>(), lens[g].data_ptr<int64_t>(), Hq,
+                     Hkv, D, block_tables[g].size(1), k_cache.size(1), s, windows[l], attention_avx512, begin, end);
+        barrier.wait(phase);
+        linear(attention.data_ptr<float>(), lin[1], o.data_ptr<float>());
+        if (sandwich) rms_norm_into(o, post_attention_norms[l], e, off, mine.sandwich);
+        add_and_norm(x, sandwich ? mine.sandwich : o, sandwich ? *pre_feedforward_norms.get(l) : post_attention_norms[l],
+                     e, cast_first, off, mine.a, mine.a_normed);
+        linear(mine.a_normed.data_ptr<float>(), lin[2], gate_up.data_ptr<float>());
+        const at::Tensor gate = gated_activation_into(gate_up, gelu_tanh, avx512, mine.gate);
+        linear(gate.data_ptr<float>(), lin[3], down.data_ptr<float>());
+        if (sandwich) rms_norm_into(down, *post_feedforward_norms.get(l), e, off, mine.sandwich);
+        const at::Tensor next_norm = l + 1 < L ? input_norms[l + 1] : at::Tensor();
+        std::tie(x, normed) = add_and_norm(mine.a, sandwich ? mine.sandwich : down, next_norm, e, cast_first, off,
+                                           mine.x, next_norm.defined() ? mine.normed : at::Tensor());
+      }
+      if (tid == 0) ran.store(true, std::memory_order_relaxed);
+    }
+  }
+  if (!ran.load(std::memory_order_relaxed)) return c10::nullopt;
+  one_region_calls.fetch_add(1, std::memory_order_relaxed);
+  return own[0].x;
+}
+
 // ---- A decode step's whole decoder stack of W4A8 layers: decode_layer_w4a8 for layer l = 0..L-1 in
 // turn, each layer's output the next one's h, in one call (what the model's loop and its Python per
 // layer cost at batch 1). Per-layer arguments are flattened: linears 4l..4l+3 of weights, params,
@@ -891,6 +1208,12 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
                         slot_mappings.size() == lens.size(),
                     "decode_stack_w4a8: cos and sin, slots, block tables and lens in pairs");
   if (L == 0) return h;
+  if (const auto out = decode_stack_w4a8_one_region(
+          h, weights, params, biases, out_features, group_sizes, isa, input_norms, post_attention_norms,
+          pre_feedforward_norms, post_feedforward_norms, q_norms, k_norms, eps, cast_first, offset, gelu_tanh, cos, sin,
+          rope_index, k_caches, v_caches, slot_mappings, block_tables, lens, group_index, num_heads, scale, windows,
+          avx512))
+    return *out;
   const float e = static_cast<float>(eps), o = static_cast<float>(offset);
   at::Tensor x = h.contiguous();
   at::Tensor normed = rms_norm(x, input_norms[0], eps, cast_first, offset);
@@ -928,6 +1251,8 @@ TORCH_LIBRARY(optkit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first, float offset) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
   m.def("has_avx512() -> bool", &cpu_has_avx512);
+  m.def("stack_in_one_region(bool on) -> bool", &stack_in_one_region);
+  m.def("one_region_steps() -> int", &one_region_steps);
   m.def("argmax(Tensor logits, bool avx512) -> Tensor", &argmax_rows);
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lens, float scale, "
         "int window, bool avx512) -> Tensor",

@@ -14,7 +14,9 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
                        (what a layer ran as ~12 operators and their Python, one call)
   decode_layer_w4a8    a whole decoder layer of a decode step whose linears are W4A8 layers (its
                        norms, the four W4A8 calls, the attention above, the adds and activation)
-  decode_stack_w4a8    every layer of such a model's decode step, each layer's call in turn
+  decode_stack_w4a8    every layer of such a model's decode step, each layer's call in turn; at up to
+                       4 float32 rows, every layer inside one OpenMP region of ATen's threads, which
+                       meet at spin barriers instead of starting ~5 regions a layer (the same bits)
   argmax               greedy decoding's torch.argmax over each row of float32 logits, the same index
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
@@ -272,6 +274,18 @@ def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step_args: tuple) -> to
         return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step_args)
     except ValueError as e:
         raise shape_error(e) from e
+
+
+def stack_in_one_region(on: bool) -> bool:
+    """Whether decode_stack_w4a8 runs its layers in one parallel region where it can (on unless set
+    off here); the previous setting (False where the operators do not run here). For A/B runs in one
+    process (bench/cpu_stack_region.py)."""
+    return not unavailable_reason() and bool(torch.ops.optkit_cpu.stack_in_one_region(on))
+
+
+def one_region_steps() -> int:
+    """How many decode_stack_w4a8 calls of this process ran in one parallel region."""
+    return 0 if unavailable_reason() else int(torch.ops.optkit_cpu.one_region_steps())
 
 
 def shape_error(e: ValueError) -> OptkitError:

@@ -1,6 +1,7 @@
 // W4A8 linear on x86-64 CPUs: 4-bit weights x int8-quantized activations, int32 block dot products.
 // Built at first use by optkit/kernels/cpu_w4a8.py (torch.utils.cpp_extension.load), which also packs
-// the weights and documents the math. One build serves both instruction sets: each kernel carries its
+// the weights and documents the math; the kernels are in cpu_w4a8_tiles.h, this file's operators split
+// their tiles across ATen's threads. One build serves both instruction sets: each kernel carries its
 // own __attribute__((target(...))) and the caller picks one per call (cpuid, capped by an env var).
 //
 // Shapes: x [M, K] (float32, or converted); weight uint8 [T, B, 256] (T = ceil(N / 16) tiles of 16 outputs, B = K / 32
@@ -27,250 +28,21 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+#include "cpu_w4a8_tiles.h"
 
 namespace {
 
-constexpr int kBlock = 32;       // columns per activation block and per weight block
-constexpr int kLanes = 16;       // outputs per tile
-constexpr int kTileBytes = 256;  // one tile's block: 16 lanes x 32 columns x 4 bits
-// How far ahead of its loads a thread asks for the weight stream (bytes; 16 blocks). At batch 1 a call
-// streams 0.1-1 MB split across the threads, too short for the hardware prefetcher to reach the
-// memory's bandwidth on its own (bench/cpu_prefetch.py)
-constexpr int kPrefetchBytes = 4096;
+using namespace w4a8;
 
 constexpr int64_t kKeptScratchRows = 16;  // calls of up to this many rows quantize into a kept buffer
-
-enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-
-int64_t cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-#endif
-  return kNone;
-}
-
-// Activation quantization of one row, as ggml's q8_0: per block d = max|x| / 127, a = round(x / d)
-// (to nearest even), and the per-group sums xs.
-void quantize_row(const float* x, int64_t K, int64_t group_blocks, int8_t* a, float* d, float* xs) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      a[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = amax / 127.f;
-    if (b % group_blocks == 0) xs[b / group_blocks] = 0.f;
-    xs[b / group_blocks] += d[b] * static_cast<float>(sum);
-  }
-}
-
-#if defined(__x86_64__)
-// The same, 32 columns in two registers (the rounding mode is the default, to nearest even: the
-// same values as the scalar loop's nearbyint).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(const float* x, int64_t K,
-                                                                              int64_t group_blocks, int8_t* a,
-                                                                              float* d, float* xs) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + b * kBlock), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    d[b] = amax / 127.f;
-    if (b % group_blocks == 0) xs[b / group_blocks] = 0.f;
-    xs[b / group_blocks] += d[b] * static_cast<float>(sum);
-  }
-}
-#endif
-
-struct Problem {
-  const uint8_t* w;   // [T, B, 256]
-  const void* p;      // float [T, G, 2, 16] or uint8 [T, G, 48] (bf16 s, int8 c)
-  const float* bias;  // [N] or null
-  const int8_t* a;    // [M, K]
-  const float* d;     // [M, B]
-  const float* xs;    // [M, G]
-  float* y;           // [M, N]
-  int64_t M, N, K, B, G, group_blocks;
-};
-
-#if defined(__x86_64__)
-
-// ---- AVX-512 VNNI: vpdpbusd multiplies unsigned bytes (the nibbles) by signed bytes (a) and adds
-// each 4 products into an int32 lane: one instruction per 16 outputs x 4 columns.
-template <int MR, bool BF16>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_avx512(
-    const Problem& pr, int64_t t, int64_t m0) {
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* wt = pr.w + t * pr.B * kTileBytes;
-  for (int64_t g = 0; g < pr.G; ++g) {
-    __m512 gacc[MR];
-    for (int r = 0; r < MR; ++r) gacc[r] = _mm512_setzero_ps();
-    for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
-      const uint8_t* wb = wt + b * kTileBytes;
-      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
-      __m512i lo[4], hi[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * i);
-        lo[i] = _mm512_and_si512(v, nibble);
-        hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-      }
-      for (int r = 0; r < MR; ++r) {
-        const int32_t* ab = reinterpret_cast<const int32_t*>(pr.a + (m0 + r) * pr.K + b * kBlock);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains: latency
-        s0 = _mm512_dpbusd_epi32(s0, lo[0], _mm512_set1_epi32(ab[0]));
-        s1 = _mm512_dpbusd_epi32(s1, hi[0], _mm512_set1_epi32(ab[1]));
-        s0 = _mm512_dpbusd_epi32(s0, lo[1], _mm512_set1_epi32(ab[2]));
-        s1 = _mm512_dpbusd_epi32(s1, hi[1], _mm512_set1_epi32(ab[3]));
-        s0 = _mm512_dpbusd_epi32(s0, lo[2], _mm512_set1_epi32(ab[4]));
-        s1 = _mm512_dpbusd_epi32(s1, hi[2], _mm512_set1_epi32(ab[5]));
-        s0 = _mm512_dpbusd_epi32(s0, lo[3], _mm512_set1_epi32(ab[6]));
-        s1 = _mm512_dpbusd_epi32(s1, hi[3], _mm512_set1_epi32(ab[7]));
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        gacc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(pr.d[(m0 + r) * pr.B + b]), gacc[r]);
-      }
-    }
-    __m512 s, sz;
-    if constexpr (BF16) {  // bf16 -> float32: the 16 bits shifted to the top of each lane
-      const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
-      const __m256i s16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pg));
-      s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
-      const __m128i c8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * kLanes));
-      sz = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c8)));
-    } else {
-      const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
-      s = _mm512_loadu_ps(pg);
-      sz = _mm512_loadu_ps(pg + kLanes);
-    }
-    for (int r = 0; r < MR; ++r) {
-      acc[r] = _mm512_fmadd_ps(gacc[r], s, acc[r]);
-      acc[r] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r]);
-    }
-  }
-  const int64_t n0 = t * kLanes;
-  const int64_t valid = pr.N - n0 < kLanes ? pr.N - n0 : kLanes;
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-  const __m512 bias = pr.bias ? _mm512_maskz_loadu_ps(mask, pr.bias + n0) : _mm512_setzero_ps();
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(pr.y + (m0 + r) * pr.N + n0, mask, _mm512_add_ps(acc[r], bias));
-}
-
-// ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
-// into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
-// widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
-template <int MR, bool BF16>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t, int64_t m0) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint8_t* wt = pr.w + t * pr.B * kTileBytes;
-  for (int64_t g = 0; g < pr.G; ++g) {
-    __m256 gacc[MR][2];
-    for (int r = 0; r < MR; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
-    for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
-      const uint8_t* wb = wt + b * kTileBytes;
-      for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[4], hi[4];
-        for (int i = 0; i < 4; ++i) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * i + 32 * h));
-          lo[i] = _mm256_and_si256(v, nibble);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        }
-        for (int r = 0; r < MR; ++r) {
-          const int32_t* ab = reinterpret_cast<const int32_t*>(pr.a + (m0 + r) * pr.K + b * kBlock);
-          __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(ab[0]));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(ab[1])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(ab[2])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(ab[3])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(ab[4])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(ab[5])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(ab[6])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(ab[7])));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-          gacc[r][h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(pr.d[(m0 + r) * pr.B + b]), gacc[r][h]);
-        }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      __m256 s, sz;
-      if constexpr (BF16) {
-        const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
-        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
-        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
-        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
-        sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
-      } else {
-        const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
-        s = _mm256_loadu_ps(pg + 8 * h);
-        sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
-      }
-      for (int r = 0; r < MR; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(gacc[r][h], s, acc[r][h]);
-        acc[r][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r][h]);
-      }
-    }
-  }
-  const int64_t n0 = t * kLanes;
-  const int64_t valid = pr.N - n0 < kLanes ? pr.N - n0 : kLanes;
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float out[kLanes];
-    _mm256_store_ps(out, acc[r][0]);
-    _mm256_store_ps(out + 8, acc[r][1]);
-    float* yr = pr.y + (m0 + r) * pr.N + n0;
-    for (int64_t l = 0; l < valid; ++l) yr[l] = out[l] + (pr.bias ? pr.bias[n0 + l] : 0.f);
-  }
-}
-
-#endif  // __x86_64__
-
-// Rows in chunks of 4 (a weight block loaded once serves 4 rows from registers), then the rest.
-#define OPTKIT_ROW_CHUNKS(KERNEL)                                      \
-  do {                                                                 \
-    int64_t m = 0;                                                     \
-    for (; m + 4 <= pr.M; m += 4) KERNEL<4, BF16>(pr, t, m);           \
-    switch (pr.M - m) {                                                \
-      case 3: KERNEL<3, BF16>(pr, t, m); break;                        \
-      case 2: KERNEL<2, BF16>(pr, t, m); break;                        \
-      case 1: KERNEL<1, BF16>(pr, t, m); break;                        \
-      default: break;                                                  \
-    }                                                                  \
-  } while (0)
 
 template <bool BF16>
 void run_tiles(const Problem& pr, int64_t T, int64_t isa) {
 #if defined(__x86_64__)
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (isa == kAvx512Vnni)
-        OPTKIT_ROW_CHUNKS(tile_avx512);
-      else
-        OPTKIT_ROW_CHUNKS(tile_avx2);
-    }
-  });
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) { run_tile_range<BF16>(pr, begin, end, isa); });
 #endif
 }
 

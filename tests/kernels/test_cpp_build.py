@@ -100,3 +100,18 @@ def test_an_object_file_others_may_write_is_never_relinked_or_loaded(tmp_path, c
     planted.chmod(0o664)
     assert f"C++ kernel cache {planted} is writable by group" in cpp_build.load(cpp, "optkit_test")
     assert calls == []
+
+
+def test_a_changed_header_builds_a_new_library(tmp_path, calls):
+    """A header the source includes from beside it is part of the library's version: editing only the
+    header must never load the library built from the old one."""
+    cpp = tmp_path / "ops.cpp"
+    cpp.write_text('// a library\n#include "kernels.h"\n#include <vector>\n')
+    header = tmp_path / "kernels.h"
+    header.write_text("// the kernels\n")
+    cpp_build.load(cpp, "optkit_test")
+    cpp_build.load(cpp, "optkit_test")
+    header.write_text("// the kernels, changed\n")
+    cpp_build.load(cpp, "optkit_test")
+    first, again, changed = (os.path.basename(path) for path in calls)
+    assert first == again and changed != first

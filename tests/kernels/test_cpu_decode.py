@@ -5,6 +5,8 @@ rounding, the attention from the fused projection and a 4-bit artifact's whole d
 bit against the operators and modules they join; the model takes them where they apply and gives the
 PyTorch path's logits."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -309,6 +311,36 @@ def test_a_4bit_artifacts_decode_stack_runs_in_one_call_with_the_same_logits(
     monkeypatch.undo()
     monkeypatch.setattr(fused_stack, "decode", lambda *a: None)
     assert bool(counted_and_equal(model, monkeypatch, "decode_layer_w4a8", stack_and_layers()[1:])) == fused
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])  # pre-norms and SiLU; sandwich norms and GELU
+@pytest.mark.parametrize("batch, threads", [(1, 2), (4, 2), (5, 2), (1, 1), (1, 64)])
+def test_the_stack_in_one_parallel_region_gives_the_regions_bits(tmp_path, small_dir, family, batch, threads):
+    """A decode step of up to 4 sequences on 2 or more threads runs the whole stack in one parallel
+    region, its threads meeting at spin barriers; its logits equal (not close) those of one region
+    per operator. More sequences, one thread, or more threads than CPUs take the regions' path."""
+    from optkit.models.loader import load_runtime_model
+
+    model = load_runtime_model(w4_artifact(family, tmp_path, small_dir))
+    sequences = [list(range(3 + i, 27 + i)) for i in range(batch)]
+    steps = [[(i, 12) for i in range(batch)]] + [[(i, 1) for i in range(batch)]] * 12  # then 12 decodes of all
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        before = cpu_decode.one_region_steps()
+        one_region = run_paged(model, sequences, steps)
+        ran = cpu_decode.one_region_steps() - before
+        previous = cpu_decode.stack_in_one_region(False)
+        try:
+            regions = run_paged(model, sequences, steps)
+        finally:
+            cpu_decode.stack_in_one_region(previous)
+    finally:
+        torch.set_num_threads(threads_before)
+    assert ran == (12 if batch <= 4 and 1 < threads <= len(os.sched_getaffinity(0)) else 0)
+    assert cpu_decode.one_region_steps() - before == ran  # none while set off
+    for got, want in zip(one_region, regions, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("hooked", ["a linear", "a layer"])
