@@ -1025,6 +1025,7 @@ int allowed_cpus() {
 // bench/cpu_stack_region.py's A/B in one process), and how many calls did
 std::atomic<bool> one_region_enabled{true};
 std::atomic<int64_t> one_region_calls{0};
+std::atomic<bool> one_region_running{false};
 
 bool stack_in_one_region(bool on) { return one_region_enabled.exchange(on); }
 int64_t one_region_steps() { return one_region_calls.load(); }
@@ -1104,6 +1105,9 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
   const at::Tensor x0 = h.contiguous(), normed0 = rms_norm(x0, input_norms[0], eps, cast_first, offset);
   const float e = static_cast<float>(eps), off = static_cast<float>(offset), s = static_cast<float>(scale);
   const bool attention_avx512 = avx512 && cpu_has_avx512();  // as attend()
+  // one such region at a time in this process: two engines' steps at once (routing, a shadow model)
+  // would put more spinning threads than CPUs; the second runs the regions' path
+  if (one_region_running.exchange(true, std::memory_order_acquire)) return c10::nullopt;
   SpinBarrier barrier(threads);
   std::atomic<bool> ran{false};
 #pragma omp parallel num_threads(threads)
@@ -1168,6 +1172,7 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
       if (tid == 0) ran.store(true, std::memory_order_relaxed);
     }
   }
+  one_region_running.store(false, std::memory_order_release);
   if (!ran.load(std::memory_order_relaxed)) return c10::nullopt;
   one_region_calls.fetch_add(1, std::memory_order_relaxed);
   return own[0].x;
