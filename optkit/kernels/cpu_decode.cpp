@@ -908,8 +908,8 @@ at::Tensor decode_layer_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
 // up to kOneRegionRows sequences), decode_stack_w4a8 runs every layer inside one OpenMP region of
 // ATen's threads instead of ~5 regions a layer: an OpenMP region's start and end cost 0.65 us between
 // two cores that share an L3 and 1.56 us across L3s, and the second thread's late start left the
-// threads' ends ~1.7-2.8 us apart in every region; a step of SmolLM2 has ~150 (docs/results.md). Inside the
-// region the threads meet at a SpinBarrier (~0.09 / 0.35 us) after each linear's tiles and each half
+// threads' ends ~1.7-2.8 us apart in every region; a step of SmolLM2 has ~150 (docs/results.md).
+// Inside the region the threads meet at a SpinBarrier (~0.09 / 0.35 us) after each linear's tiles and each half
 // of the attention. What every thread needs whole (the residual, the norms, the activation, each
 // linear's quantized input) it computes itself, from the same inputs by the same code: the same bits on
 // every thread, and no barrier before it. The work split between the threads is by tiles and heads,
@@ -965,7 +965,8 @@ struct RegionLinear {
 c10::optional<RegionLinear> region_linear(const at::Tensor& weight, const at::Tensor& params,
                                           const c10::optional<at::Tensor>& bias, int64_t n, int64_t K,
                                           int64_t group_size) {
-  TORCH_CHECK_VALUE(n >= 1 && K >= 1 && group_size >= w4a8::kBlock && group_size % w4a8::kBlock == 0 && K % group_size == 0,
+  TORCH_CHECK_VALUE(n >= 1 && K >= 1 && group_size >= w4a8::kBlock && group_size % w4a8::kBlock == 0 &&
+                        K % group_size == 0,
                     "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n, ", K ",
                     K, ", group size ", group_size);
   TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == w4a8::kTileBytes,
@@ -1034,8 +1035,8 @@ int64_t one_region_steps() { return one_region_calls.load(); }
 // (bfloat16 or too many rows, one thread, layers of different sizes, a bias not float32), which the
 // regions' path then runs
 c10::optional<at::Tensor> decode_stack_w4a8_one_region(
-    const at::Tensor& h, at::TensorList weights, at::TensorList params, const c10::List<c10::optional<at::Tensor>>& biases,
-    at::IntArrayRef out_features, at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
+    const at::Tensor& h, at::TensorList weights, at::TensorList params,
+    const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
     at::TensorList post_attention_norms, const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
     const c10::List<c10::optional<at::Tensor>>& post_feedforward_norms,
     const c10::List<c10::optional<at::Tensor>>& q_norms, const c10::List<c10::optional<at::Tensor>>& k_norms,
@@ -1159,8 +1160,8 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
         barrier.wait(phase);
         linear(attention.data_ptr<float>(), lin[1], o.data_ptr<float>());
         if (sandwich) rms_norm_into(o, post_attention_norms[l], e, off, mine.sandwich);
-        add_and_norm(x, sandwich ? mine.sandwich : o, sandwich ? *pre_feedforward_norms.get(l) : post_attention_norms[l],
-                     e, cast_first, off, mine.a, mine.a_normed);
+        const at::Tensor a_norm = sandwich ? *pre_feedforward_norms.get(l) : post_attention_norms[l];
+        add_and_norm(x, sandwich ? mine.sandwich : o, a_norm, e, cast_first, off, mine.a, mine.a_normed);
         linear(mine.a_normed.data_ptr<float>(), lin[2], gate_up.data_ptr<float>());
         const at::Tensor gate = gated_activation_into(gate_up, gelu_tanh, avx512, mine.gate);
         linear(gate.data_ptr<float>(), lin[3], down.data_ptr<float>());
