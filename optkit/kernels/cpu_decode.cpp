@@ -1031,13 +1031,14 @@ std::atomic<bool> one_region_running{false};
 bool stack_in_one_region(bool on) { return one_region_enabled.exchange(on); }
 int64_t one_region_steps() { return one_region_calls.load(); }
 
-// decode_stack_w4a8 (below, whose checks ran) in one parallel region; nullopt where it cannot run so
-// (bfloat16 or too many rows, one thread, layers of different sizes, a bias not float32), which the
-// regions' path then runs
+// decode_stack_w4a8 (below, whose checks of the lists' sizes and indices ran) in one parallel region;
+// nullopt where it cannot run so (bfloat16 or too many rows, one thread, layers of different sizes, a
+// bias not float32), which the regions' path then runs
 c10::optional<at::Tensor> decode_stack_w4a8_one_region(
     const at::Tensor& h, at::TensorList weights, at::TensorList params,
-    const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
-    at::TensorList post_attention_norms, const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
+    const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features, at::IntArrayRef group_sizes,
+    int64_t isa, at::TensorList input_norms, at::TensorList post_attention_norms,
+    const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
     const c10::List<c10::optional<at::Tensor>>& post_feedforward_norms,
     const c10::List<c10::optional<at::Tensor>>& q_norms, const c10::List<c10::optional<at::Tensor>>& k_norms,
     double eps, bool cast_first, double offset, bool gelu_tanh, at::TensorList cos, at::TensorList sin,
@@ -1073,11 +1074,6 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
   int64_t scratch_floats = 0;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t r = rope_index[l], g = group_index[l];
-    TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
-                          g < static_cast<int64_t>(slot_mappings.size()),
-                      "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
-    TORCH_CHECK_VALUE(pre_feedforward_norms.get(l).has_value() == post_feedforward_norms.get(l).has_value(),
-                      "decode_stack_w4a8: the sandwich norms come in pairs");
     for (int64_t i = 0; i < 4; ++i) {
       const auto linear = region_linear(weights[4 * l + i], params[4 * l + i], biases.get(4 * l + i),
                                         out_features[4 * l + i], in_features[i], group_sizes[4 * l + i]);
@@ -1213,6 +1209,13 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   TORCH_CHECK_VALUE(cos.size() == sin.size() && slot_mappings.size() == block_tables.size() &&
                         slot_mappings.size() == lens.size(),
                     "decode_stack_w4a8: cos and sin, slots, block tables and lens in pairs");
+  for (int64_t l = 0; l < L; ++l) {  // before any layer writes its cache
+    TORCH_CHECK_VALUE(rope_index[l] >= 0 && rope_index[l] < static_cast<int64_t>(cos.size()) && group_index[l] >= 0 &&
+                          group_index[l] < static_cast<int64_t>(slot_mappings.size()),
+                      "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
+    TORCH_CHECK_VALUE(pre_feedforward_norms.get(l).has_value() == post_feedforward_norms.get(l).has_value(),
+                      "decode_stack_w4a8: the sandwich norms come in pairs");
+  }
   if (L == 0) return h;
   if (const auto out = decode_stack_w4a8_one_region(
           h, weights, params, biases, out_features, group_sizes, isa, input_norms, post_attention_norms,
@@ -1226,11 +1229,6 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   LayerBuffers buffers(x.scalar_type() == at::kFloat);  // where the W4A8 linears write float32 into them
   for (int64_t l = 0; l < L; ++l) {
     const int64_t r = rope_index[l], g = group_index[l];
-    TORCH_CHECK_VALUE(r >= 0 && r < static_cast<int64_t>(cos.size()) && g >= 0 &&
-                          g < static_cast<int64_t>(slot_mappings.size()),
-                      "decode_stack_w4a8: a layer's RoPE table or cache group out of range");
-    TORCH_CHECK_VALUE(pre_feedforward_norms.get(l).has_value() == post_feedforward_norms.get(l).has_value(),
-                      "decode_stack_w4a8: the sandwich norms come in pairs");
     c10::List<c10::optional<at::Tensor>> layer_biases;
     layer_biases.reserve(4);
     for (int64_t i = 0; i < 4; ++i) layer_biases.push_back(biases.get(4 * l + i));
