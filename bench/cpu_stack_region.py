@@ -3,16 +3,17 @@ where the host has put the two CPUs (issue 38 §2).
 
 At up to 4 sequences a step, kernels/cpu_decode.cpp's decode_stack_w4a8 runs every layer inside one
 OpenMP region whose threads meet at spin barriers; before, each linear's tiles, each attention and
-each quantization started and joined a region of its own (~150 a SmolLM2 step). Both give the same
-bits (checked here before timing). The placement of the two vCPUs changes within minutes on a shared
-host and changes what a hand-off between the threads costs 4-5x, so the two paths alternate token
-by token's worth of rounds and every round is grouped by the core-to-core round trip measured
-before it (bench/cpu_placement.py's groups).
+each quantization started and joined a region of its own (~150 a SmolLM2 step). Both decode the
+same tokens (checked here before timing; tests/kernels/test_cpu_decode.py compares the logits). The
+placement of the two vCPUs changes within minutes on a shared host, and with it what a hand-off
+between the threads costs (4-5x), so the two paths alternate within each round, and each round is
+grouped by the core-to-core round trip measured before it (bench/cpu_placement.py's groups).
 
-Per shape of bench/cpu_real_shapes.py (its random model and --artifact, built once into its cache):
-the engine decodes --gen-len tokens of --batch sequences (greedy, a 64-token prompt) with the one
-region on, then off, then on ..., each pass's time per token. Printed per placement: rounds, the
-median time per token of each path and the median of the per-round ratios (> 1: one region faster).
+Per shape of bench/cpu_real_shapes.py (its random model and --artifact, built once into its cache),
+a round is: the engine decodes --gen-len greedy tokens of --batch sequences after a 64-token prompt
+with one path, then with the other (which goes first alternates), each run's time per output token.
+Printed per placement: rounds, the median time per token of each path and the median of the
+per-round ratios (> 1: one region faster).
 
 Usage: python bench/cpu_stack_region.py [--shapes smollm2-135m,gemma-3-270m] [--seconds 120]
        [--batch 1] [--gen-len 64] [--artifact "w4a16 head int8"] [--json out.json]
@@ -53,8 +54,7 @@ def per_token_s(engine, prompts, gen_len: int) -> float:
 
 
 def same_bits(engine, prompts, gen_len: int) -> bool:
-    """Whether the one region ran, and both paths decode the same tokens (tests/kernels/test_cpu_decode.py
-    checks their logits bit for bit)."""
+    """Whether the one region ran, and both paths decode the same tokens."""
     from optkit.kernels import cpu_decode
     from optkit.runtime.sequence import SamplingParams
 
@@ -82,7 +82,8 @@ def bench_shape(shape: str, args, log) -> dict:
     engine = build_engine(path, config, enforce_eager=False)
     prompts = random_prompts(4096, args.batch, PROMPT_LEN, seed=0)
     if not same_bits(engine, prompts, args.gen_len):
-        sys.exit(f"{shape}: the one region did not run, or decoded other tokens than one region per operator")
+        sys.exit(f"{shape}: the one region did not run (it takes up to 4 sequences and 2 or more threads, at most the"
+                 " process's CPUs), or decoded other tokens than one region per operator")
     rounds = []
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:

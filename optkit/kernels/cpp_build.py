@@ -1,11 +1,11 @@
 """Compile and load one of optkit's C++ operator libraries (optkit/kernels/*.cpp) at first use.
 
 torch.utils.cpp_extension builds it with g++ and ninja into $OPTKIT_CACHE/kernels/<name>_<hash>, the
-hash over the source, the headers it includes from beside it (`#include "name.h"`), the flags and
-torch's version, so a machine builds each version once (~20 s) and a changed source, header or flag
-never loads a stale library. The libraries register their operators
-with TORCH_LIBRARY (torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules;
-one that reads Python objects (cpu_watch.cpp) is imported as a Python module (`load_module`).
+hash over the source, the headers it includes from beside it (`#include "name.h"`, and theirs), the
+flags and torch's version, so a machine builds each version once (~20 s) and a changed source, header
+or flag never loads a stale library. The libraries register their operators with TORCH_LIBRARY
+(torch.ops.<namespace>.*) and are loaded as plain shared objects, not Python modules; one that reads
+Python objects (cpu_watch.cpp) is imported as a Python module (`load_module`).
 
 The libraries are code that runs in this process, so the build directory must be this user's own:
 $OPTKIT_CACHE/kernels and its <name>_<hash> directories are created writable by this user alone, and
@@ -86,12 +86,16 @@ def _build(source: Path, prefix: str, python_module: bool) -> tuple[ModuleType |
     return (module if python_module else None), ""
 
 
-def source_bytes(source: Path) -> bytes:
-    """`source` followed by each header it includes from its own directory, in the order included
-    (g++ finds `#include "name.h"` there first)."""
+def source_bytes(source: Path, seen: frozenset[str] = frozenset()) -> bytes:
+    """`source` followed by each header it includes from its own directory (g++ finds `#include
+    "name.h"` there first), each with the headers it includes in turn, once each."""
     text = source.read_bytes()
-    headers = re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', text, flags=re.MULTILINE)
-    return text + b"".join(source.with_name(name.decode()).read_bytes() for name in headers)
+    seen = seen | {source.name}
+    for name in re.findall(rb'^\s*#\s*include\s+"([^"/]+)"', text, flags=re.MULTILINE):
+        if name.decode() not in seen:
+            text += source_bytes(source.with_name(name.decode()), seen)
+            seen |= {name.decode()}
+    return text
 
 
 def private_build_directory(name: str) -> Path:

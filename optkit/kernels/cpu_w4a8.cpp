@@ -1,6 +1,6 @@
 // W4A8 linear on x86-64 CPUs: 4-bit weights x int8-quantized activations, int32 block dot products.
 // Built at first use by optkit/kernels/cpu_w4a8.py (torch.utils.cpp_extension.load), which also packs
-// the weights and documents the math; the kernels are in cpu_w4a8_tiles.h, this file's operators split
+// the weights and documents the math. The kernels are in cpu_w4a8_tiles.h; this file's operators split
 // their tiles across ATen's threads. One build serves both instruction sets: each kernel carries its
 // own __attribute__((target(...))) and the caller picks one per call (cpuid, capped by an env var).
 //

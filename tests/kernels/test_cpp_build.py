@@ -107,11 +107,12 @@ def test_a_changed_header_builds_a_new_library(tmp_path, calls):
     header must never load the library built from the old one."""
     cpp = tmp_path / "ops.cpp"
     cpp.write_text('// a library\n#include "kernels.h"\n#include <vector>\n')
-    header = tmp_path / "kernels.h"
-    header.write_text("// the kernels\n")
+    (tmp_path / "kernels.h").write_text('#pragma once\n#include "tiles.h"\n#include "kernels.h"\n')
+    tiles = tmp_path / "tiles.h"
+    tiles.write_text("// the tiles\n")
     cpp_build.load(cpp, "optkit_test")
     cpp_build.load(cpp, "optkit_test")
-    header.write_text("// the kernels, changed\n")
+    tiles.write_text("// the tiles, changed\n")  # a header the header includes
     cpp_build.load(cpp, "optkit_test")
     first, again, changed = (os.path.basename(path) for path in calls)
     assert first == again and changed != first
