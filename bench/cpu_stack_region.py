@@ -82,8 +82,10 @@ def bench_shape(shape: str, args, log) -> dict:
     engine = build_engine(path, config, enforce_eager=False)
     prompts = random_prompts(4096, args.batch, PROMPT_LEN, seed=0)
     if not same_bits(engine, prompts, args.gen_len):
-        sys.exit(f"{shape}: the one region did not run (it takes up to 4 sequences and 2 or more threads, at most the"
-                 " process's CPUs), or decoded other tokens than one region per operator")
+        sys.exit(
+            f"{shape}: the one region did not run (it takes up to 4 sequences and 2 or more threads, at most the"
+            " process's CPUs), or decoded other tokens than one region per operator"
+        )
     rounds = []
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
