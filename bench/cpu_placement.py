@@ -68,6 +68,13 @@ def placement(ns: float | None) -> str:
     return next(name for name, bound in PLACEMENTS if ns < bound)
 
 
+def by_placement(samples: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The samples (each with a "round_trip_ns") grouped by placement, in PLACEMENTS' order, empty
+    groups left out."""
+    groups = [(name, [s for s in samples if placement(s["round_trip_ns"]) == name]) for name, _ in PLACEMENTS]
+    return [(name, group) for name, group in groups if group]
+
+
 def main():
     args = parse_args()
     from cpu_real_shapes import read_bandwidth
@@ -79,10 +86,7 @@ def main():
         time.sleep(args.interval)
     print(f"{len(samples)} samples over {args.seconds:.0f} s, {args.threads} threads for the read")
     print(f"{'placement':24} {'round trip':>10} {'samples':>7} {'read GB/s':>9} {'range':>11}")
-    for name, _ in PLACEMENTS:
-        group = [s for s in samples if placement(s["round_trip_ns"]) == name]
-        if not group:
-            continue
+    for name, group in by_placement(samples):
         reads = [s["read_bytes_per_s"] / 1e9 for s in group]
         trip = statistics.median(s["round_trip_ns"] for s in group)
         print(f"{name:24} {trip:>7.0f} ns {len(group):>7} {statistics.median(reads):>9.1f} "

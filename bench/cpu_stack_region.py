@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # cpu_real_shapes.py, cpu_placement.py
 
-from cpu_placement import PLACEMENTS, placement, round_trip_ns  # noqa: E402
+from cpu_placement import by_placement, round_trip_ns  # noqa: E402
 from cpu_real_shapes import ARTIFACTS, PROMPT_LEN, SHAPES, build_artifacts, build_base  # noqa: E402
 
 
@@ -102,10 +102,7 @@ def bench_shape(shape: str, args, log) -> dict:
 def print_shape(result: dict) -> None:
     print(f"\n{result['shape']}, {result['artifact']}, batch {result['batch']}: ms a token")
     print(f"{'placement':24} {'round trip':>10} {'rounds':>6} {'regions':>8} {'one region':>10} {'ratio':>6}")
-    for name, _ in PLACEMENTS:
-        group = [r for r in result["rounds"] if placement(r["round_trip_ns"]) == name]
-        if not group:
-            continue
+    for name, group in by_placement(result["rounds"]):
         trip = statistics.median(r["round_trip_ns"] for r in group)
         regions = statistics.median(r["regions_s"] for r in group) * 1e3
         one = statistics.median(r["one_region_s"] for r in group) * 1e3

@@ -728,6 +728,12 @@ void add_rows(const T* x, const T* r, T* y, const W* weight, T* n, int64_t M, in
   });
 }
 
+// A norm weight of rows of K: [K], contiguous, float32 or bfloat16
+void check_norm_weight(const at::Tensor& weight, int64_t K) {
+  TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
+              "residual add: norm weight [K]");
+}
+
 // (x + r, rms_norm(x + r) or undefined): x, r [M, K] contiguous of one dtype; weight [K] or undefined.
 // Into y and n where given (x's sizes and dtype, contiguous, neither x nor r), else tensors of their own.
 std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& weight,
@@ -737,9 +743,7 @@ std::pair<at::Tensor, at::Tensor> add_and_norm(const at::Tensor& x, const at::Te
                   x.scalar_type() == r.scalar_type() && is_float_or_bf16(x),
               "residual add: contiguous float32 or bfloat16 tensors of one shape");
   const int64_t K = x.size(-1), M = x.numel() / K;
-  if (weight.defined())
-    TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
-                "residual add: norm weight [K]");
+  if (weight.defined()) check_norm_weight(weight, K);
   if (!y.defined()) y = at::empty_like(x);
   if (!weight.defined())
     n = at::Tensor();
@@ -951,43 +955,24 @@ class SpinBarrier {
   int threads_;
 };
 
-// One W4A8 linear as the region's threads run it: the packed weight and what its checks found
+// One W4A8 linear as the region's threads run it: its checked packed weight, outputs, input columns
+// and bias
 struct RegionLinear {
-  const uint8_t* weight;
-  const void* params;
+  w4a8::Packed packed;
+  int64_t n, K;
   const float* bias;  // or null
-  bool bf16_params;
-  int64_t n, K, B, G, group_blocks, T;
 };
 
-// The checks of cpu_w4a8.cpp's w4a8_linear_into for an input of K float32 columns; nullopt where the
-// region cannot run it as given (a bias not float32)
+// cpu_w4a8.cpp's checks for an input of K float32 columns; nullopt where the region cannot run the
+// linear as given (a bias not float32, which that library converts)
 c10::optional<RegionLinear> region_linear(const at::Tensor& weight, const at::Tensor& params,
                                           const c10::optional<at::Tensor>& bias, int64_t n, int64_t K,
                                           int64_t group_size) {
-  TORCH_CHECK_VALUE(n >= 1 && K >= 1 && group_size >= w4a8::kBlock && group_size % w4a8::kBlock == 0 &&
-                        K % group_size == 0,
-                    "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n, ", K ",
-                    K, ", group size ", group_size);
-  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == w4a8::kTileBytes,
-                    "w4a8 linear: weight uint8 [T, B, 256]; got ", weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
-  const int64_t T = weight.size(0), B = weight.size(1), G = K / group_size;
-  TORCH_CHECK_VALUE(K == B * w4a8::kBlock && T == (n + w4a8::kLanes - 1) / w4a8::kLanes,
-                    "w4a8 linear: x and weight disagree on K or N; got K ", K, ", weight ", weight.sizes(), ", N ", n);
-  const bool bf16_params = params.scalar_type() == at::kByte;
-  TORCH_CHECK_VALUE((bf16_params && params.numel() == T * G * 3 * w4a8::kLanes) ||
-                        (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * w4a8::kLanes),
-                    "w4a8 linear: params float32 [T, G, 2, 16] or uint8 [T, G, 48]; got ", params.sizes());
-  TORCH_CHECK(params.is_contiguous(), "params: contiguous");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    if (bias->scalar_type() != at::kFloat || !bias->is_contiguous()) return c10::nullopt;
-    TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
-    bias_ptr = bias->data_ptr<float>();
-  }
-  return RegionLinear{weight.data_ptr<uint8_t>(), params.data_ptr(), bias_ptr, bf16_params, n, K, B, G,
-                      group_size / w4a8::kBlock, T};
+  const w4a8::Packed packed = w4a8::check_packed(weight, params, n, K, group_size);
+  if (!bias.has_value() || !bias->defined()) return RegionLinear{packed, n, K, nullptr};
+  if (bias->scalar_type() != at::kFloat || !bias->is_contiguous()) return c10::nullopt;
+  TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
+  return RegionLinear{packed, n, K, bias->data_ptr<float>()};
 }
 
 // [begin, end) of thread `tid` of `threads` over `count` tasks: at::parallel_for's static split
@@ -1004,12 +989,6 @@ void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, float eps, flo
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), y.data_ptr<float>(), M, K, eps, false, offset);
   else
     rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<BFloat16>(), y.data_ptr<float>(), M, K, eps, false, offset);
-}
-
-// A norm weight the region reads: [K], contiguous, float32 or bfloat16 (add_and_norm's checks)
-void check_norm_weight(const at::Tensor& weight, int64_t K) {
-  TORCH_CHECK(weight.dim() == 1 && weight.numel() == K && weight.is_contiguous() && is_float_or_bf16(weight),
-              "residual add: norm weight [K]");
 }
 
 // The CPUs this process may run on (its affinity mask), read once
@@ -1079,7 +1058,7 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
                                         out_features[4 * l + i], in_features[i], group_sizes[4 * l + i]);
       if (!linear.has_value()) return c10::nullopt;
       linears.push_back(*linear);
-      scratch_floats = std::max(scratch_floats, M * (linear->B + linear->G) + (M * linear->K + 3) / 4);
+      scratch_floats = std::max(scratch_floats, M * (linear->packed.B + linear->packed.G) + (M * linear->K + 3) / 4);
     }
     check_attention_qkv(qkv, q_norms.get(l), k_norms.get(l), cos[r], sin[r], k_caches[l], v_caches[l],
                         slot_mappings[g], block_tables[g], lens[g], num_heads);
@@ -1116,24 +1095,24 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
       Own& mine = own[tid];
       int phase = 0;
       const auto linear = [&](const float* in, const RegionLinear& lin, float* y) {
+        const w4a8::Packed& w = lin.packed;
         float* d = mine.scratch.data();
-        float* xs = d + M * lin.B;
-        int8_t* quantized = reinterpret_cast<int8_t*>(xs + M * lin.G);
+        float* xs = d + M * w.B;
+        int8_t* quantized = reinterpret_cast<int8_t*>(xs + M * w.G);
         for (int64_t m = 0; m < M; ++m) {
 #if defined(__x86_64__)
           if (isa == w4a8::kAvx512Vnni) {
-            w4a8::quantize_row_avx512(in + m * lin.K, lin.K, lin.group_blocks, quantized + m * lin.K, d + m * lin.B,
-                                      xs + m * lin.G);
+            w4a8::quantize_row_avx512(in + m * lin.K, lin.K, w.group_blocks, quantized + m * lin.K, d + m * w.B,
+                                      xs + m * w.G);
             continue;
           }
 #endif
-          w4a8::quantize_row(in + m * lin.K, lin.K, lin.group_blocks, quantized + m * lin.K, d + m * lin.B,
-                             xs + m * lin.G);
+          w4a8::quantize_row(in + m * lin.K, lin.K, w.group_blocks, quantized + m * lin.K, d + m * w.B, xs + m * w.G);
         }
-        const w4a8::Problem pr{lin.weight, lin.params, lin.bias, quantized, d, xs, y,
-                               M,          lin.n,      lin.K,    lin.B,     lin.G, lin.group_blocks};
-        const auto [begin, end] = share(lin.T, tid, threads);
-        if (lin.bf16_params)
+        const w4a8::Problem pr{w.weight, w.params, lin.bias, quantized, d, xs, y, M, lin.n, lin.K, w.B, w.G,
+                               w.group_blocks};
+        const auto [begin, end] = share(w.T, tid, threads);
+        if (w.bf16_params)
           w4a8::run_tile_range<true>(pr, begin, end, isa);
         else
           w4a8::run_tile_range<false>(pr, begin, end, isa);

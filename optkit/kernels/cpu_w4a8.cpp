@@ -51,12 +51,7 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
                       const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa,
                       at::Tensor& y) {
   TORCH_CHECK_VALUE(x_in.dim() == 2 && x_in.is_floating_point(), "w4a8 linear: x float [M, K]; got ", x_in.sizes());
-  // shapes come from the model: a wrong one raises ValueError (the Python wrapper's user error); the
-  // group size is checked positive before K % group_size, so never a SIGFPE
-  TORCH_CHECK_VALUE(n >= 1 && x_in.size(1) >= 1 && group_size >= kBlock && group_size % kBlock == 0 &&
-                        x_in.size(1) % group_size == 0,
-                    "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n,
-                    ", K ", x_in.size(1), ", group size ", group_size);
+  const Packed packed = check_packed(weight, params, n, x_in.size(1), group_size);
   // no copy, and no dispatch of `to`, when it is already (a decode step makes ~120 of these calls)
   const auto as_float = [](const at::Tensor& t) {
     return (t.scalar_type() == at::kFloat ? t : t.to(at::kFloat)).contiguous();
@@ -64,19 +59,9 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
   const at::Tensor x = as_float(x_in);
   c10::optional<at::Tensor> bias;
   if (bias_in.has_value() && bias_in->defined()) bias = as_float(*bias_in);
-  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == kTileBytes,
-                    "w4a8 linear: weight uint8 [T, B, 256]; got ", weight.sizes());
-  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
-  const int64_t M = x.size(0), K = x.size(1), T = weight.size(0), B = weight.size(1);
-  TORCH_CHECK_VALUE(K == B * kBlock && T == (n + kLanes - 1) / kLanes,
-                    "w4a8 linear: x and weight disagree on K or N; got x ", x.sizes(), ", weight ", weight.sizes(),
-                    ", N ", n);
-  const int64_t group_blocks = group_size / kBlock, G = K / group_size;
-  const bool bf16_params = params.scalar_type() == at::kByte;
-  TORCH_CHECK_VALUE((bf16_params && params.numel() == T * G * 3 * kLanes) ||
-                        (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * kLanes),
-                    "w4a8 linear: params float32 [T, G, 2, 16] or uint8 [T, G, 48]; got ", params.sizes());
-  TORCH_CHECK(params.is_contiguous(), "params: contiguous");
+  const int64_t M = x.size(0), K = x.size(1), T = packed.T, B = packed.B, G = packed.G;
+  const int64_t group_blocks = packed.group_blocks;
+  const bool bf16_params = packed.bf16_params;
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
@@ -118,7 +103,7 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
       quantize_row(xp + m * K, K, group_blocks, ap + m * K, dp + m * B, xsp + m * G);
     }
   });
-  const Problem pr{weight.data_ptr<uint8_t>(), params.data_ptr(), bias_ptr, ap, dp, xsp,
+  const Problem pr{packed.weight, packed.params, bias_ptr, ap, dp, xsp,
                    y.data_ptr<float>(),        M, n, K, B, G, group_blocks};
   if (bf16_params)
     run_tiles<true>(pr, T, isa);

@@ -1,8 +1,11 @@
 // The W4A8 kernels of cpu_w4a8.cpp (see there for the layout and the math): the activation
-// quantization of one row and the tiles of 16 outputs, with no threads of their own. Included by
-// cpu_w4a8.cpp, whose operators split the tiles across ATen's threads, and by cpu_decode.cpp, whose
-// decode stack splits them inside one parallel region a step.
+// quantization of one row and the tiles of 16 outputs, with no threads of their own, and the checks a
+// packed weight passes. Included by cpu_w4a8.cpp, whose operators split the tiles across ATen's
+// threads, and by cpu_decode.cpp, whose decode stack splits them inside one parallel region a step.
 #pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>
@@ -233,6 +236,36 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
       default: break;                                                  \
     }                                                                  \
   } while (0)
+
+// A packed weight and its params, checked for an input of K columns and n outputs
+struct Packed {
+  const uint8_t* weight;  // [T, B, 256]
+  const void* params;     // float [T, G, 2, 16] or uint8 [T, G, 48]
+  bool bf16_params;
+  int64_t T, B, G, group_blocks;
+};
+
+// The checks of a W4A8 linear's weight, params, outputs and group size (the shapes come from the
+// model: a wrong one raises ValueError, the Python wrapper's user error; the group size is checked
+// positive before K % group_size, so never a SIGFPE)
+inline Packed check_packed(const at::Tensor& weight, const at::Tensor& params, int64_t n, int64_t K,
+                           int64_t group_size) {
+  TORCH_CHECK_VALUE(n >= 1 && K >= 1 && group_size >= kBlock && group_size % kBlock == 0 && K % group_size == 0,
+                    "w4a8 linear: N >= 1 outputs and groups of a multiple of 32 columns dividing K; got N ", n, ", K ",
+                    K, ", group size ", group_size);
+  TORCH_CHECK_VALUE(weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.size(2) == kTileBytes,
+                    "w4a8 linear: weight uint8 [T, B, 256]; got ", weight.sizes());
+  TORCH_CHECK(weight.is_contiguous(), "weight: contiguous");
+  const int64_t T = weight.size(0), B = weight.size(1), G = K / group_size;
+  TORCH_CHECK_VALUE(K == B * kBlock && T == (n + kLanes - 1) / kLanes,
+                    "w4a8 linear: x and weight disagree on K or N; got K ", K, ", weight ", weight.sizes(), ", N ", n);
+  const bool bf16_params = params.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE((bf16_params && params.numel() == T * G * 3 * kLanes) ||
+                        (params.scalar_type() == at::kFloat && params.numel() == T * G * 2 * kLanes),
+                    "w4a8 linear: params float32 [T, G, 2, 16] or uint8 [T, G, 48]; got ", params.sizes());
+  TORCH_CHECK(params.is_contiguous(), "params: contiguous");
+  return Packed{weight.data_ptr<uint8_t>(), params.data_ptr(), bf16_params, T, B, G, group_size / kBlock};
+}
 
 // Tiles [begin, end) of every row of `pr`, with the kernel of `isa` (kAvx512Vnni or kAvx2)
 template <bool BF16>
