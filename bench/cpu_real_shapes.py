@@ -13,8 +13,9 @@ said): the base in fp32 and bf16; RTN W4A16 g64 artifacts with each head the art
 llama.cpp (llama-cpp-python) on optkit's Q4_0 GGUF of the same weights and, where `optkit quantize
 --gguf-type Q4_K_M` is available, on that. Printed per shape and batch size: tokens/s, the ratio
 to llama.cpp Q4_0 and Q4_K_M and to vLLM's best at each batch size, and at batch 1 the bytes of
-weights a decode step reads (every weight once; the embedding only where it is the tied head), that
-divided by the step time (the median time per output token after the first: the prefill apart),
+weights a decode step reads (every weight once; the embedding only where it is the tied head; for
+llama.cpp its GGUF file's tensors, counted the same way), that divided by the step time (the median
+time per output token after the first: the prefill apart),
 and its share of the read bandwidth measured in the same run (summing a 1 GiB float32 array with
 the same threads) right before and right after that engine's decode runs (the mean of the two: on a
 shared machine the bandwidth drifts by up to 1.8x over a run, so each step time is set against the
@@ -275,11 +276,24 @@ def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
         prompts = [[rng.randrange(VOCAB_USED) for _ in range(PROMPT_LEN)] for _ in range(size)]
         start = time.perf_counter()
         decoder.generate(prompts, args.gen_len)
-        rows.append(
-            {"run": name, "batch_size": size, "tokens_per_s": size * args.gen_len / (time.perf_counter() - start)}
-        )
+        elapsed = time.perf_counter() - start
+        # the step time as the engine's rows take it: the median decode step after the prompt's
+        rows.append({"run": name, "batch_size": size, "tokens_per_s": size * args.gen_len / elapsed,
+                     "step_s": statistics.median(decoder.step_times)})  # fmt: skip
     decoder.close()
     return rows
+
+
+def gguf_step_bytes(gguf_path: Path) -> int:
+    """Bytes of weights one llama.cpp decode step reads from a GGUF file, counted as decode_step_bytes
+    counts optkit's: every tensor once, the token embedding only where it is the head (no
+    output.weight); a lookup reads one row."""
+    from gguf import GGUFReader
+
+    tensors = {tensor.name: int(tensor.n_bytes) for tensor in GGUFReader(gguf_path).tensors}
+    if "output.weight" in tensors:
+        tensors.pop("token_embd.weight", None)
+    return sum(tensors.values())
 
 
 def bench_shape(shape: str, args, log) -> dict:
@@ -318,7 +332,11 @@ def bench_shape(shape: str, args, log) -> dict:
             if prefill_lens(args):
                 ttft[name] = llama_cpp_ttft(path, args)
             if not args.no_decode:
+                before, trip_before = read_bandwidth(args.threads), round_trip_ns()
                 rows += llama_cpp_rows(name, path, args)
+                read[name] = (before + read_bandwidth(args.threads)) / 2
+                trips[name] = [trip_before, round_trip_ns()]
+                step_bytes[name] = gguf_step_bytes(path)
     rows = median_rows(rows)
     for row in rows:
         peers = [r for r in rows if r["batch_size"] == row["batch_size"]]

@@ -1,13 +1,16 @@
 """Greedy decoding in llama.cpp (llama-cpp-python's low-level API) for bench/cpu_decode.py: the same
 prompts and new-token counts as the engine's runs, all sequences in one llama_batch per step (one
 llama_decode for the prompts, then one per new token), each sequence its own seq_id in one context.
-Greedy = the argmax of each sequence's last logits, read back as numpy.
+Greedy = the argmax of each sequence's last logits, read back as numpy. `step_times` keeps the
+last call's decode steps after the prompt's (each llama_decode of one new token a sequence and its
+argmax), as the engine's time per output token counts them.
 
 llama.cpp takes the thread count it is given (n_threads, n_threads_batch): the bench passes the
 torch thread count, so both sides run on as many cores.
 """
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -49,6 +52,7 @@ class LlamaCppDecoder:
             raise RuntimeError("llama.cpp cannot create a context")
         self.vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.batch = llama_cpp.llama_batch_init(params.n_ctx, 0, 1)
+        self.step_times: list[float] = []
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)
@@ -78,7 +82,9 @@ class LlamaCppDecoder:
             last.append(len(rows) - 1)
         self._decode(rows)
         outputs = [[self._argmax(i)] for i in last]
+        self.step_times = []
         for step in range(1, new_tokens):
+            start = time.perf_counter()
             self._decode(
                 [
                     (out[-1], len(p) + step - 1, seq, True)
@@ -87,4 +93,5 @@ class LlamaCppDecoder:
             )
             for seq, out in enumerate(outputs):
                 out.append(self._argmax(seq))
+            self.step_times.append(time.perf_counter() - start)
         return outputs

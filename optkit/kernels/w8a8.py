@@ -8,7 +8,7 @@ same quantities in float, for tests and for devices without an int8 matmul. On C
 runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
 with the scales and bias in its epilogue) when triton imports and no `int_mm` is given. On the CPU
 `torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`); at 1 to 8
-rows on AVX-512 VNNI CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster,
+rows on AVX-512 VNNI and AVX2 CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster,
 and with dynamic activation scales the whole layer (quantization, product, rescaling) in one call.
 """
 
@@ -49,7 +49,7 @@ def int8_linear(
     weight_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32.
-    `int_mm` is the int8 matmul (default `torch._int_mm`, or at a few rows on AVX-512 VNNI CPUs
+    `int_mm` is the int8 matmul (default `torch._int_mm`, or at a few rows on AVX-512 VNNI and AVX2 CPUs
     optkit's kernel, the same int32 result, where `weight_sums` (cpu_int8_gemv.weight_sums) is given)."""
     if int_mm is None and triton_kernels.use_triton(x) and weight_t.device == x.device:
         from optkit.kernels.triton import w8a8 as kernels
@@ -199,7 +199,7 @@ class W8A8Linear(ScaledLinear):
         if torch.device(device).type == "cpu":
             gemv = not cpu_int8_gemv.unavailable_reason()  # max_rows / max_columns exist only then
             if gemv and rows <= cpu_int8_gemv.max_rows() and self.in_features <= cpu_int8_gemv.max_columns():
-                return "optkit C++ int8 GEMV (AVX-512 VNNI), weight column-major"
+                return f"{cpu_int8_gemv.name()}, weight column-major"
             return "torch._int_mm (oneDNN int8), weight column-major"
         return "triton int8 matmul" if triton_kernels.use_triton(self.weight_t) else "torch._int_mm"
 

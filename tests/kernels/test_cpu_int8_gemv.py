@@ -1,6 +1,6 @@
 """optkit's int8 GEMV for W8A8 layers at decode (kernels/cpu_int8_gemv.py): the int32 result of
 torch._int_mm exactly, and the whole dynamic linear in one call with the PyTorch code's bits, so a
-W8A8 artifact's outputs do not depend on which ran."""
+W8A8 artifact's outputs do not depend on which ran, on each instruction set the CPU has."""
 
 import pytest
 import torch
@@ -11,6 +11,23 @@ from optkit.kernels.w8a8 import W8A8Linear, quantize_activations
 pytestmark = pytest.mark.skipif(
     bool(cpu_int8_gemv.unavailable_reason()), reason=f"int8 GEMV: {cpu_int8_gemv.unavailable_reason()}"
 )
+
+
+def isas() -> list[str]:
+    """The instruction sets this CPU runs: AVX2 always (the kernel needs it), AVX-512 VNNI where present."""
+    if cpu_int8_gemv.unavailable_reason():
+        return ["avx2"]  # every test skips
+    return ["avx2", "native"] if torch.ops.optkit_int8_gemv.cpu_isa() == 2 else ["avx2"]
+
+
+@pytest.fixture(params=isas(), autouse=True)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("OPTKIT_CPU_ISA", "avx2" if request.param == "avx2" else "")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    cpu_int8_gemv.selected_isa.cache_clear()
+    assert (cpu_int8_gemv.selected_isa() == 1) == (request.param == "avx2")
+    yield request.param
+    cpu_int8_gemv.selected_isa.cache_clear()
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -27,14 +44,16 @@ def test_equals_int_mm_at_every_row_count_and_column_tail(out_features, in_featu
     assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(qx, weight_t))
 
 
-def test_the_widest_row_it_takes_does_not_overflow():
-    """The shifted products sum to -255 * 128 * K at the extremes: still an int32 at K = 65,792."""
+@pytest.mark.parametrize(("weight", "activation"), [(-128, 127), (-128, -128), (127, -128)])
+def test_the_widest_row_it_takes_does_not_overflow(weight, activation):
+    """The shifted products sum to -255 * 128 * K at the extremes (VNNI), the int16 ones to 2^14 * K
+    (AVX2): still an int32 at K = 65,792."""
     in_features = cpu_int8_gemv.max_columns()
-    weight_t = column_major(torch.full((16, in_features), -128, dtype=torch.int8))
-    qx = torch.full((1, in_features), 127, dtype=torch.int8)
+    weight_t = column_major(torch.full((16, in_features), weight, dtype=torch.int8))
+    qx = torch.full((1, in_features), activation, dtype=torch.int8)
     assert cpu_int8_gemv.takes(qx, weight_t)
     got = cpu_int8_gemv.int8_gemv(qx, weight_t, cpu_int8_gemv.weight_sums(weight_t))
-    assert torch.equal(got, torch.full((1, 16), 127 * -128 * in_features, dtype=torch.int32))
+    assert torch.equal(got, torch.full((1, 16), weight * activation * in_features, dtype=torch.int32))
     assert not cpu_int8_gemv.takes(torch.zeros(1, in_features + 1, dtype=torch.int8), column_major(
         torch.zeros(16, in_features + 1, dtype=torch.int8)))  # fmt: skip
 
