@@ -32,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <thread>
@@ -169,7 +170,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // ---- Decode attention. One query head over keys first..n-1 of its sequence: scores (n - first
 // floats of scratch), then out [D] = sum_t softmax(scores)_t v_t, in float32. k and v point at the
 // head's vector in slot 0; slot s's is `slot_stride` values on. The blocks of the table are walked in
-// order (no division per key). Dot products and the weighted sums of V through Vec (AVX-512 or portable).
+// order (no division per key). Dot products and the weighted sums of V through Vec (AVX-512, AVX2 or portable).
 template <class Vec, typename T>
 void attend_head(const float* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t n,
                  int64_t block_size, int64_t slot_stride, int64_t D, float scale, float* scores, float* out) {
@@ -328,10 +329,106 @@ void attend_head_avx512(const float* q, const T* k, const T* v, const int64_t* t
 }
 #endif
 
+#if defined(__x86_64__)
+#define OPTKIT_AVX2 __attribute__((target("avx2,fma")))
+
+// Avx512's operations 8 lanes wide, for CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3): the same
+// arithmetic in the same order within a lane, 8 partial sums where Avx512 keeps 16
+struct Avx2 {
+  OPTKIT_AVX2 static __m256i first(int64_t count) {  // lanes below `count` set
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  // 8 values from p (the first `count`, zeros after), as float32: a bfloat16 is a float32's top 16 bits
+  OPTKIT_AVX2 static __m256 load(const float* p, int64_t count) {
+    return count >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first(count));
+  }
+  OPTKIT_AVX2 static __m256 load(const BFloat16* p, int64_t count) {
+    __m128i bits;
+    if (count >= 8) {
+      bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    } else {
+      alignas(16) uint16_t part[8] = {};
+      std::memcpy(part, p, count * sizeof(uint16_t));
+      bits = _mm_load_si128(reinterpret_cast<const __m128i*>(part));
+    }
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  OPTKIT_AVX2 static float sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  template <typename T>
+  OPTKIT_AVX2 static float dot(const float* a, const T* b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(load(a + i, n - i), load(b + i, n - i), acc);
+    return sum(acc);
+  }
+  // Avx512::exp_nonpositive's e^x, 8 at a time; 2^k (k in [-150, 0]) applied as two factors 2^(k/2)
+  // and 2^(k - k/2), each a normal float built from its exponent bits (AVX2 has no vscalefps): the
+  // second product rounds to a subnormal where e^x is one.
+  OPTKIT_AVX2 static __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-104.f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    const __m256i ki = _mm256_cvtps_epi32(k), half = _mm256_srai_epi32(ki, 1), rest = _mm256_sub_epi32(ki, half);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 two_half = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 two_rest = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, two_half), two_rest);
+  }
+  OPTKIT_AVX2 static float exp_and_sum(float* s, int64_t n, float top) {
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t += 8) {
+      const __m256i mask = first(n - t);
+      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(s + t, mask), shift));
+      _mm256_maskstore_ps(s + t, mask, e);
+      total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(mask)));
+    }
+    return sum(total);
+  }
+  template <typename T>
+  OPTKIT_AVX2 static void axpy(float p, const T* x, float* y, int64_t n) {
+    const __m256 pv = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 y_new = _mm256_fmadd_ps(pv, load(x + i, n - i), load(y + i, n - i));
+      if (n - i >= 8)
+        _mm256_storeu_ps(y + i, y_new);
+      else
+        _mm256_maskstore_ps(y + i, first(n - i), y_new);
+    }
+  }
+};
+
+// attend_head with Avx2's operations inlined (as attend_head_avx512_any)
+template <typename T>
+OPTKIT_AVX2 __attribute__((flatten)) void attend_head_avx2(const float* q, const T* k, const T* v, const int64_t* table,
+                                                           int64_t first, int64_t n, int64_t block_size,
+                                                           int64_t slot_stride, int64_t D, float scale, float* scores,
+                                                           float* out) {
+  attend_head<Avx2, T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+}
+#endif
+
 bool cpu_has_avx512() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx2_fma() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
@@ -355,9 +452,13 @@ void attend_tasks(const T* qp, const T* kp, const T* vp, T* op, const int64_t* t
     const T* v = vp + (h / group) * D;
     const int64_t* table = tables + b * nb;
 #if defined(__x86_64__)
+    static const bool avx2 = cpu_has_avx2_fma();
     if (avx512)
       attend_head_avx512<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
                             out.data());
+    else if (avx2)
+      attend_head_avx2<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
+                          out.data());
     else
 #endif
       attend_head<Portable, T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
@@ -378,7 +479,8 @@ void decode_attention_heads(const T* qp, const T* kp, const T* vp, T* op, const 
 // One query token per sequence over the paged cache (grouped-query: query head h reads KV head
 // h / (Hq / Hkv)). q [B, Hq, D]; k_cache, v_cache [N, block_size, Hkv, D] of q's dtype; block_tables
 // long [B, nb]; lens long [B] (the keys of b, its query the last); window W > 0 keeps the last W keys;
-// avx512: AVX-512 where the CPU has it (false: the portable loops, as on a CPU without it).
+// avx512: AVX-512 where the CPU has it (false: AVX2 with FMA where it has that, as on a CPU without AVX-512, else
+// the portable loops).
 //   out[b, h] = sum_t softmax_t(scale * q·k_t) v_t,  k_t at slot block_tables[b][t / bs] * bs + t % bs
 void check_block_tables(const at::Tensor& block_tables, const at::Tensor& lens, int64_t B, int64_t num_blocks,
                         int64_t block_size);
@@ -1234,6 +1336,7 @@ TORCH_LIBRARY(optkit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first, float offset) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
   m.def("has_avx512() -> bool", &cpu_has_avx512);
+  m.def("has_avx2_fma() -> bool", &cpu_has_avx2_fma);
   m.def("stack_in_one_region(bool on) -> bool", &stack_in_one_region);
   m.def("one_region_steps() -> int", &one_region_steps);
   m.def("argmax(Tensor logits, bool avx512) -> Tensor", &argmax_rows);

@@ -62,7 +62,9 @@ def describe(dtype: torch.dtype) -> str:
     reason = unavailable_reason() or ("" if dtype in DTYPES else f"{dtype} activations")
     if reason:
         return f"PyTorch ({reason})"
-    return f"optkit C++ ({'AVX-512' if avx512() and torch.ops.optkit_cpu.has_avx512() else 'portable loops'})"
+    if avx512() and torch.ops.optkit_cpu.has_avx512():
+        return "optkit C++ (AVX-512)"
+    return f"optkit C++ ({'AVX2 attention, ' if torch.ops.optkit_cpu.has_avx2_fma() else ''}portable loops)"
 
 
 def rms_norm(

@@ -32,7 +32,7 @@ def decode_step(context_lens, block_size, heads, dim, dtype, seed=0):
 
 @pytest.fixture(params=["native", "avx2"])
 def isa(request, monkeypatch):
-    """The CPU's instruction set, or capped to AVX2: the portable loops, as without AVX-512."""
+    """The CPU's instruction set, or capped to AVX2: the AVX2 attention and portable loops, as without AVX-512."""
     monkeypatch.setenv("OPTKIT_CPU_ISA", "avx2" if request.param == "avx2" else "")
     cpu_decode.avx512.cache_clear()
     yield request.param
