@@ -1,7 +1,8 @@
 """The int8 matrix product of a W8A8 layer at decode, side by side in one process: `torch._int_mm`
 (oneDNN, the weight column-major as W8A8Linear keeps it) against optkit's int8 GEMV
-(kernels/cpu_int8_gemv.py, AVX-512 VNNI), on the vocabulary heads of real small models (an int8
-`--head` is a W8A8 layer) and one decoder matrix, at 1 to 8 rows. Both give the same int32 result
+(kernels/cpu_int8_gemv.py: AVX-512 VNNI, or AVX2 where the CPU has no VNNI or OPTKIT_CPU_ISA=avx2
+caps it), on the vocabulary heads of real small models (an int8 `--head` is a W8A8 layer) and one
+decoder matrix, at 1 to 8 rows. Both give the same int32 result
 (checked here on every shape). Then the whole dynamic linear (float32 activations in and out): the
 PyTorch code around the GEMV (w8a8.quantize_activations, the GEMV, the rescaling) against
 `int8_linear_dynamic`, the same in one C++ call (the same bits, checked). Each figure is the median
@@ -78,7 +79,7 @@ def main() -> None:
                 f"{name:22} {rows:>4} {statistics.median(theirs) * 1e6:>11.0f} {t_ours * 1e6:>11.0f} "
                 f"{n * k / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x"
             )
-    print(f"\n{args.threads} threads, torch {torch.__version__}")
+    print(f"\n{args.threads} threads, torch {torch.__version__}, {cpu_int8_gemv.name()}")
 
 
 def pytorch_linear(x: torch.Tensor, weight_t: torch.Tensor, sums: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

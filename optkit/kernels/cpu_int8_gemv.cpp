@@ -10,7 +10,9 @@
 // AVX2: no byte product sums exactly in 16 bits (vpmaddubsw saturates its pairs), so the weights are
 // widened to int16 (vpmovsxbw) and vpmaddwd multiplies them by the int16 activations, adding pairs into
 // int32: |a w| <= 2^14, and K <= 65,792 columns sum to at most 2^14 * K < 2^31.
-// Each output row n is read once and serves every activation row m (M <= kMaxRows, in registers).
+// Each output row n is read once and serves up to kMaxRows activation rows m (in registers): with VNNI
+// the operators take at most that many (past it oneDNN's GEMM is faster); on AVX2 any number, in passes
+// of kMaxRows (there oneDNN's int8 GEMM has no VNNI and is 20-27x slower at 4-8 rows).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 
 #if defined(__x86_64__)
@@ -31,6 +34,7 @@ namespace {
 // Activation rows one call takes: past 8 the activation loads bound it and oneDNN's GEMM is faster
 // (bench/cpu_int8_gemv.py: 1.2-1.7x _int_mm at 8 rows, 0.5-0.9x at 16).
 constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRowsAvx2 = std::numeric_limits<int32_t>::max();  // every prefill chunk
 constexpr int64_t kMaxColumns = 65792;  // K above which the int32 sum of shifted products could overflow
 // How far ahead of its loads a thread asks for the weight rows (bytes), as cpu_w4a8.cpp's kernel: the
 // hardware prefetcher alone falls short of the memory's bandwidth (bench/cpu_prefetch.py)
@@ -192,16 +196,21 @@ void products(int64_t isa, int64_t M, const at::Tensor& w, const at::Tensor& w_s
     run_rows(std::make_integer_sequence<int, kMaxRows>(), M, w.data_ptr<int8_t>(), u, w_sums.data_ptr<int32_t>(), acc,
              N, K);
   else
-    run_rows_avx2(std::make_integer_sequence<int, kMaxRows>(), M, w.data_ptr<int8_t>(), x, acc, N, K);
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows)  // each pass reads the weight once for up to kMaxRows rows
+      run_rows_avx2(std::make_integer_sequence<int, kMaxRows>(), std::min(kMaxRows, M - m0), w.data_ptr<int8_t>(),
+                    x + m0 * K, acc + m0 * N, N, K);
 #endif
 }
+
+// The most rows one call takes on `isa`
+int64_t max_rows(int64_t isa) { return isa == kAvx512Vnni ? kMaxRows : kMaxRowsAvx2; }
 
 // Checks a [M, K] (int8 or float32) against w int8 [N, K] row-major and w_sums int32 [N]
 void check_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor& w_sums, int64_t isa, const char* what) {
   TORCH_CHECK_VALUE(a.dim() == 2 && w.dim() == 2 && w.scalar_type() == at::kChar && a.size(1) == w.size(1), what,
                     ": a [M, K] and w int8 [N, K]; got ", a.sizes(), " and ", w.sizes());
   const int64_t M = a.size(0), K = a.size(1), N = w.size(0);
-  TORCH_CHECK_VALUE(M >= 1 && M <= kMaxRows && K >= 1 && K <= kMaxColumns, what, ": 1 to ", kMaxRows,
+  TORCH_CHECK_VALUE(M >= 1 && M <= max_rows(isa) && K >= 1 && K <= kMaxColumns, what, ": 1 to ", max_rows(isa),
                     " rows of 1 to ", kMaxColumns, " columns; got ", a.sizes());
   TORCH_CHECK_VALUE(w_sums.scalar_type() == at::kInt && w_sums.numel() == N && w_sums.is_contiguous(), what,
                     ": w_sums int32 [N]; got ", w_sums.sizes());
@@ -288,6 +297,6 @@ TORCH_LIBRARY(optkit_int8_gemv, m) {
   m.def("linear_dynamic(Tensor x, Tensor w, Tensor w_sums, Tensor w_scale, Tensor? bias, int isa) -> Tensor",
         &int8_linear_dynamic);
   m.def("cpu_isa() -> int", &cpu_isa);
-  m.def("max_rows() -> int", []() -> int64_t { return kMaxRows; });
+  m.def("max_rows(int isa) -> int", &max_rows);
   m.def("max_columns() -> int", []() -> int64_t { return kMaxColumns; });
 }

@@ -44,6 +44,23 @@ def test_equals_int_mm_at_every_row_count_and_column_tail(out_features, in_featu
     assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(qx, weight_t))
 
 
+@pytest.mark.parametrize("rows", [9, 17, 64])
+def test_avx2_takes_any_row_count_and_vnni_up_to_eight(isa, rows):
+    """On AVX2 every row count runs here (in passes of 8 rows), with _int_mm's int32 result; with VNNI
+    past 8 rows oneDNN's GEMM is faster, and the kernel stands aside."""
+    gen = torch.Generator().manual_seed(rows)
+    weight_t = column_major(torch.randint(-128, 128, (70, 96), generator=gen, dtype=torch.int8))
+    qx = torch.randint(-128, 128, (rows, 96), generator=gen, dtype=torch.int8)
+    assert cpu_int8_gemv.takes(qx, weight_t) == (isa == "avx2")
+    if isa == "avx2":
+        got = cpu_int8_gemv.int8_gemv(qx, weight_t, cpu_int8_gemv.weight_sums(weight_t))
+        assert torch.equal(got, torch._int_mm(qx, weight_t))
+        x = torch.randn(rows, 96, generator=gen)
+        scale = torch.rand(70, generator=gen) / 50
+        got = cpu_int8_gemv.int8_linear_dynamic(x, weight_t, cpu_int8_gemv.weight_sums(weight_t), scale, None)
+        assert torch.equal(got, pytorch_linear(x, weight_t, scale, None))
+
+
 @pytest.mark.parametrize(("weight", "activation"), [(-128, 127), (-128, -128), (127, -128)])
 def test_the_widest_row_it_takes_does_not_overflow(weight, activation):
     """The shifted products sum to -255 * 128 * K at the extremes (VNNI), the int16 ones to 2^14 * K
