@@ -277,9 +277,10 @@ def llama_cpp_rows(name: str, gguf: Path, args) -> list[dict]:
         start = time.perf_counter()
         decoder.generate(prompts, args.gen_len)
         elapsed = time.perf_counter() - start
-        # the step time as the engine's rows take it: the median decode step after the prompt's
-        rows.append({"run": name, "batch_size": size, "tokens_per_s": size * args.gen_len / elapsed,
-                     "step_s": statistics.median(decoder.step_times)})  # fmt: skip
+        row = {"run": name, "batch_size": size, "tokens_per_s": size * args.gen_len / elapsed}
+        if decoder.step_times:  # the step time as the engine's rows take it: the median step after the prompt's
+            row["step_s"] = statistics.median(decoder.step_times)
+        rows.append(row)
     decoder.close()
     return rows
 

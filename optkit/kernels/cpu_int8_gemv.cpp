@@ -12,7 +12,7 @@
 // int32: |a w| <= 2^14, and K <= 65,792 columns sum to at most 2^14 * K < 2^31.
 // Each output row n is read once and serves up to kMaxRows activation rows m (in registers): with VNNI
 // the operators take at most that many (past it oneDNN's GEMM is faster); on AVX2 any number, in passes
-// of kMaxRows (there oneDNN's int8 GEMM has no VNNI and is 20-27x slower at 4-8 rows).
+// of kMaxRows (there oneDNN's int8 GEMM has no VNNI and is 18-44x slower from 4 to 256 rows).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,8 +31,9 @@
 
 namespace {
 
-// Activation rows one call takes: past 8 the activation loads bound it and oneDNN's GEMM is faster
-// (bench/cpu_int8_gemv.py: 1.2-1.7x _int_mm at 8 rows, 0.5-0.9x at 16).
+// Activation rows one pass over the weight takes, and with VNNI one call: past 8 the activation loads
+// bound it and oneDNN's VNNI GEMM is faster (bench/cpu_int8_gemv.py: 1.2-1.7x _int_mm at 8 rows, 0.5-0.9x
+// at 16).
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kMaxRowsAvx2 = std::numeric_limits<int32_t>::max();  // every prefill chunk
 constexpr int64_t kMaxColumns = 65792;  // K above which the int32 sum of shifted products could overflow

@@ -8,8 +8,8 @@ decode step gets elsewhere, and on a CPU without VNNI (AMD Zen 3) a 262,144-row 
 (unsigned x signed bytes, so the activations go in shifted by 128 and each row's weight sum takes
 the shift back out) or, on AVX2, the weights widened to int16 and `vpmaddwd` (cpu_int8_gemv.cpp).
 The instruction set follows cpuid, capped to AVX2 by OPTKIT_CPU_ISA=avx2 or ATEN_CPU_CAPABILITY=avx2.
-It takes 1 to `max_rows()` rows: 8 with VNNI, any number on AVX2 (in passes of 8 rows: oneDNN's
-int8 GEMM without VNNI is slower at every size); more rows, CPUs without AVX2 and a failed build keep
+It takes 1 to `max_rows()` rows: 8 with VNNI, any number on AVX2 (in passes of 8 rows: there oneDNN's
+int8 GEMM is 18-44x slower from 4 to 256 rows); more rows, CPUs without AVX2 and a failed build keep
 `torch._int_mm`. `int8_linear_dynamic` is a dynamic W8A8 linear (w8a8.int8_linear) in one call, the
 PyTorch code's bits: at a decode step the ~10 ATen calls around the product (quantizing the
 activations, rescaling the int32 result) cost more than a small vocabulary's product itself.
@@ -48,7 +48,6 @@ def name() -> str:
     return f"optkit C++ int8 GEMV ({ISA_NAMES[selected_isa()]})"
 
 
-@functools.cache
 def max_rows() -> int:
     """The most rows a call takes: 8 with VNNI (past them oneDNN's GEMM is faster), any on AVX2."""
     return _max_rows(selected_isa())

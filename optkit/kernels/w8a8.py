@@ -8,8 +8,9 @@ same quantities in float, for tests and for devices without an int8 matmul. On C
 runs the Triton kernels instead (optkit/kernels/triton/w8a8.py: quantization, then the int8 matmul
 with the scales and bias in its epilogue) when triton imports and no `int_mm` is given. On the CPU
 `torch._int_mm` is oneDNN's (VNNI) and wants the weight column-major (`W8A8Linear.prepare`); at 1 to 8
-rows on AVX-512 VNNI and AVX2 CPUs optkit's int8 GEMV (cpu_int8_gemv.py) computes the same int32 result faster,
-and with dynamic activation scales the whole layer (quantization, product, rescaling) in one call.
+rows on AVX-512 VNNI CPUs, and at any row count on AVX2 ones, optkit's int8 GEMV (cpu_int8_gemv.py)
+computes the same int32 result faster, and with dynamic activation scales the whole layer
+(quantization, product, rescaling) in one call.
 """
 
 import torch
@@ -49,8 +50,8 @@ def int8_linear(
     weight_sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] float; weight_t int8 [K, N] (the transposed weight); weight_scale [N] fp32.
-    `int_mm` is the int8 matmul (default `torch._int_mm`, or at a few rows on AVX-512 VNNI and AVX2 CPUs
-    optkit's kernel, the same int32 result, where `weight_sums` (cpu_int8_gemv.weight_sums) is given)."""
+    `int_mm` is the int8 matmul (default `torch._int_mm`, or optkit's kernel where cpu_int8_gemv.takes
+    the rows, the same int32 result, where `weight_sums` (cpu_int8_gemv.weight_sums) is given)."""
     if int_mm is None and triton_kernels.use_triton(x) and weight_t.device == x.device:
         from optkit.kernels.triton import w8a8 as kernels
 
