@@ -332,8 +332,9 @@ void attend_head_avx512(const float* q, const T* k, const T* v, const int64_t* t
 #if defined(__x86_64__)
 #define OPTKIT_AVX2 __attribute__((target("avx2,fma")))
 
-// Avx512's operations 8 lanes wide, for CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3): the same
-// arithmetic in the same order within a lane, 8 partial sums where Avx512 keeps 16
+// Avx512's operations 8 lanes wide, for CPUs with AVX2 and FMA but not AVX-512 (AMD Zen 2 and 3): 8 partial
+// sums where Avx512 keeps 16, and 2^k by two products where Avx512 scales (bits of their own, as the
+// portable loops have theirs; each within float32 rounding of the reference)
 struct Avx2 {
   OPTKIT_AVX2 static __m256i first(int64_t count) {  // lanes below `count` set
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(count, 8))),
