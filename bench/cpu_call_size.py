@@ -69,12 +69,12 @@ def main():
     from cpu_prefetch import interleaved, step_packs, w4a8_step
     from cpu_real_shapes import read_bandwidth
 
-    from optkit.kernels import cpu_w4a8
+    from optkit.kernels import cpp_build, cpu_w4a8
 
     if cpu_w4a8.unavailable_reason():
         sys.exit(f"the W4A8 kernel does not run here: {cpu_w4a8.unavailable_reason()}")
     op = cpu_w4a8._linear_op()
-    print(f"W4A8 on {cpu_w4a8.ISA_NAMES[cpu_w4a8.selected_isa()]}; GB/s: weight bytes / the median step's time; "
+    print(f"W4A8 on {cpp_build.ISA_NAMES[cpu_w4a8.selected_isa()]}; GB/s: weight bytes / the median step's time; "
           "per call: (small - large) / (calls - large calls), and the floor of one call from this script")  # fmt: skip
     print(f"{'shape':14} {'threads':>7} {'read':>6} {'small calls':>17} {'large calls':>17} {'small/large':>11} "
           f"{'small/read':>10} {'per call':>9} {'floor':>7}")  # fmt: skip

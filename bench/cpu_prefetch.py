@@ -118,7 +118,7 @@ def main():
     import torch
     from cpu_real_shapes import read_bandwidth
 
-    from optkit.kernels import cpu_int8_gemv, cpu_w4a8
+    from optkit.kernels import cpp_build, cpu_int8_gemv, cpu_w4a8
 
     torch.set_num_threads(args.threads)
     if cpu_w4a8.unavailable_reason():
@@ -128,7 +128,7 @@ def main():
     head_runs = not cpu_int8_gemv.unavailable_reason()
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, {args.threads} threads; "
-          f"W4A8 on {cpu_w4a8.ISA_NAMES[cpu_w4a8.selected_isa()]}")  # fmt: skip
+          f"W4A8 on {cpp_build.ISA_NAMES[cpu_w4a8.selected_isa()]}")  # fmt: skip
     print(f"{'shape':14} {'kernel':18} {'MB':>6} {'no prefetch':>12} {'prefetch':>10} {'GB/s':>11} {'speed-up':>9}")
     for shape in args.shapes.split(","):
         hidden, _, _, _, vocab = SHAPES[shape]

@@ -297,6 +297,14 @@ def gguf_step_bytes(gguf_path: Path) -> int:
     return sum(tensors.values())
 
 
+def measured_around(threads: int, run, *run_args):
+    """run(*run_args)'s result, the read bandwidth measured before and after it (their mean), and the core-to-core
+    round trips (ns) before and after it: the machine as the run found it."""
+    before, trip_before = read_bandwidth(threads), round_trip_ns()
+    result = run(*run_args)
+    return result, (before + read_bandwidth(threads)) / 2, [trip_before, round_trip_ns()]
+
+
 def bench_shape(shape: str, args, log) -> dict:
     import importlib.util
 
@@ -322,10 +330,9 @@ def bench_shape(shape: str, args, log) -> dict:
             ttft[name] = optkit_ttft(path, dtype, args)
         if args.no_decode:
             continue
-        before, trip_before = read_bandwidth(args.threads), round_trip_ns()
-        found, about[name] = optkit_rows(name, path, dtype, args, with_vllm, log)
-        read[name] = (before + read_bandwidth(args.threads)) / 2
-        trips[name] = [trip_before, round_trip_ns()]
+        (found, about[name]), read[name], trips[name] = measured_around(
+            args.threads, optkit_rows, name, path, dtype, args, with_vllm, log
+        )
         rows += found
         step_bytes[name] = decode_step_bytes(path, dtype)
     for name, path in artifacts.items():
@@ -333,10 +340,8 @@ def bench_shape(shape: str, args, log) -> dict:
             if prefill_lens(args):
                 ttft[name] = llama_cpp_ttft(path, args)
             if not args.no_decode:
-                before, trip_before = read_bandwidth(args.threads), round_trip_ns()
-                rows += llama_cpp_rows(name, path, args)
-                read[name] = (before + read_bandwidth(args.threads)) / 2
-                trips[name] = [trip_before, round_trip_ns()]
+                found, read[name], trips[name] = measured_around(args.threads, llama_cpp_rows, name, path, args)
+                rows += found
                 step_bytes[name] = gguf_step_bytes(path)
     rows = median_rows(rows)
     for row in rows:

@@ -42,6 +42,16 @@ def capped_to_avx2() -> bool:
     return "avx2" in (os.environ.get("OPTKIT_CPU_ISA", ""), os.environ.get("ATEN_CPU_CAPABILITY", ""))
 
 
+# The values of the kernels' `isa` arguments and of their cpu_isa() (kernels/cpu_isa.h's Isa)
+ISA_NAMES = {1: "AVX2", 2: "AVX-512 VNNI"}
+
+
+def capped_isa(best: int) -> int:
+    """The instruction set a kernel runs: this CPU's `best` (a library's cpu_isa()), capped to AVX2 (1)
+    by capped_to_avx2()."""
+    return min(best, 1) if capped_to_avx2() else best
+
+
 def load(source: Path, prefix: str) -> str:
     """Build (or find) and load the library of `source`; "" when loaded, else why not, in one line."""
     return _build(source, prefix, python_module=False)[1]

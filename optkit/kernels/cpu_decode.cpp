@@ -43,6 +43,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_isa.h"
 #include "cpu_w4a8_tiles.h"
 
 namespace {
@@ -417,24 +418,6 @@ OPTKIT_AVX2 __attribute__((flatten)) void attend_head_avx2(const float* q, const
 }
 #endif
 
-bool cpu_has_avx512() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-#else
-  return false;
-#endif
-}
-
-bool cpu_has_avx2_fma() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return false;
-#endif
-}
-
 // Query heads [begin, end) of the B * Hq (task b * Hq + h: head h of sequence b), on this thread
 template <typename T>
 void attend_tasks(const T* qp, const T* kp, const T* vp, T* op, const int64_t* tables, const int64_t* lens,
@@ -453,7 +436,7 @@ void attend_tasks(const T* qp, const T* kp, const T* vp, T* op, const int64_t* t
     const T* v = vp + (h / group) * D;
     const int64_t* table = tables + b * nb;
 #if defined(__x86_64__)
-    static const bool avx2 = cpu_has_avx2_fma();
+    static const bool avx2 = cpu_isa::has_avx2_fma();
     if (avx512)
       attend_head_avx512<T>(q.data(), k, v, table, first, n, block_size, slot_stride, D, scale, scores.data(),
                             out.data());
@@ -538,7 +521,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* lp = lens.data_ptr<int64_t>();
   if (!out.defined()) out = at::empty({B, Hq, D}, q.options());
   const float s = static_cast<float>(scale);
-  static const bool cpu_avx512 = cpu_has_avx512();
+  static const bool cpu_avx512 = cpu_isa::has_avx512();
   avx512 = avx512 && cpu_avx512;
   if (q.scalar_type() == at::kFloat)
     decode_attention_heads(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
@@ -748,7 +731,7 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool avx512) {
   const at::Tensor x = logits.contiguous();
   const int64_t R = x.size(0), V = x.size(1);
   at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
-  avx512 = avx512 && cpu_has_avx512();
+  avx512 = avx512 && cpu_isa::has_avx512();
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
@@ -1136,7 +1119,7 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
       h.scalar_type() != at::kFloat || h.dim() != 2 || h.size(0) < 1 || h.size(0) > kOneRegionRows ||
       h.size(1) < 1 || k_caches[0].dim() != 4)
     return c10::nullopt;
-  static const int64_t best_isa = w4a8::cpu_isa();
+  static const int64_t best_isa = cpu_isa::best();
   if ((isa != w4a8::kAvx2 && isa != w4a8::kAvx512Vnni) || isa > best_isa) return c10::nullopt;  // the linear says why
   const int64_t M = h.size(0), H = h.size(1), Hq = num_heads, Hkv = k_caches[0].size(2), D = k_caches[0].size(3);
   for (int64_t l = 0; l < L; ++l) {
@@ -1183,7 +1166,7 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
   }
   const at::Tensor x0 = h.contiguous(), normed0 = rms_norm(x0, input_norms[0], eps, cast_first, offset);
   const float e = static_cast<float>(eps), off = static_cast<float>(offset), s = static_cast<float>(scale);
-  const bool attention_avx512 = avx512 && cpu_has_avx512();  // as attend()
+  const bool attention_avx512 = avx512 && cpu_isa::has_avx512();  // as attend()
   // one such region at a time in this process: two engines' steps at once (routing, a shadow model)
   // would put more spinning threads than CPUs; the second runs the regions' path
   if (one_region_running.exchange(true, std::memory_order_acquire)) return c10::nullopt;
@@ -1336,8 +1319,8 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
 TORCH_LIBRARY(optkit_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool cast_first, float offset) -> Tensor", &rms_norm);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
-  m.def("has_avx512() -> bool", &cpu_has_avx512);
-  m.def("has_avx2_fma() -> bool", &cpu_has_avx2_fma);
+  m.def("has_avx512() -> bool", &cpu_isa::has_avx512);
+  m.def("has_avx2_fma() -> bool", &cpu_isa::has_avx2_fma);
   m.def("stack_in_one_region(bool on) -> bool", &stack_in_one_region);
   m.def("one_region_steps() -> int", &one_region_steps);
   m.def("argmax(Tensor logits, bool avx512) -> Tensor", &argmax_rows);

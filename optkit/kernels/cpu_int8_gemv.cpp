@@ -25,6 +25,8 @@
 #include <limits>
 #include <utility>
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -41,20 +43,10 @@ constexpr int64_t kMaxColumns = 65792;  // K above which the int32 sum of shifte
 // hardware prefetcher alone falls short of the memory's bandwidth (bench/cpu_prefetch.py)
 constexpr int kPrefetchBytes = 4096;
 
-// The instruction sets of the products: cpu_isa() is this CPU's best, and each operator takes the one
-// to run (cpu_int8_gemv.py's selected_isa: the best, or AVX2 where OPTKIT_CPU_ISA=avx2 caps it)
-enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-
-int64_t cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2")) return kAvx2;
-#endif
-  return kNone;
-}
+// Each operator takes the instruction set to run (cpu_int8_gemv.py's selected_isa: the best, or AVX2
+// where OPTKIT_CPU_ISA=avx2 caps it)
+using cpu_isa::kAvx2;
+using cpu_isa::kAvx512Vnni;
 
 #if defined(__x86_64__)
 // Rows n of w [N, K] against MR shifted activation rows u [MR, K], 64 columns a step; the last K % 64
@@ -216,7 +208,7 @@ void check_gemv(const at::Tensor& a, const at::Tensor& w, const at::Tensor& w_su
   TORCH_CHECK_VALUE(w_sums.scalar_type() == at::kInt && w_sums.numel() == N && w_sums.is_contiguous(), what,
                     ": w_sums int32 [N]; got ", w_sums.sizes());
   TORCH_CHECK(w.is_contiguous(), "w: contiguous [N, K]");
-  static const int64_t best = cpu_isa();
+  static const int64_t best = cpu_isa::best();
   TORCH_CHECK(isa >= kAvx2 && isa <= best, what, ": instruction set ", isa, " (1 AVX2, 2 AVX-512 VNNI) not on this "
               "CPU, whose best is ", best);
 }
@@ -297,7 +289,7 @@ TORCH_LIBRARY(optkit_int8_gemv, m) {
   m.def("gemv(Tensor a, Tensor w, Tensor w_sums, int isa) -> Tensor", &int8_gemv);
   m.def("linear_dynamic(Tensor x, Tensor w, Tensor w_sums, Tensor w_scale, Tensor? bias, int isa) -> Tensor",
         &int8_linear_dynamic);
-  m.def("cpu_isa() -> int", &cpu_isa);
+  m.def("cpu_isa() -> int", &cpu_isa::best);
   m.def("max_rows(int isa) -> int", &max_rows);
   m.def("max_columns() -> int", []() -> int64_t { return kMaxColumns; });
 }

@@ -24,7 +24,6 @@ import torch
 from optkit.kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemv.cpp")
-ISA_NAMES = {1: "AVX2", 2: "AVX-512 VNNI"}
 
 
 @functools.cache
@@ -40,12 +39,11 @@ def unavailable_reason() -> str:
 def selected_isa() -> int:
     """1 (AVX2) or 2 (AVX-512 VNNI): the CPU's best, capped by OPTKIT_CPU_ISA / ATEN_CPU_CAPABILITY=avx2
     (callers check unavailable_reason() first)."""
-    best = int(torch.ops.optkit_int8_gemv.cpu_isa())
-    return min(best, 1) if cpp_build.capped_to_avx2() else best
+    return cpp_build.capped_isa(int(torch.ops.optkit_int8_gemv.cpu_isa()))
 
 
 def name() -> str:
-    return f"optkit C++ int8 GEMV ({ISA_NAMES[selected_isa()]})"
+    return f"optkit C++ int8 GEMV ({cpp_build.ISA_NAMES[selected_isa()]})"
 
 
 def max_rows() -> int:

@@ -68,7 +68,7 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
     bias_ptr = bias->data_ptr<float>();
   }
   TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
-  static const int64_t best_isa = cpu_isa();
+  static const int64_t best_isa = cpu_isa::best();
   TORCH_CHECK(isa <= best_isa, "this CPU lacks the requested instruction set");
 
   // the quantized activations: d [M, B] and xs [M, G] (float), then a [M, K] (int8). At decode's few
@@ -135,5 +135,5 @@ TORCH_LIBRARY(optkit_w4a8, m) {
   m.def("linear_out(Tensor x, Tensor weight, Tensor params, Tensor? bias, int n, int group_size, int isa, "
         "Tensor(a!) out) -> ()",
         &w4a8_linear_out);
-  m.def("cpu_isa() -> int", &cpu_isa);
+  m.def("cpu_isa() -> int", &cpu_isa::best);
 }

@@ -33,7 +33,6 @@ from optkit.kernels.cpu_int4 import contiguous_groups
 
 SOURCE = Path(__file__).with_name("cpu_w4a8.cpp")
 BLOCK, LANES = 32, 16  # columns per activation/weight block; outputs per tile
-ISA_NAMES = {1: "AVX2", 2: "AVX-512 VNNI"}
 # The kernel takes every row count (None): a prefill's rows reuse each weight block from registers, and
 # int8 dot products outrun fp32's GEMM at every size measured (docs/results.md, issue 20).
 MAX_KERNEL_ROWS: int | None = None
@@ -68,12 +67,11 @@ def selected_isa() -> int:
     """1 (AVX2) or 2 (AVX-512 VNNI): the CPU's best, capped by OPTKIT_CPU_ISA / ATEN_CPU_CAPABILITY=avx2."""
     reason = _build()
     assert not reason, reason  # callers check unavailable_reason() first
-    best = int(torch.ops.optkit_w4a8.cpu_isa())
-    return min(best, 1) if cpp_build.capped_to_avx2() else best
+    return cpp_build.capped_isa(int(torch.ops.optkit_w4a8.cpu_isa()))
 
 
 def name() -> str:
-    return f"cpu-w4a8 (optkit C++, {ISA_NAMES[selected_isa()]}, int8 activations per 32 columns)"
+    return f"cpu-w4a8 (optkit C++, {cpp_build.ISA_NAMES[selected_isa()]}, int8 activations per 32 columns)"
 
 
 def pack(

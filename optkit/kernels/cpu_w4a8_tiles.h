@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -25,18 +27,8 @@ constexpr int kTileBytes = 256;  // one tile's block: 16 lanes x 32 columns x 4 
 constexpr int kPrefetchBytes = 4096;
 
 
-enum Isa : int64_t { kNone = 0, kAvx2 = 1, kAvx512Vnni = 2 };
-
-inline int64_t cpu_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return kAvx512Vnni;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-#endif
-  return kNone;
-}
+using cpu_isa::kAvx2;
+using cpu_isa::kAvx512Vnni;
 
 // Activation quantization of one row, as ggml's q8_0: per block d = max|x| / 127, a = round(x / d)
 // (to nearest even), and the per-group sums xs.
