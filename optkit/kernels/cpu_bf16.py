@@ -15,13 +15,16 @@ same exact products, summed in fp32 as the bf16 kernel sums them, rounded once t
 packed weight is kept: no second copy.
 
 `pack_linears` is the wrapper: it swaps each bf16 `nn.Linear` of a CPU model for a
-`PackedBf16Linear` where this PyTorch has oneDNN's bf16 path; elsewhere the model keeps `F.linear`
-(the path the tests compare with).
+`PackedBf16Linear` where this PyTorch has oneDNN's bf16 path; where it has none (a CPU without
+AVX-512) for optkit's AVX2 kernel (kernels/cpu_bf16_gemv.py, the weight as it is); elsewhere the
+model keeps `F.linear` (the path the tests compare with).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from optkit.kernels import cpu_bf16_gemv
 
 NAME = "oneDNN bf16 inner product (weight packed at load)"
 UPCAST_NAME = "fp32 GEMM on the weight unpacked to fp32 (many rows)"
@@ -94,10 +97,21 @@ def packable(module: nn.Module) -> bool:
     )
 
 
+def fast_linear_class() -> type[nn.Module] | None:
+    """The bf16 linear that runs fastest here: oneDNN's packed one, else optkit's AVX2 kernel, else
+    none (`F.linear`)."""
+    if available():
+        return PackedBf16Linear
+    if not cpu_bf16_gemv.unavailable_reason():
+        return cpu_bf16_gemv.GemvBf16Linear
+    return None
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Swap every bf16 CPU `nn.Linear` of `model` for a `PackedBf16Linear` (in place); how many.
-    Nothing where oneDNN has no bf16 path here."""
-    if not available():
+    """Swap every bf16 CPU `nn.Linear` of `model` for `fast_linear_class()` (in place); how many.
+    Nothing where there is none."""
+    linear_class = fast_linear_class()
+    if linear_class is None:
         return 0
     swaps = [
         (parent, name, child)
@@ -106,5 +120,13 @@ def pack_linears(model: nn.Module) -> int:
         if packable(child)
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedBf16Linear.from_linear(child))
+        setattr(parent, name, linear_class.from_linear(child))
     return len(swaps)
+
+
+def head_linear(embedding: torch.Tensor) -> nn.Module:
+    """A tied head over the bf16 `embedding` [vocab, hidden] through `fast_linear_class()`: a packed
+    copy for oneDNN (vocab x hidden bf16 more memory), the embedding itself for the AVX2 kernel."""
+    linear_class = fast_linear_class()
+    assert linear_class is not None, "callers check fast_linear_class() first"
+    return linear_class(embedding)

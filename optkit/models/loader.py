@@ -85,13 +85,14 @@ def load_runtime_model(
 
 def pack_bf16_linears(model: CausalLM) -> int:
     """bf16 on the CPU: every full-precision linear, and the output head, through oneDNN with its
-    weight packed once (kernels/cpu_bf16.py: faster than a plain bf16 GEMV at one row, which is no
-    faster than fp32's; docs/results.md). A tied head gets a packed copy of the embedding (vocab x hidden bf16
-    more memory; the lookup keeps the plain table). How many linears were packed; none where this
-    CPU has no oneDNN bf16 path."""
+    weight packed once, or where oneDNN has no bf16 path through optkit's AVX2 kernel
+    (kernels/cpu_bf16.py: both faster than a plain bf16 GEMV at one row, which is no faster than
+    fp32's; docs/results.md). A tied head gets a packed copy of the embedding (vocab x hidden bf16
+    more memory; the lookup keeps the plain table) or, for the AVX2 kernel, the embedding itself. How
+    many linears were swapped; none where this CPU has neither path."""
     packed = cpu_bf16.pack_linears(model)
     if packed and getattr(model, "lm_head", False) is None:
-        model.lm_head = cpu_bf16.PackedBf16Linear(model.get_input_embeddings().weight.detach())
+        model.lm_head = cpu_bf16.head_linear(model.get_input_embeddings().weight.detach())
         packed += 1
     return packed
 
