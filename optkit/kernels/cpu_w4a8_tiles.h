@@ -146,6 +146,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_av
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(pr.y + (m0 + r) * pr.N + n0, mask, _mm512_add_ps(acc[r], bias));
 }
 
+// An empty instruction that takes v in a register and gives it back: GCC can no longer see through
+// it, so the sums before it are not reassociated with those after
+__attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
 // into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
 // widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
@@ -214,6 +218,73 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
   }
 }
 
+// tile_avx2's sums for 2 to 4 rows, arranged for AVX2's 16 registers: one 8-lane half of the tile at
+// a time, each 8-column chunk's nibbles unpacked into 2 registers and used by every row at once, the
+// rows' int16 sums, block sums and totals (3 MR registers) kept in registers. The same bits as
+// tile_avx2 (the int16 sums are exact in any order). Without keep_in_register GCC reassociates the
+// int16 sums across the rows into a tree whose 32 products spill to the stack (1.1-1.6x slower).
+template <int MR, bool BF16>
+__attribute__((target("avx2,fma"))) void tile_avx2_rows(const Problem& pr, int64_t t, int64_t m0) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* wt = pr.w + t * pr.B * kTileBytes;
+  const int64_t n0 = t * kLanes;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < pr.G; ++g) {
+      __m256 gacc[MR];
+      for (int r = 0; r < MR; ++r) gacc[r] = _mm256_setzero_ps();
+      for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
+        const uint8_t* wb = wt + b * kTileBytes + 32 * h;
+        if (h == 0)  // the second half's pass finds the tile's column in the caches
+          for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
+        __m256i s16[MR];
+        for (int i = 0; i < 4; ++i) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * i));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* ab = reinterpret_cast<const int32_t*>(pr.a + (m0 + r) * pr.K + b * kBlock);
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(ab[2 * i])),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(ab[2 * i + 1])));
+            s16[r] = i == 0 ? p : _mm256_add_epi16(s16[r], p);
+            keep_in_register(s16[r]);
+          }
+        }
+        for (int r = 0; r < MR; ++r) {
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+          gacc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(pr.d[(m0 + r) * pr.B + b]), gacc[r]);
+        }
+      }
+      __m256 s, sz;
+      if constexpr (BF16) {
+        const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
+        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
+        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
+        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
+        sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
+      } else {
+        const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
+        s = _mm256_loadu_ps(pg + 8 * h);
+        sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
+      }
+      for (int r = 0; r < MR; ++r) {
+        acc[r] = _mm256_fmadd_ps(gacc[r], s, acc[r]);
+        acc[r] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r]);
+      }
+    }
+    const int64_t first = n0 + 8 * h;
+    const int64_t valid = pr.N - first < 8 ? pr.N - first : 8;
+    for (int r = 0; r < MR; ++r) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[r]);
+      float* yr = pr.y + (m0 + r) * pr.N + first;
+      for (int64_t l = 0; l < valid; ++l) yr[l] = out[l] + (pr.bias ? pr.bias[first + l] : 0.f);
+    }
+  }
+}
+
 #endif  // __x86_64__
 
 // Rows in chunks of 4 (a weight block loaded once serves 4 rows from registers), then the rest.
@@ -266,8 +337,10 @@ void run_tile_range(const Problem& pr, int64_t begin, int64_t end, int64_t isa) 
   for (int64_t t = begin; t < end; ++t) {
     if (isa == kAvx512Vnni)
       OPTKIT_ROW_CHUNKS(tile_avx512);
+    else if (pr.M == 1)
+      tile_avx2<1, BF16>(pr, t, 0);
     else
-      OPTKIT_ROW_CHUNKS(tile_avx2);
+      OPTKIT_ROW_CHUNKS(tile_avx2_rows);
   }
 #endif
 }
