@@ -151,6 +151,8 @@ def show(result: dict) -> None:
         v = result["vllm"]
         loads = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in v["load_s"].items())
         console().print(f"vLLM {v['version']} in {v['dtype']} (loads: {loads})")
+        for name, message in v.get("refused", {}).items():
+            console().print(f"{name} refused the model: {message}")
     for kernel, count in result.get("kernels", {}).items():
         console().print(f"{count} layers: {kernel}")
     if result.get("decode_operators"):

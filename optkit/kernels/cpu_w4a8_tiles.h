@@ -153,6 +153,8 @@ __attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { __asm
 // ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
 // into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
 // widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
+// run_tile_range calls it for one row (decode, bound by the weight's stream); 2 to 4 rows take
+// tile_avx2_rows, whose registers hold them.
 template <int MR, bool BF16>
 __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t, int64_t m0) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);

@@ -29,24 +29,30 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
     """(rows, about): for each setting, every batch size of `prompts` (batch size -> prompts) through
     vLLM (config: the BenchConfig, whose vllm_python runs it; model_config: the model's ModelConfig);
     `about` says which vLLM ran, in which dtype, and how long each load took."""
-    from optkit.engines.vllm import VllmWorker
+    from optkit.engines.vllm import VllmRefused, VllmWorker
+    from optkit.errors import OptkitError
     from optkit.runtime.benchmark import percentiles
 
     dtype = vllm_dtype_for(path, config.dtype)
     largest = max(len(batch) for batch in prompts.values())
     tokens = largest * (config.prompt_len + config.gen_len)
-    rows, loads = [], {}
+    rows, loads, refused = [], {}, {}
     with VllmWorker(config.vllm_python, engine_process=True) as worker:  # vLLM's default settings
         for name, eager in SETTINGS.items():
             log(f"loading {name} ({dtype})")
-            info = worker.load(
-                path,
-                dtype=dtype,
-                max_model_len=config.prompt_len + config.gen_len,
-                kv_cache_memory_bytes=kv_cache_bytes(model_config, tokens),
-                enforce_eager=eager,
-                seed=config.seed,
-            )
+            try:
+                info = worker.load(
+                    path,
+                    dtype=dtype,
+                    max_model_len=config.prompt_len + config.gen_len,
+                    kv_cache_memory_bytes=kv_cache_bytes(model_config, tokens),
+                    enforce_eager=eager,
+                    seed=config.seed,
+                )
+            except VllmRefused as e:  # the worker is still up: the next setting may load
+                refused[name] = e.vllm_message
+                log(f"{name} refused the model: {e.vllm_message}")
+                continue
             loads[name] = info["load_s"]
             worker.bench(warm, max_tokens=config.gen_len)  # first-call costs are not throughput
             for batch_size, batch in prompts.items():
@@ -63,5 +69,9 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
                         "tpot_s": percentiles(timing["tpot_s"]),
                     }
                 )
+        if not loads:
+            raise OptkitError(f"vLLM refused the model at every setting: {refused['vLLM --enforce-eager']}")
         about = {"version": worker.hello["vllm"], "dtype": dtype, "load_s": loads}
+        if refused:
+            about["refused"] = refused
     return rows, about

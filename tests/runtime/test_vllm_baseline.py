@@ -17,6 +17,9 @@ for line in sys.stdin:
     op = request["op"]
     log.write(line)
     log.flush()
+    if op == "load" and REFUSE and (REFUSE == "all" or not request["enforce_eager"]):
+        print(json.dumps({"ok": False, "op": op, "error": "RuntimeError: Observed exception (compiling)"}), flush=True)
+        continue
     if op == "load":
         if DIE_ON_LOAD:
             sys.stderr.write("RuntimeError: the engine core died\\n")
@@ -35,10 +38,11 @@ for line in sys.stdin:
 """
 
 
-def _fake_python(tmp_path, die_on_load: bool = False):
-    """An executable that, run as vLLM's python on the worker script, runs the fake worker instead."""
+def _fake_python(tmp_path, die_on_load: bool = False, refuse: str = ""):
+    """An executable that, run as vLLM's python on the worker script, runs the fake worker instead;
+    `refuse`: "compiled" (it refuses loads at vLLM's default settings) or "all"."""
     script = tmp_path / "fake_worker.py"
-    script.write_text(f"DIE_ON_LOAD = {die_on_load}\n" + textwrap.dedent(FAKE_WORKER))
+    script.write_text(f"DIE_ON_LOAD = {die_on_load}\nREFUSE = {refuse!r}\n" + textwrap.dedent(FAKE_WORKER))
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "{tmp_path / "requests.jsonl"}"\n')
     python.chmod(0o755)
@@ -101,4 +105,31 @@ def test_bench_with_a_worker_that_dies_is_one_line(run_cli, draft_dir, tmp_path)
         "--prompt-len", "4", "--gen-len", "2", "--device", "cpu",
     )  # fmt: skip
     assert code == 2 and "the engine core died" in err, err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_a_setting_vllm_refuses_is_said_and_the_other_still_runs(run_cli, draft_dir, tmp_path):
+    python, _ = _fake_python(tmp_path, refuse="compiled")
+    args = ["bench", draft_dir, "--baseline", "vllm", "--vllm-python", python, "--batch-sizes", "1",
+            "--prompt-len", "4", "--gen-len", "2", "--device", "cpu"]  # fmt: skip
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert {r["run"] for r in result["rows"]} == {"optkit", "vLLM --enforce-eager"}
+    assert list(result["vllm"]["refused"]) == ["vLLM"]  # vLLM's words after the model's path
+    assert result["vllm"]["refused"]["vLLM"].endswith(": RuntimeError: Observed exception (compiling)")
+    assert list(result["vllm"]["load_s"]) == ["vLLM --enforce-eager"]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    said = " ".join(out.split())
+    assert "vLLM refused the model:" in said and "Observed exception (compiling)" in said
+
+
+def test_vllm_refusing_every_setting_is_one_line(run_cli, draft_dir, tmp_path):
+    python, _ = _fake_python(tmp_path, refuse="all")
+    code, out, err = run_cli(
+        "bench", draft_dir, "--baseline", "vllm", "--vllm-python", python, "--batch-sizes", "1",
+        "--prompt-len", "4", "--gen-len", "2", "--device", "cpu",
+    )  # fmt: skip
+    assert code == 2 and "vLLM refused the model at every setting" in err, err
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
