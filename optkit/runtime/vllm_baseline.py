@@ -7,7 +7,13 @@ TPOT the mean time per later token, both measured in the worker."""
 
 from pathlib import Path
 
+from optkit.errors import OptkitError
+
 SETTINGS = {"vLLM": False, "vLLM --enforce-eager": True}  # run name -> enforce_eager
+
+
+class VllmRefusedEverySetting(OptkitError):
+    """vLLM refused the model at each of SETTINGS (its load or its first request)."""
 
 
 def kv_cache_bytes(config, tokens: int) -> int:
@@ -30,7 +36,6 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
     vLLM (config: the BenchConfig, whose vllm_python runs it; model_config: the model's ModelConfig);
     `about` says which vLLM ran, in which dtype, and how long each load took."""
     from optkit.engines.vllm import VllmRefused, VllmWorker
-    from optkit.errors import OptkitError
     from optkit.runtime.benchmark import percentiles
 
     dtype = vllm_dtype_for(path, config.dtype)
@@ -49,12 +54,12 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
                     enforce_eager=eager,
                     seed=config.seed,
                 )
-            except VllmRefused as e:  # the worker is still up: the next setting may load
+                worker.bench(warm, max_tokens=config.gen_len)  # first-call costs are not throughput
+            except VllmRefused as e:  # the worker is still up: the next setting may run
                 refused[name] = e.vllm_message
                 log(f"{name} refused the model: {e.vllm_message}")
                 continue
             loads[name] = info["load_s"]
-            worker.bench(warm, max_tokens=config.gen_len)  # first-call costs are not throughput
             for batch_size, batch in prompts.items():
                 log(f"batch {batch_size}: {name}")
                 timing = worker.bench(batch, max_tokens=config.gen_len)
@@ -70,7 +75,7 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
                     }
                 )
         if not loads:
-            raise OptkitError(f"vLLM refused the model at every setting: {refused['vLLM --enforce-eager']}")
+            raise VllmRefusedEverySetting(f"vLLM refused the model at every setting: {refused['vLLM --enforce-eager']}")
         about = {"version": worker.hello["vllm"], "dtype": dtype, "load_s": loads}
         if refused:
             about["refused"] = refused

@@ -17,8 +17,13 @@ for line in sys.stdin:
     op = request["op"]
     log.write(line)
     log.flush()
-    if op == "load" and REFUSE and (REFUSE == "all" or not request["enforce_eager"]):
+    if op == "load" and REFUSE and not request["enforce_eager"]:
         print(json.dumps({"ok": False, "op": op, "error": "RuntimeError: Observed exception (compiling)"}), flush=True)
+        continue
+    if op == "load":
+        eager = request["enforce_eager"]
+    if op == "bench" and REFUSE == "all" and eager:  # loads eager, fails at its first request
+        print(json.dumps({"ok": False, "op": op, "error": "AttributeError: no cpu_gemm_wna16"}), flush=True)
         continue
     if op == "load":
         if DIE_ON_LOAD:
@@ -40,7 +45,8 @@ for line in sys.stdin:
 
 def _fake_python(tmp_path, die_on_load: bool = False, refuse: str = ""):
     """An executable that, run as vLLM's python on the worker script, runs the fake worker instead;
-    `refuse`: "compiled" (it refuses loads at vLLM's default settings) or "all"."""
+    `refuse`: "compiled" (it refuses loads at vLLM's default settings) or "all" (eager it loads, then
+    refuses the first request)."""
     script = tmp_path / "fake_worker.py"
     script.write_text(f"DIE_ON_LOAD = {die_on_load}\nREFUSE = {refuse!r}\n" + textwrap.dedent(FAKE_WORKER))
     python = tmp_path / "python"
@@ -131,5 +137,5 @@ def test_vllm_refusing_every_setting_is_one_line(run_cli, draft_dir, tmp_path):
         "bench", draft_dir, "--baseline", "vllm", "--vllm-python", python, "--batch-sizes", "1",
         "--prompt-len", "4", "--gen-len", "2", "--device", "cpu",
     )  # fmt: skip
-    assert code == 2 and "vLLM refused the model at every setting" in err, err
+    assert code == 2 and "vLLM refused the model at every setting: AttributeError: no cpu_gemm_wna16" in err, err
     assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1
