@@ -150,21 +150,38 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma"))) void tile_av
 // it, so the sums before it are not reassociated with those after
 __attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
+// A group's scale s and scale x zero point sz for the 8 lanes of half h (0 or 1) of tile t, from
+// float32 params [T, G, 2, 16] or uint8 [T, G, 48] (16 bf16 scales, then 16 int8 zero points)
+template <bool BF16>
+__attribute__((target("avx2,fma"))) inline void group_scales_avx2(const Problem& pr, int64_t t, int64_t g, int h,
+                                                                 __m256& s, __m256& sz) {
+  if constexpr (BF16) {  // bf16 -> float32: the 16 bits shifted to the top of each lane
+    const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
+    const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
+    s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
+    const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
+    sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
+  } else {
+    const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
+    s = _mm256_loadu_ps(pg + 8 * h);
+    sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
+  }
+}
+
 // ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
 // into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
 // widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
-// run_tile_range calls it for one row (decode, bound by the weight's stream); 2 to 4 rows take
-// tile_avx2_rows, whose registers hold them.
-template <int MR, bool BF16>
-__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t, int64_t m0) {
+// tile_avx2 takes the one row of a decode step (bound by the weight's stream: both halves from each
+// 64 bytes while they are in L1); 2 to 4 rows take tile_avx2_rows, whose registers hold them.
+template <bool BF16>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const uint8_t* wt = pr.w + t * pr.B * kTileBytes;
+  const int32_t* a = reinterpret_cast<const int32_t*>(pr.a);
   for (int64_t g = 0; g < pr.G; ++g) {
-    __m256 gacc[MR][2];
-    for (int r = 0; r < MR; ++r) gacc[r][0] = gacc[r][1] = _mm256_setzero_ps();
+    __m256 gacc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
       const uint8_t* wb = wt + b * kTileBytes;
       for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
@@ -175,49 +192,32 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t,
           lo[i] = _mm256_and_si256(v, nibble);
           hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         }
-        for (int r = 0; r < MR; ++r) {
-          const int32_t* ab = reinterpret_cast<const int32_t*>(pr.a + (m0 + r) * pr.K + b * kBlock);
-          __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(ab[0]));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(ab[1])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(ab[2])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(ab[3])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(ab[4])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(ab[5])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(ab[6])));
-          s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(ab[7])));
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-          gacc[r][h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(pr.d[(m0 + r) * pr.B + b]), gacc[r][h]);
-        }
+        const int32_t* ab = a + b * (kBlock / 4);
+        __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(ab[0]));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(ab[1])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(ab[2])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(ab[3])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(ab[4])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(ab[5])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(ab[6])));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(ab[7])));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+        gacc[h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(pr.d[b]), gacc[h]);
       }
     }
     for (int h = 0; h < 2; ++h) {
       __m256 s, sz;
-      if constexpr (BF16) {
-        const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
-        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
-        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
-        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
-        sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
-      } else {
-        const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
-        s = _mm256_loadu_ps(pg + 8 * h);
-        sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
-      }
-      for (int r = 0; r < MR; ++r) {
-        acc[r][h] = _mm256_fmadd_ps(gacc[r][h], s, acc[r][h]);
-        acc[r][h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r][h]);
-      }
+      group_scales_avx2<BF16>(pr, t, g, h, s, sz);
+      acc[h] = _mm256_fmadd_ps(gacc[h], s, acc[h]);
+      acc[h] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[g]), acc[h]);
     }
   }
   const int64_t n0 = t * kLanes;
   const int64_t valid = pr.N - n0 < kLanes ? pr.N - n0 : kLanes;
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float out[kLanes];
-    _mm256_store_ps(out, acc[r][0]);
-    _mm256_store_ps(out + 8, acc[r][1]);
-    float* yr = pr.y + (m0 + r) * pr.N + n0;
-    for (int64_t l = 0; l < valid; ++l) yr[l] = out[l] + (pr.bias ? pr.bias[n0 + l] : 0.f);
-  }
+  alignas(32) float out[kLanes];
+  _mm256_store_ps(out, acc[0]);
+  _mm256_store_ps(out + 8, acc[1]);
+  for (int64_t l = 0; l < valid; ++l) pr.y[n0 + l] = out[l] + (pr.bias ? pr.bias[n0 + l] : 0.f);
 }
 
 // tile_avx2's sums for 2 to 4 rows, arranged for AVX2's 16 registers: one 8-lane half of the tile at
@@ -260,17 +260,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2_rows(const Problem& pr, int64
         }
       }
       __m256 s, sz;
-      if constexpr (BF16) {
-        const uint8_t* pg = static_cast<const uint8_t*>(pr.p) + (t * pr.G + g) * 3 * kLanes;
-        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 16 * h));
-        s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s16), 16));
-        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(pg + 2 * kLanes + 8 * h));
-        sz = _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8)));
-      } else {
-        const float* pg = static_cast<const float*>(pr.p) + (t * pr.G + g) * 2 * kLanes;
-        s = _mm256_loadu_ps(pg + 8 * h);
-        sz = _mm256_loadu_ps(pg + kLanes + 8 * h);
-      }
+      group_scales_avx2<BF16>(pr, t, g, h, s, sz);
       for (int r = 0; r < MR; ++r) {
         acc[r] = _mm256_fmadd_ps(gacc[r], s, acc[r]);
         acc[r] = _mm256_fnmadd_ps(sz, _mm256_set1_ps(pr.xs[(m0 + r) * pr.G + g]), acc[r]);
@@ -340,7 +330,7 @@ void run_tile_range(const Problem& pr, int64_t begin, int64_t end, int64_t isa) 
     if (isa == kAvx512Vnni)
       OPTKIT_ROW_CHUNKS(tile_avx512);
     else if (pr.M == 1)
-      tile_avx2<1, BF16>(pr, t, 0);
+      tile_avx2<BF16>(pr, t);
     else
       OPTKIT_ROW_CHUNKS(tile_avx2_rows);
   }

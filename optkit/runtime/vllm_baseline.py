@@ -78,7 +78,8 @@ def vllm_rows(path: Path, config, prompts: dict[int, list[list[int]]], warm, mod
                     }
                 )
         if not loads:
-            raise VllmRefusedEverySetting(f"vLLM refused the model at every setting: {refused['vLLM --enforce-eager']}")
+            last_refusal = list(refused.values())[-1]
+            raise VllmRefusedEverySetting(f"vLLM refused the model at every setting: {last_refusal}")
         about = {"version": worker.hello["vllm"], "dtype": dtype, "load_s": loads}
         if refused:
             about["refused"] = refused
