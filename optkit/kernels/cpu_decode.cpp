@@ -410,11 +410,82 @@ struct Avx2 {
 
 // attend_head with Avx2's operations inlined (as attend_head_avx512_any)
 template <typename T>
-OPTKIT_AVX2 __attribute__((flatten)) void attend_head_avx2(const float* q, const T* k, const T* v, const int64_t* table,
-                                                           int64_t first, int64_t n, int64_t block_size,
-                                                           int64_t slot_stride, int64_t D, float scale, float* scores,
-                                                           float* out) {
+OPTKIT_AVX2 __attribute__((flatten)) void attend_head_avx2_any(const float* q, const T* k, const T* v,
+                                                               const int64_t* table, int64_t first, int64_t n,
+                                                               int64_t block_size, int64_t slot_stride, int64_t D,
+                                                               float scale, float* scores, float* out) {
   attend_head<Avx2, T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+}
+
+// Key t's score: its 8-lane FMA chain over the NV vectors of q, summed as Avx2::dot sums, times scale
+template <int NV, typename T>
+OPTKIT_AVX2 inline float score_avx2(const float* q, const T* kt, float scale) {
+  __m256 dot = _mm256_setzero_ps();
+  for (int i = 0; i < NV; ++i) dot = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * i), Avx2::load(kt + 8 * i, 8), dot);
+  return Avx2::sum(dot) * scale;
+}
+
+// attend_head<Avx2> for D = 8 NV (NV a multiple of 8), the same operations in the same order, so the same
+// bits, arranged for AVX2's 16 registers. One key's score is a chain of NV dependent FMAs (4 cycles each),
+// so four keys' chains run side by side; the weighted sum of V goes in slices of 64 dims whose partial
+// sums stay in 8 registers over every key (attend_head's axpy stores and reloads `out` for each key: a
+// chain through memory that bound the loop, as on AVX-512).
+template <int NV, typename T>
+OPTKIT_AVX2 __attribute__((flatten)) void attend_head_avx2_fixed(const float* q, const T* k, const T* v,
+                                                                  const int64_t* table, int64_t first, int64_t n,
+                                                                  int64_t block_size, int64_t slot_stride, float scale,
+                                                                  float* scores, float* out) {
+  static_assert(NV % 8 == 0, "slices of 8 vectors");
+  float top = -INFINITY;
+  for (int64_t j = first / block_size; j * block_size < n; ++j) {
+    const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+    const T* kb = k + (table[j] * block_size - j * block_size) * slot_stride;  // + t * slot_stride: key t
+    int64_t t = start;
+    for (; t + 4 <= stop; t += 4) {
+      const T* k0 = kb + t * slot_stride;
+      __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int i = 0; i < NV; ++i) {
+        const __m256 qi = _mm256_loadu_ps(q + 8 * i);
+        for (int r = 0; r < 4; ++r) dot[r] = _mm256_fmadd_ps(qi, Avx2::load(k0 + r * slot_stride + 8 * i, 8), dot[r]);
+      }
+      for (int r = 0; r < 4; ++r) {
+        const float s = Avx2::sum(dot[r]) * scale;
+        scores[t + r - first] = s;
+        top = std::max(top, s);
+      }
+    }
+    for (; t < stop; ++t) {
+      const float s = score_avx2<NV>(q, kb + t * slot_stride, scale);
+      scores[t - first] = s;
+      top = std::max(top, s);
+    }
+  }
+  const float total = Avx2::exp_and_sum(scores, n - first, top);
+  const __m256 inv = _mm256_set1_ps(1.f / total);
+  for (int slice = 0; slice < NV / 8; ++slice) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = first / block_size; j * block_size < n; ++j) {
+      const int64_t start = std::max(j * block_size, first), stop = std::min((j + 1) * block_size, n);
+      const T* vb = v + (table[j] * block_size - j * block_size) * slot_stride + 64 * slice;
+      for (int64_t t = start; t < stop; ++t) {
+        const __m256 p = _mm256_set1_ps(scores[t - first]);
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, Avx2::load(vb + t * slot_stride + 8 * i, 8), acc[i]);
+      }
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 64 * slice + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+}
+
+template <typename T>
+void attend_head_avx2(const float* q, const T* k, const T* v, const int64_t* table, int64_t first, int64_t n,
+                      int64_t block_size, int64_t slot_stride, int64_t D, float scale, float* scores, float* out) {
+  switch (D) {  // the head dims of the families (as attend_head_avx512); any other takes the loops
+    case 64: return attend_head_avx2_fixed<8, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    case 128: return attend_head_avx2_fixed<16, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    case 256: return attend_head_avx2_fixed<32, T>(q, k, v, table, first, n, block_size, slot_stride, scale, scores, out);
+    default: return attend_head_avx2_any<T>(q, k, v, table, first, n, block_size, slot_stride, D, scale, scores, out);
+  }
 }
 #endif
 

@@ -50,7 +50,7 @@ def calls(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("dim", [64, 40])  # 40: a masked tail after two full vectors
+@pytest.mark.parametrize("dim", [64, 40, 256])  # 40: a masked tail after two full vectors; 256: Gemma's
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("window", [None, 5, 64])
 def test_decode_attention_equals_the_reference(isa, calls, dtype, heads, dim, block_size, window):
@@ -118,6 +118,19 @@ def test_every_rms_norm_of_the_families_takes_the_operator_and_rounds_as_pytorch
 
 
 SPECIAL_VALUES = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.7, -88.7, 89.0, -104.0, 1e30, -1e30, 1e-40]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_the_attention_of_the_families_head_dims_has_the_general_loops_bits(isa, dtype, dim):
+    """The head dims of the families (64, 128, 256) take loops of their own (registers for the query
+    and the output, keys four at a time); dims 8 past them, zero in q, K and V, take the general loops,
+    which give the same first `dim` outputs to the bit (each lane's sum gains only + 0 · 0)."""
+    q, k_cache, v_cache, meta = decode_step([1, 37, 16, 100, 9], 16, (9, 3), dim, dtype, seed=dim)
+    padded = [F.pad(t, (0, 8)) for t in (q, k_cache, v_cache)]
+    got = paged_attention(q, k_cache, v_cache, meta, 0.1, window=64)
+    general = paged_attention(*padded, meta, 0.1, window=64)
+    assert torch.equal(got, general[..., :dim])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
