@@ -947,10 +947,15 @@ void multiply_in_place(at::Tensor& gate, const at::Tensor& up) {
     run(gate.data_ptr<BFloat16>(), up.data_ptr<BFloat16>());
 }
 
-// Whether ATen's own kernels run at AVX-512 (its silu then takes Sleef_expf16_u10 for e^x), asked once.
+// Whether ATen's own kernels run at AVX-512 (its silu then takes Sleef_expf16_u10 for e^x), or at AVX2
+// (Sleef_expf8_u10), asked once.
 bool aten_runs_avx512() {
   static const bool avx512 = at::get_cpu_capability() == "AVX512";
   return avx512;
+}
+bool aten_runs_avx2() {
+  static const bool avx2 = at::get_cpu_capability() == "AVX2";
+  return avx2;
 }
 
 #if defined(__x86_64__)
@@ -972,24 +977,41 @@ OPTKIT_AVX512 void silu_times_row(const float* g, const float* u, float* y, int6
   }
   for (int64_t i = vectorized; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // libtorch_cpu's: ATen's Vectorized<float>::exp on AVX2
+
+// silu_times_row as ATen's AVX2 silu computes it: chunks of 16 values (two vectors of 8), the rest
+// by its scalar loop
+OPTKIT_AVX2 void silu_times_row_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  const int64_t vectorized = n - n % 16;
+  for (int64_t i = 0; i < vectorized; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(sign, x))));  // ATen's neg()
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+  }
+  for (int64_t i = vectorized; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+}
 #endif
 
 // act(gate) * up from gate | up = gate_up [M, 2I] contiguous -> [M, I]: ATen's activation, then
-// multiply_in_place. Where ATen's silu would run its AVX-512 loops on one thread over rows of float32
-// (below its grain size), both in one pass of silu_times_row: the same bits without its iterator,
-// its allocation and a second pass over the gate.
+// multiply_in_place. Where ATen's silu would run its AVX-512 or AVX2 loops on one thread over rows of
+// float32 (below its grain size), both in one pass of silu_times_row(_avx2): the same bits without its
+// iterator, its allocation and a second pass over the gate.
 // Into `out` (float32 [M, I] contiguous, the stack's) where given and that pass runs.
 at::Tensor gated_activation_into(const at::Tensor& gate_up, bool gelu_tanh, bool avx512, at::Tensor out) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
 #if defined(__x86_64__)
-  if (!gelu_tanh && avx512 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
-      M * I < at::internal::GRAIN_SIZE && aten_runs_avx512()) {
+  const bool row_avx512 = avx512 && aten_runs_avx512(), row_avx2 = !row_avx512 && aten_runs_avx2();
+  if (!gelu_tanh && (row_avx512 || row_avx2) && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+      M * I < at::internal::GRAIN_SIZE) {
     if (!out.defined()) out = at::empty({M, I}, gate_up.options());
     TORCH_CHECK(out.sizes() == at::IntArrayRef({M, I}) && out.scalar_type() == at::kFloat && out.is_contiguous(),
                 "gated activation: out float32 [M, I] contiguous");
     const float* g = gate_up.data_ptr<float>();
     float* y = out.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) silu_times_row(g + m * 2 * I, g + m * 2 * I + I, y + m * I, I);
+    const auto row = row_avx512 ? silu_times_row : silu_times_row_avx2;
+    for (int64_t m = 0; m < M; ++m) row(g + m * 2 * I, g + m * 2 * I + I, y + m * I, I);
     return out;
   }
 #endif
