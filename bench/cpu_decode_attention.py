@@ -7,13 +7,22 @@ once they outgrow the last-level cache. Figures: the median over interleaved rep
 per layer; the ratio, the median of the ratios within a repeat; GB/s, the K and V bytes of one layer
 read once per call. The outputs are checked to agree (float32 rounding) on every shape.
 
+With --baseline-source, an earlier optkit/kernels/cpu_decode.cpp (`git show REV:optkit/kernels/cpu_decode.cpp
+> FILE`; the headers beside FILE where it has them, else the shipped ones) is built beside the shipped
+operator under a namespace of its own and timed in the same repeats: its time per layer, the median of
+the per-repeat ratios (> 1: the shipped operator faster), and whether the two give the same bits.
+
 Usage: python bench/cpu_decode_attention.py [--threads 2] [--batch-sizes 1,16,64] [--context 96]
-       [--layers 8] [--repeats 5]
+       [--layers 8] [--repeats 5] [--baseline-source FILE]
 """
 
 import argparse
 import contextlib
+import shutil
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from cpu_w4_kernel import timed  # bench/ is the script's directory: on sys.path
@@ -33,7 +42,43 @@ def parse_args():
     p.add_argument("--context", type=int, default=96, help="keys per sequence (a 64-token prompt and 32 new)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--baseline-source", type=Path, help="an earlier cpu_decode.cpp to time beside the shipped one")
     return p.parse_args()
+
+
+def baseline_operator(source: Path):
+    """`source`'s decode_attention, built under the namespace optkit_cpu_baseline."""
+    from optkit.kernels import cpp_build
+
+    kernels = Path(__file__).resolve().parent.parent / "optkit" / "kernels"
+    text = source.read_text()
+    assert "TORCH_LIBRARY(optkit_cpu," in text, f"{source} is not optkit/kernels/cpu_decode.cpp"
+    scratch = Path(tempfile.mkdtemp(prefix="optkit-attention-baseline-"))
+    renamed = text.replace("TORCH_LIBRARY(optkit_cpu,", "TORCH_LIBRARY(optkit_cpu_baseline,")
+    (scratch / "cpu_decode.cpp").write_text(renamed)
+    for header in kernels.glob("*.h"):
+        shutil.copy(source.with_name(header.name) if source.with_name(header.name).exists() else header, scratch)
+    reason = cpp_build.load(scratch / "cpu_decode.cpp", "optkit_cpu_baseline")
+    shutil.rmtree(scratch)
+    if reason:
+        sys.exit(f"cannot build {source}: {reason}")
+    return torch.ops.optkit_cpu_baseline.decode_attention
+
+
+def operator_args(q, k_cache, v_cache, meta, scale) -> tuple:
+    """The arguments paged_attention gives the C++ operator for this step (its block tables and lens)."""
+    from optkit.kernels import cpu_decode
+    from optkit.kernels.paged_attention import paged_attention
+
+    made = []
+    real = cpu_decode.decode_attention
+    cpu_decode.decode_attention = lambda *a: made.append(a) or real(*a)
+    try:
+        paged_attention(q, k_cache, v_cache, meta, scale)
+    finally:
+        cpu_decode.decode_attention = real
+    _, _, _, tables, lens, _, window = made[0]
+    return tables, lens, scale, window or 0, cpu_decode.avx512()
 
 
 @contextlib.contextmanager
@@ -72,7 +117,9 @@ def main() -> None:
     reason = cpu_decode.unavailable_reason()
     if reason:
         raise SystemExit(f"optkit's C++ decode operators do not run here: {reason}")
-    print(f"{'shape':14} {'batch':>5} {'PyTorch us':>11} {'optkit us':>10} {'GB/s':>6} {'vs PyTorch':>10}")
+    baseline = baseline_operator(args.baseline_source) if args.baseline_source else None
+    extra = f" {'baseline us':>11} {'vs baseline':>11} {'same bits':>9}" if baseline else ""
+    print(f"{'shape':14} {'batch':>5} {'PyTorch us':>11} {'optkit us':>10} {'GB/s':>6} {'vs PyTorch':>10}{extra}")
     for name, heads in SHAPES.items():
         scale = heads[2] ** -0.5
         for batch in map(int, args.batch_sizes.split(",")):
@@ -82,22 +129,36 @@ def main() -> None:
                 for k_cache, v_cache in caches:
                     paged_attention(q, k_cache, v_cache, meta, scale)
 
+            def every_layer_baseline(q=q, caches=caches, args=operator_args(q, *caches[0], meta, scale)):
+                for k_cache, v_cache in caches:
+                    baseline(q, k_cache, v_cache, *args)
+
             with torch.inference_mode():
                 ours_out = paged_attention(q, *caches[0], meta, scale)
                 with pytorch_path():
                     theirs_out = paged_attention(q, *caches[0], meta, scale)
                 torch.testing.assert_close(ours_out, theirs_out, atol=1e-5, rtol=1e-5)
-                theirs, ours, ratios = [], [], []
+                if baseline:
+                    baseline_out = baseline(q, *caches[0], *operator_args(q, *caches[0], meta, scale))
+                    torch.testing.assert_close(ours_out, baseline_out, atol=1e-5, rtol=1e-5)
+                theirs, ours, ratios, before, gains = [], [], [], [], []
                 for _ in range(args.repeats):
                     with pytorch_path():
                         theirs.append(timed(every_layer, 0.2) / args.layers)
                     ours.append(timed(every_layer, 0.2) / args.layers)
                     ratios.append(theirs[-1] / ours[-1])
+                    if baseline:
+                        before.append(timed(every_layer_baseline, 0.2) / args.layers)
+                        gains.append(before[-1] / ours[-1])
             t_ours = statistics.median(ours)
             kv_bytes = 2 * batch * args.context * heads[1] * heads[2] * 4
+            against = ""
+            if baseline:
+                same = "yes" if torch.equal(ours_out, baseline_out) else "no"
+                against = f" {statistics.median(before) * 1e6:>11.0f} {statistics.median(gains):>10.2f}x {same:>9}"
             print(
                 f"{name:14} {batch:>5} {statistics.median(theirs) * 1e6:>11.0f} {t_ours * 1e6:>10.0f} "
-                f"{kv_bytes / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x"
+                f"{kv_bytes / t_ours / 1e9:>6.1f} {statistics.median(ratios):>9.2f}x{against}"
             )
     about = f"{args.context} keys a sequence, {args.layers} layers' caches"
     print(f"\n{args.threads} threads, {about}, torch {torch.__version__}")
