@@ -171,8 +171,11 @@ __attribute__((target("avx2,fma"))) inline void group_scales_avx2(const Problem&
 // ---- AVX2 (ggml's way without VNNI): vpmaddubsw multiplies unsigned by signed bytes and adds pairs
 // into int16 (|sum| <= 8 * 2 * 15 * 127 = 30480 over a block: no saturation), vpmaddwd by ones
 // widens pairs of those into int32. A tile's 16 lanes are two halves of 8 (bytes 0-31 and 32-63).
-// tile_avx2 takes the one row of a decode step (bound by the weight's stream: both halves from each
-// 64 bytes while they are in L1); 2 to 4 rows take tile_avx2_rows, whose registers hold them.
+// tile_avx2 takes the one row of a decode step: each 64 bytes of a block gives both halves' products
+// with the same two broadcast activations, and keep_in_register holds each half's int16 sum in a
+// register (without it GCC sums the 16 products as a tree, holds the 8 broadcasts, and spills the
+// group sums to the stack: 1.1-1.2x slower where the weights are cached). 2 to 4 rows take
+// tile_avx2_rows, whose registers hold them.
 template <bool BF16>
 __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -185,23 +188,20 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const Problem& pr, int64_t t)
     for (int64_t b = g * pr.group_blocks; b < (g + 1) * pr.group_blocks; ++b) {
       const uint8_t* wb = wt + b * kTileBytes;
       for (int i = 0; i < 4; ++i) _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 64 * i), _MM_HINT_T0);
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[4], hi[4];
-        for (int i = 0; i < 4; ++i) {
+      const int32_t* ab = a + b * (kBlock / 4);
+      __m256i s16[2];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i alo = _mm256_set1_epi32(ab[2 * i]), ahi = _mm256_set1_epi32(ab[2 * i + 1]);
+        for (int h = 0; h < 2; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * i + 32 * h));
-          lo[i] = _mm256_and_si256(v, nibble);
-          hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v, nibble), alo),
+                                             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), ahi));
+          s16[h] = i == 0 ? p : _mm256_add_epi16(s16[h], p);
+          keep_in_register(s16[h]);
         }
-        const int32_t* ab = a + b * (kBlock / 4);
-        __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(ab[0]));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(ab[1])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[1], _mm256_set1_epi32(ab[2])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[1], _mm256_set1_epi32(ab[3])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[2], _mm256_set1_epi32(ab[4])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[2], _mm256_set1_epi32(ab[5])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[3], _mm256_set1_epi32(ab[6])));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[3], _mm256_set1_epi32(ab[7])));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[h], ones));
         gacc[h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(pr.d[b]), gacc[h]);
       }
     }
