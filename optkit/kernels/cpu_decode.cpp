@@ -978,7 +978,8 @@ OPTKIT_AVX512 void silu_times_row(const float* g, const float* u, float* y, int6
   for (int64_t i = vectorized; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
 
-extern "C" __m256 Sleef_expf8_u10(__m256);  // libtorch_cpu's: ATen's Vectorized<float>::exp on AVX2
+extern "C" __m256 Sleef_expf8_u10(__m256);   // libtorch_cpu's: ATen's Vectorized<float>::exp on AVX2
+extern "C" __m256 Sleef_tanhf8_u10(__m256);  // and its Vectorized<float>::tanh
 
 // silu_times_row as ATen's AVX2 silu computes it: chunks of 16 values (two vectors of 8), the rest
 // by its scalar loop
@@ -992,25 +993,49 @@ OPTKIT_AVX2 void silu_times_row_avx2(const float* g, const float* u, float* y, i
   }
   for (int64_t i = vectorized; i < n; ++i) y[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
+
+// y[i] = gelu_tanh(g[i]) * u[i] as ATen's AVX2 GELU (approximate="tanh") computes it: per chunk of 16,
+// 0.5 x (1 + tanh(beta (x + kappa x^3))) with x^3 = (x x) x and Sleef's tanh, the rest by its scalar
+// loop; in both, torch's build fuses x + kappa x^3 into one FMA (tests/kernels/test_cpu_decode.py
+// checks every bit against ATen's)
+OPTKIT_AVX2 void gelu_tanh_times_row_avx2(const float* g, const float* u, float* y, int64_t n) {
+  const float beta = M_SQRT2 * M_2_SQRTPI * 0.5, kappa = 0.044715f;
+  const __m256 beta_v = _mm256_set1_ps(beta), kappa_v = _mm256_set1_ps(kappa), one = _mm256_set1_ps(1.f),
+               half = _mm256_set1_ps(0.5f);
+  const int64_t vectorized = n - n % 16;
+  for (int64_t i = 0; i < vectorized; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 inner = _mm256_mul_ps(beta_v, _mm256_fmadd_ps(kappa_v, cube, x));
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, Sleef_tanhf8_u10(inner)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+  }
+  for (int64_t i = vectorized; i < n; ++i) {
+    const float x = g[i];
+    y[i] = (0.5f * x * (1.f + std::tanh(beta * std::fma(kappa, x * x * x, x)))) * u[i];
+  }
+}
 #endif
 
 // act(gate) * up from gate | up = gate_up [M, 2I] contiguous -> [M, I]: ATen's activation, then
-// multiply_in_place. Where ATen's silu would run its AVX-512 or AVX2 loops on one thread over rows of
-// float32 (below its grain size), both in one pass of silu_times_row(_avx2): the same bits without its
-// iterator, its allocation and a second pass over the gate.
+// multiply_in_place. Where ATen's activation would run its AVX-512 or AVX2 loops on one thread over
+// rows of float32 (silu on either, GELU's tanh form on AVX2), both in one pass of a *_times_row: the
+// same bits without its iterator, its allocation and a second pass over the gate.
 // Into `out` (float32 [M, I] contiguous, the stack's) where given and that pass runs.
 at::Tensor gated_activation_into(const at::Tensor& gate_up, bool gelu_tanh, bool avx512, at::Tensor out) {
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
 #if defined(__x86_64__)
   const bool row_avx512 = avx512 && aten_runs_avx512(), row_avx2 = !row_avx512 && aten_runs_avx2();
-  if (!gelu_tanh && (row_avx512 || row_avx2) && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
-      M * I < at::internal::GRAIN_SIZE) {
+  // ATen's GELU runs on one thread up to 16,384 values, its silu below its grain size
+  const bool one_thread = gelu_tanh ? M * I <= 16384 : M * I < at::internal::GRAIN_SIZE;
+  if ((row_avx2 || (row_avx512 && !gelu_tanh)) && one_thread && gate_up.scalar_type() == at::kFloat &&
+      gate_up.is_contiguous()) {
     if (!out.defined()) out = at::empty({M, I}, gate_up.options());
     TORCH_CHECK(out.sizes() == at::IntArrayRef({M, I}) && out.scalar_type() == at::kFloat && out.is_contiguous(),
                 "gated activation: out float32 [M, I] contiguous");
     const float* g = gate_up.data_ptr<float>();
     float* y = out.data_ptr<float>();
-    const auto row = row_avx512 ? silu_times_row : silu_times_row_avx2;
+    const auto row = gelu_tanh ? gelu_tanh_times_row_avx2 : row_avx512 ? silu_times_row : silu_times_row_avx2;
     for (int64_t m = 0; m < M; ++m) row(g + m * 2 * I, g + m * 2 * I + I, y + m * I, I);
     return out;
   }
