@@ -1303,16 +1303,9 @@ c10::optional<at::Tensor> decode_stack_w4a8_one_region(
         float* d = mine.scratch.data();
         float* xs = d + M * w.B;
         int8_t* quantized = reinterpret_cast<int8_t*>(xs + M * w.G);
-        for (int64_t m = 0; m < M; ++m) {
-#if defined(__x86_64__)
-          if (isa == w4a8::kAvx512Vnni) {
-            w4a8::quantize_row_avx512(in + m * lin.K, lin.K, w.group_blocks, quantized + m * lin.K, d + m * w.B,
-                                      xs + m * w.G);
-            continue;
-          }
-#endif
-          w4a8::quantize_row(in + m * lin.K, lin.K, w.group_blocks, quantized + m * lin.K, d + m * w.B, xs + m * w.G);
-        }
+        for (int64_t m = 0; m < M; ++m)
+          w4a8::quantize_row_for(isa, in + m * lin.K, lin.K, w.group_blocks, quantized + m * lin.K, d + m * w.B,
+                                 xs + m * w.G);
         const w4a8::Problem pr{w.weight, w.params, lin.bias, quantized, d, xs, y, M, lin.n, lin.K, w.B, w.G,
                                w.group_blocks};
         const auto [begin, end] = share(w.T, tid, threads);

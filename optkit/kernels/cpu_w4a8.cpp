@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "cpu_w4a8_tiles.h"
@@ -93,15 +94,8 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
   int8_t* ap = reinterpret_cast<int8_t*>(xsp + M * G);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-#if defined(__x86_64__)
-      if (isa == kAvx512Vnni) {
-        quantize_row_avx512(xp + m * K, K, group_blocks, ap + m * K, dp + m * B, xsp + m * G);
-        continue;
-      }
-#endif
-      quantize_row(xp + m * K, K, group_blocks, ap + m * K, dp + m * B, xsp + m * G);
-    }
+    for (int64_t m = begin; m < end; ++m)
+      quantize_row_for(isa, xp + m * K, K, group_blocks, ap + m * K, dp + m * B, xsp + m * G);
   });
   const Problem pr{packed.weight, packed.params, bias_ptr, ap, dp, xsp,
                    y.data_ptr<float>(),        M, n, K, B, G, group_blocks};
@@ -127,6 +121,23 @@ void w4a8_linear_out(const at::Tensor& x, const at::Tensor& weight, const at::Te
   w4a8_linear_into(x, weight, params, bias, n, group_size, isa, out);
 }
 
+// The int8 activations of x [M, K] float32 as the linear quantizes them, for tests: (a int8 [M, K],
+// d [M, K / 32], xs [M, K / group_size])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t group_size, int64_t isa) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && group_size >= kBlock &&
+                        group_size % kBlock == 0 && x.size(1) % group_size == 0,
+                    "w4a8 quantize: x float32 [M, K] contiguous, groups of a multiple of 32 dividing K");
+  TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
+  TORCH_CHECK(isa <= cpu_isa::best(), "this CPU lacks the requested instruction set");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / kBlock}, x.options()),
+             xs = at::empty({M, K / group_size}, x.options());
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_for(isa, x.data_ptr<float>() + m * K, K, group_size / kBlock, a.data_ptr<int8_t>() + m * K,
+                     d.data_ptr<float>() + m * (K / kBlock), xs.data_ptr<float>() + m * (K / group_size));
+  return {a, d, xs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optkit_w4a8, m) {
@@ -136,4 +147,5 @@ TORCH_LIBRARY(optkit_w4a8, m) {
         "Tensor(a!) out) -> ()",
         &w4a8_linear_out);
   m.def("cpu_isa() -> int", &cpu_isa::best);
+  m.def("quantize(Tensor x, int group_size, int isa) -> (Tensor, Tensor, Tensor)", &quantize);
 }

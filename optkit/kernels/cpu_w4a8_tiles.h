@@ -30,30 +30,11 @@ constexpr int kPrefetchBytes = 4096;
 using cpu_isa::kAvx2;
 using cpu_isa::kAvx512Vnni;
 
-// Activation quantization of one row, as ggml's q8_0: per block d = max|x| / 127, a = round(x / d)
-// (to nearest even), and the per-group sums xs.
-inline void quantize_row(const float* x, int64_t K, int64_t group_blocks, int8_t* a, float* d, float* xs) {
-  const int64_t blocks = K / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      a[b * kBlock + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    d[b] = amax / 127.f;
-    if (b % group_blocks == 0) xs[b / group_blocks] = 0.f;
-    xs[b / group_blocks] += d[b] * static_cast<float>(sum);
-  }
-}
-
 #if defined(__x86_64__)
-// The same, 32 columns in two registers (the rounding mode is the default, to nearest even: the
-// same values as the scalar loop's nearbyint).
+// Activation quantization of one row, as ggml's q8_0: per block of 32 columns d = max|x| / 127 and
+// a = round(x · (127 / max|x|)) (to nearest even: the default rounding mode; a = 0 where max|x| = 0),
+// and the per-group sums xs = Σ_b d[b] · Σ a (in block order). tests/kernels/test_cpu_w4a8.py checks
+// both versions against these float32 steps in PyTorch. This one: 32 columns in two registers.
 inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_avx512(const float* x, int64_t K,
                                                                               int64_t group_blocks, int8_t* a,
                                                                               float* d, float* xs) {
@@ -71,7 +52,49 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_av
     xs[b / group_blocks] += d[b] * static_cast<float>(sum);
   }
 }
+
+// quantize_row_avx512's numbers in four registers of 8 for AVX2: the int32 values packed to int8 by vpackssdw and vpacksswb
+// (no saturation: |a| <= 127), whose interleaving of the 128-bit lanes one vpermd undoes.
+inline __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* x, int64_t K, int64_t group_blocks,
+                                                                 int8_t* a, float* d, float* xs) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kBlock + 8 * i);
+    __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                               _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + b * kBlock), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int32_t sum = _mm_cvtsi128_si32(sum4);
+    d[b] = amax / 127.f;
+    if (b % group_blocks == 0) xs[b / group_blocks] = 0.f;
+    xs[b / group_blocks] += d[b] * static_cast<float>(sum);
+  }
+}
 #endif
+
+// One row's quantization with the instructions of `isa` (kAvx512Vnni or kAvx2): the same values
+inline void quantize_row_for(int64_t isa, const float* x, int64_t K, int64_t group_blocks, int8_t* a, float* d,
+                             float* xs) {
+#if defined(__x86_64__)
+  if (isa == kAvx512Vnni)
+    quantize_row_avx512(x, K, group_blocks, a, d, xs);
+  else
+    quantize_row_avx2(x, K, group_blocks, a, d, xs);
+#endif
+}
 
 struct Problem {
   const uint8_t* w;   // [T, B, 256]

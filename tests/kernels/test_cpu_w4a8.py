@@ -66,6 +66,37 @@ def test_w4a8_kernel_equals_the_reference_within_int8_activation_rounding(isa, b
         assert error.max() > 0  # the activations are rounded: an exact result would mean another path ran
 
 
+def q8_0_reference(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's q8_0 activations in the float32 steps the kernel takes: per 32 columns d = max|x| / 127 and
+    a = round-half-even(x · (127 / max|x|)) (0 where max|x| = 0); xs = the group's Σ d · Σ a, block by block."""
+    rows, cols = x.shape
+    amax = x.abs().view(rows, -1, 32).amax(-1)  # [M, B]
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    a = (x.view(rows, -1, 32) * inv.unsqueeze(-1)).round()  # float32 products, to nearest even
+    d = amax / 127
+    terms = d * a.sum(-1)  # each d · Σ a rounded to float32
+    per_group = group_size // 32
+    xs = torch.zeros(rows, cols // group_size)
+    for b in range(cols // 32):
+        xs[:, b // per_group] += terms[:, b]
+    return a.view(rows, cols).to(torch.int8), d, xs
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_the_activations_are_q8_0s_to_the_bit(isa, group_size):
+    """Each instruction set's quantization of the activations gives ggml's q8_0 numbers exactly: ties,
+    zero blocks, signed zeros, subnormals and huge values included."""
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(group_size)) * 4
+    x[0, :32] = 0.0
+    x[1, 32:64] = -0.0
+    x[2] = 1e30 * x[2].sign()
+    x[3, 5] = 1e-40
+    x[4] = torch.arange(256) - 127.5  # ties at .5 after the scaling of the first block
+    got = torch.ops.optkit_w4a8.quantize(x, group_size, cpu_w4a8.selected_isa())
+    for name, mine, want in zip(("a", "d", "xs"), got, q8_0_reference(x, group_size), strict=True):
+        assert torch.equal(mine, want), name
+
+
 def test_bf16_inputs_and_batched_shapes_come_back_in_their_dtype_and_shape(isa):
     layer, weight, bias = layer_and_reference(4, 64, False, False)
     x = torch.randn(2, 3, 512, dtype=torch.bfloat16)
