@@ -793,6 +793,38 @@ OPTKIT_AVX512 int64_t argmax_row_avx512(const float* x, int64_t V) {
     if (x[i] == m) return i;
   return 0;
 }
+
+// argmax_row_avx512's two passes 8 lanes wide, the maximum in four registers (the largest of any
+// grouping is the same value; a NaN is found apart)
+OPTKIT_AVX2 int64_t argmax_row_avx2(const float* x, int64_t V) {
+  __m256 vmax[4], unordered = _mm256_setzero_ps();
+  for (__m256& each : vmax) each = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 32 <= V; i += 32)
+    for (int r = 0; r < 4; ++r) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * r);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vmax[r] = _mm256_max_ps(vmax[r], v);
+    }
+  const __m256 top8 = _mm256_max_ps(_mm256_max_ps(vmax[0], vmax[1]), _mm256_max_ps(vmax[2], vmax[3]));
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  float m = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  bool nan = _mm256_movemask_ps(unordered) != 0;
+  for (int64_t j = i; j < V; ++j) {
+    if (std::isnan(x[j])) nan = true;
+    else if (x[j] > m) m = x[j];
+  }
+  if (nan) return argmax_row(x, V);  // a NaN: its first index, as the scalar loop finds it
+  const __m256 vm = _mm256_set1_ps(m);
+  for (i = 0; i + 8 <= V; i += 8) {
+    const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vm, _CMP_EQ_OQ));
+    if (eq) return i + __builtin_ctz(eq);
+  }
+  for (; i < V; ++i)
+    if (x[i] == m) return i;
+  return 0;
+}
 #endif
 
 at::Tensor argmax_rows(const at::Tensor& logits, bool avx512) {
@@ -808,8 +840,9 @@ at::Tensor argmax_rows(const at::Tensor& logits, bool avx512) {
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
 #if defined(__x86_64__)
-      if (avx512) {
-        op[r] = argmax_row_avx512(xp + r * V, V);
+      static const bool avx2 = cpu_isa::has_avx2_fma();
+      if (avx512 || avx2) {
+        op[r] = avx512 ? argmax_row_avx512(xp + r * V, V) : argmax_row_avx2(xp + r * V, V);
         continue;
       }
 #endif
