@@ -1,8 +1,8 @@
-"""The W4A8 kernel's tiles against an earlier version of them, A/B in one process (issue 38 §2).
+"""The W4A8 kernel against an earlier revision of it, A/B in one process (issue 38 §2).
 
-optkit/kernels/cpu_w4a8.cpp is built twice: as shipped, and with --baseline-header (an earlier
-optkit/kernels/cpu_w4a8_tiles.h: `git show REV:optkit/kernels/cpu_w4a8_tiles.h > FILE`) under an
-operator namespace of its own. Both run the same one-row calls, interleaved, after their outputs are
+optkit/kernels/cpu_w4a8.cpp and its headers (the tiles, the activations' quantization) as they were
+at git revision --baseline are built beside the shipped library under an operator namespace of their
+own (bench/kernel_baseline.py). Both run the same one-row calls, interleaved, after their outputs are
 checked equal to the bit:
   - the vocabulary projection of Gemma 3 270M (262,144 x 640, RTN 4-bit group 64, bf16 scales: 84 MB,
     read from memory at every call), on 1 and on 2 threads;
@@ -11,20 +11,18 @@ checked equal to the bit:
 Printed per case: each build's bytes / time (GB/s), the median of the per-repeat ratios (> 1: the
 shipped tiles faster), and the read bandwidth (summing a 1 GiB float32 array with the same threads).
 
-Usage: python bench/cpu_w4a8_tile_ab.py --baseline-header FILE [--repeats 9] [--rows 1]
+Usage: python bench/cpu_w4a8_tile_ab.py --baseline REV [--repeats 9] [--rows 1]
 """
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))  # bench/cpu_prefetch.py, bench/cpu_real_shapes.py
+sys.path.insert(0, str(ROOT / "bench"))  # bench/cpu_prefetch.py, cpu_real_shapes.py, kernel_baseline.py
 
 # name -> (out features, in features, calls in a row, threads)
 CASES = {
@@ -37,33 +35,18 @@ CASES = {
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline-header", type=Path, required=True, help="an earlier cpu_w4a8_tiles.h")
+    p.add_argument("--baseline", required=True, help="a git revision whose W4A8 kernel to time beside the shipped one")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--rows", type=int, default=1, help="rows of the input (1: a decode step at batch 1)")
     return p.parse_args()
 
 
-def baseline_linear(header: Path):
-    """cpu_w4a8.cpp with `header` as its tiles, built under the namespace optkit_w4a8_baseline."""
+def baseline_linear(revision: str):
+    """cpu_w4a8.cpp's linear as it was at `revision`."""
     import torch
+    from kernel_baseline import build_at
 
-    from optkit.kernels import cpp_build
-
-    kernels = ROOT / "optkit" / "kernels"
-    source = (kernels / "cpu_w4a8.cpp").read_text()
-    assert "TORCH_LIBRARY(optkit_w4a8," in source, "cpu_w4a8.cpp no longer declares optkit_w4a8: update this bench"
-    scratch = Path(tempfile.mkdtemp(prefix="optkit-w4a8-baseline-"))
-    (scratch / "cpu_w4a8.cpp").write_text(
-        source.replace("TORCH_LIBRARY(optkit_w4a8,", "TORCH_LIBRARY(optkit_w4a8_baseline,")
-    )
-    for shipped in kernels.glob("*.h"):
-        shutil.copy(shipped, scratch)
-    shutil.copy(header, scratch / "cpu_w4a8_tiles.h")
-    reason = cpp_build.load(scratch / "cpu_w4a8.cpp", "optkit_w4a8_baseline")
-    shutil.rmtree(scratch)
-    if reason:
-        sys.exit(f"cannot build cpu_w4a8.cpp with {header}: {reason}")
-    return torch.ops.optkit_w4a8_baseline.linear.default
+    return getattr(torch.ops, build_at(revision, "cpu_w4a8.cpp", "optkit_w4a8")).linear.default
 
 
 def main():
@@ -76,9 +59,9 @@ def main():
 
     if cpu_w4a8.unavailable_reason():
         sys.exit(f"the W4A8 kernel does not run here: {cpu_w4a8.unavailable_reason()}")
-    builds = {"shipped": torch.ops.optkit_w4a8.linear.default, "baseline": baseline_linear(args.baseline_header)}
+    builds = {"shipped": torch.ops.optkit_w4a8.linear.default, "baseline": baseline_linear(args.baseline)}
     isa = cpu_w4a8.selected_isa()
-    print(f"W4A8 tiles on {cpp_build.ISA_NAMES[isa]}, {args.rows} row(s) a call; baseline {args.baseline_header}")
+    print(f"W4A8 tiles on {cpp_build.ISA_NAMES[isa]}, {args.rows} row(s) a call; baseline {args.baseline}")
     print(f"{'case':30} {'read GB/s':>9} {'baseline GB/s':>13} {'shipped GB/s':>12} {'speed-up':>8}")
     for case, (n, k, calls, threads) in CASES.items():
         torch.set_num_threads(threads)
