@@ -53,8 +53,9 @@ inline __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_row_av
   }
 }
 
-// quantize_row_avx512's numbers in four registers of 8 for AVX2: the int32 values packed to int8 by vpackssdw and vpacksswb
-// (no saturation: |a| <= 127), whose interleaving of the 128-bit lanes one vpermd undoes.
+// quantize_row_avx512's numbers in four registers of 8 for AVX2: the int32 values packed to int8 by
+// vpackssdw and vpacksswb (no saturation: |a| <= 127), whose interleaving of the 128-bit lanes one
+// vpermd undoes.
 inline __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* x, int64_t K, int64_t group_blocks,
                                                                  int8_t* a, float* d, float* xs) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
