@@ -114,7 +114,9 @@ def main() -> None:
                 for k_cache, v_cache in caches:
                     paged_attention(q, k_cache, v_cache, meta, scale)
 
-            def every_layer_operator(op, q=q, caches=caches, args=operator_args(q, *caches[0], meta, scale)):
+            op_args = operator_args(q, *caches[0], meta, scale) if baseline else ()
+
+            def every_layer_operator(op, q=q, caches=caches, args=op_args):
                 for k_cache, v_cache in caches:
                     op(q, k_cache, v_cache, *args)
 
@@ -124,7 +126,7 @@ def main() -> None:
                     theirs_out = paged_attention(q, *caches[0], meta, scale)
                 torch.testing.assert_close(ours_out, theirs_out, atol=1e-5, rtol=1e-5)
                 if baseline:
-                    baseline_out = baseline(q, *caches[0], *operator_args(q, *caches[0], meta, scale))
+                    baseline_out = baseline(q, *caches[0], *op_args)
                     torch.testing.assert_close(ours_out, baseline_out, atol=1e-5, rtol=1e-5)
                 theirs, ours, ratios, before, gains = [], [], [], [], []
                 for _ in range(args.repeats):

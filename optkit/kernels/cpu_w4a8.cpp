@@ -47,6 +47,13 @@ void run_tiles(const Problem& pr, int64_t T, int64_t isa) {
 #endif
 }
 
+// An operator's `isa` argument: kAvx2 or kAvx512Vnni, and one this CPU runs
+void check_isa(int64_t isa) {
+  TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
+  static const int64_t best_isa = cpu_isa::best();
+  TORCH_CHECK(isa <= best_isa, "this CPU lacks the requested instruction set");
+}
+
 // y = the linear of x into y: float32 [M, N] contiguous (`linear` allocates it, `linear_out` is given it).
 void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
                       const c10::optional<at::Tensor>& bias_in, int64_t n, int64_t group_size, int64_t isa,
@@ -68,9 +75,7 @@ void w4a8_linear_into(const at::Tensor& x_in, const at::Tensor& weight, const at
     TORCH_CHECK_VALUE(bias->numel() == n, "w4a8 linear: bias [N]; got ", bias->sizes(), " for N ", n);
     bias_ptr = bias->data_ptr<float>();
   }
-  TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
-  static const int64_t best_isa = cpu_isa::best();
-  TORCH_CHECK(isa <= best_isa, "this CPU lacks the requested instruction set");
+  check_isa(isa);
 
   // the quantized activations: d [M, B] and xs [M, G] (float), then a [M, K] (int8). At decode's few
   // rows in this thread's buffer, kept from call to call (a decode step makes ~120 of these calls; the
@@ -127,8 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && group_size >= kBlock &&
                         group_size % kBlock == 0 && x.size(1) % group_size == 0,
                     "w4a8 quantize: x float32 [M, K] contiguous, groups of a multiple of 32 dividing K");
-  TORCH_CHECK(isa == kAvx2 || isa == kAvx512Vnni, "isa: 1 (AVX2) or 2 (AVX-512 VNNI)");
-  TORCH_CHECK(isa <= cpu_isa::best(), "this CPU lacks the requested instruction set");
+  check_isa(isa);
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor a = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / kBlock}, x.options()),
              xs = at::empty({M, K / group_size}, x.options());
