@@ -16,6 +16,7 @@
 #include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
@@ -1458,6 +1459,43 @@ at::Tensor decode_stack_w4a8(const at::Tensor& h, at::TensorList weights, at::Te
   return x;
 }
 
+// ---- A decode step of a 4-bit artifact from its tokens to its logits in one call: the embedding's rows
+// scaled as the config says, decode_stack_w4a8, the final norm and the W4A8 head. The same operators
+// in the same order as the model's embed, stack call, norm and compute_logits (models/decode_steps.py),
+// so the same bits; what it saves is their Python between the calls: a step streams the model's weights
+// through the caches, so each Python object those calls touch is a cache miss (~0.3-0.6 ms a token on
+// a 30-layer model, docs/results.md).
+at::Tensor decode_token_w4a8(const at::Tensor& ids, const at::Tensor& embedding, double embed_scale,
+                             const at::Tensor& final_norm, const at::Tensor& head_weight,
+                             const at::Tensor& head_params, int64_t head_out_features, int64_t head_group_size,
+                             at::TensorList weights, at::TensorList params,
+                             const c10::List<c10::optional<at::Tensor>>& biases, at::IntArrayRef out_features,
+                             at::IntArrayRef group_sizes, int64_t isa, at::TensorList input_norms,
+                             at::TensorList post_attention_norms,
+                             const c10::List<c10::optional<at::Tensor>>& pre_feedforward_norms,
+                             const c10::List<c10::optional<at::Tensor>>& post_feedforward_norms,
+                             const c10::List<c10::optional<at::Tensor>>& q_norms,
+                             const c10::List<c10::optional<at::Tensor>>& k_norms, double eps, bool cast_first,
+                             double offset, bool gelu_tanh, at::TensorList cos, at::TensorList sin,
+                             at::IntArrayRef rope_index, at::TensorList k_caches, at::TensorList v_caches,
+                             at::TensorList slot_mappings, at::TensorList block_tables, at::TensorList lens,
+                             at::IntArrayRef group_index, int64_t num_heads, double scale, at::IntArrayRef windows,
+                             bool avx512) {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong, "decode_token_w4a8: ids long [B]; got ",
+                    ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK_VALUE(embedding.dim() == 2, "decode_token_w4a8: embedding [vocab, hidden]; got ", embedding.sizes());
+  at::Tensor h = at::embedding(embedding, ids);  // nn.Embedding's forward (its index checks included)
+  if (embed_scale != 1.0) h.mul_(embed_scale);   // as `h * multiplier`: the scalar in h's dtype's math
+  const at::Tensor x = decode_stack_w4a8(
+      h, weights, params, biases, out_features, group_sizes, isa, input_norms, post_attention_norms,
+      pre_feedforward_norms, post_feedforward_norms, q_norms, k_norms, eps, cast_first, offset, gelu_tanh, cos, sin,
+      rope_index, k_caches, v_caches, slot_mappings, block_tables, lens, group_index, num_heads, scale, windows, avx512);
+  const at::Tensor normed = rms_norm(x, final_norm, eps, cast_first, offset);
+  const at::Tensor logits =
+      w4a8_linear(normed, head_weight, head_params, c10::nullopt, head_out_features, head_group_size, isa);
+  return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);  // compute_logits' .float()
+}
+
 }  // namespace
 
 TORCH_LIBRARY(optkit_cpu, m) {
@@ -1489,4 +1527,13 @@ TORCH_LIBRARY(optkit_cpu, m) {
         "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] slot_mappings, Tensor[] block_tables, "
         "Tensor[] lens, int[] group_index, int num_heads, float scale, int[] windows, bool avx512) -> Tensor",
         &decode_stack_w4a8);
+  m.def("decode_token_w4a8(Tensor ids, Tensor embedding, float embed_scale, Tensor final_norm, Tensor head_weight, "
+        "Tensor head_params, int head_out_features, int head_group_size, Tensor[] weights, Tensor[] params, "
+        "Tensor?[] biases, int[] out_features, int[] group_sizes, int isa, Tensor[] input_norms, "
+        "Tensor[] post_attention_norms, Tensor?[] pre_feedforward_norms, Tensor?[] post_feedforward_norms, "
+        "Tensor?[] q_norms, Tensor?[] k_norms, float eps, bool cast_first, float offset, bool gelu_tanh, "
+        "Tensor[] cos, Tensor[] sin, int[] rope_index, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+        "Tensor[] slot_mappings, Tensor[] block_tables, Tensor[] lens, int[] group_index, int num_heads, "
+        "float scale, int[] windows, bool avx512) -> Tensor",
+        &decode_token_w4a8);
 }

@@ -17,6 +17,9 @@ step spent as long there as in its matmuls (docs/results.md). One call each inst
   decode_stack_w4a8    every layer of such a model's decode step, each layer's call in turn; at up to
                        4 float32 rows, every layer inside one OpenMP region of ATen's threads, which
                        meet at spin barriers instead of starting ~5 regions a layer (the same bits)
+  decode_token_w4a8    a decode step of such a model from its tokens to its logits: the embedding,
+                       the stack above, the final norm and the W4A8 head (the same bits, no Python
+                       between them)
   argmax               greedy decoding's torch.argmax over each row of float32 logits, the same index
 In bfloat16 each value is computed in float32 and rounded where the PyTorch code writes a bfloat16
 tensor. The model code takes them on the CPU (`enabled(tensor)`); everything else, and
@@ -274,6 +277,30 @@ def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step_args: tuple) -> to
     [B, hidden] -> the last layer's output [B, hidden]; `step_args`: the step's StackStep.op_args()."""
     try:
         return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step_args)
+    except ValueError as e:
+        raise shape_error(e) from e
+
+
+@dataclass(frozen=True)
+class W4A8Tail:
+    """What a decode step computes around its W4A8 stack, as decode_token_w4a8 takes it: the float32
+    embedding table [vocab, hidden] and the factor its rows are scaled by (1.0: none), the final
+    norm's weight (its eps, cast and offset the stack's) and the W4A8 head (no bias)."""
+
+    args: tuple
+
+    @classmethod
+    def of(
+        cls, embedding: torch.Tensor, embed_scale: float, final_norm: torch.Tensor, head: "W4A8Packed"
+    ) -> "W4A8Tail":
+        return cls((embedding, embed_scale, final_norm, head.weight, head.params, head.out_features, head.group_size))
+
+
+def decode_token_w4a8(input_ids: torch.Tensor, tail: W4A8Tail, stack: W4A8Stack, step_args: tuple) -> torch.Tensor:
+    """A decode step from its tokens to its logits in one call: input_ids long [B] -> float32 logits
+    [B, vocab], the same bits as the embedding, `decode_stack_w4a8`, the final norm and the head."""
+    try:
+        return torch.ops.optkit_cpu.decode_token_w4a8(input_ids, *tail.args, *stack.args, *step_args)
     except ValueError as e:
         raise shape_error(e) from e
 

@@ -2,7 +2,9 @@
 multi-step decoding: runtime/model_runner.py), each token chosen from the step before's logits. The
 model's work around a step is paid once for all of them: the RoPE tables of every step are computed
 in one call, and a 4-bit artifact's stack checks its weights and builds every step's arguments once
-(models/fused_stack.py). Each step computes what `forward` and `compute_logits` compute, the same bits.
+(models/fused_stack.py); where it can, the embedding, that stack, the final norm and the head run as
+one call a step (models/fused_tail.py). Each step computes what `forward` and `compute_logits`
+compute, the same bits.
 """
 
 from collections.abc import Callable
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from optkit.kernels.paged_attention import AttentionMetadata
-from optkit.models import fused_stack
+from optkit.models import fused_stack, fused_tail
 
 if TYPE_CHECKING:
     from optkit.models.llama import CausalLM
@@ -43,17 +45,23 @@ def run(
     rows = [slice(i * num_seqs, (i + 1) * num_seqs) for i in range(num_steps)]
     tables = [[(cos[r], sin[r]) for cos, sin in all_tables] for r in rows]  # step i's: [B, 1, R] views
     layer_metas = [m if isinstance(m, list) else [m] * len(layers) for m in metas]
-    stack = None
+    stack, tail = None, None
     for i in range(num_steps):
-        h = model.embed(input_ids)
         if i == 0:  # a 4-bit artifact on the CPU: every step's stack call prepared at once
+            h = model.embed(input_ids)
             stack = fused_stack.decode_steps(layers, fusable, h, tables, rope_index, layer_metas, kv_caches)
-        if stack is not None:
-            h = stack.run(h, i)
+            tail = None if stack is None else fused_tail.tail(model, h, stack.stack)
+        if tail is not None:  # the whole step in one call
+            logits = stack.logits(input_ids, tail, i)
         else:
-            rope = [tables[i][j] for j in rope_index]
-            for layer, kv_cache, (cos, sin), meta in zip(layers, kv_caches, rope, layer_metas[i], strict=True):
-                h = layer(h, cos, sin, meta, kv_cache)
-        input_ids = choose(model.compute_logits(model.model.norm(h)), i)
+            h = h if i == 0 else model.embed(input_ids)
+            if stack is not None:
+                h = stack.run(h, i)
+            else:
+                rope = [tables[i][j] for j in rope_index]
+                for layer, kv_cache, (cos, sin), meta in zip(layers, kv_caches, rope, layer_metas[i], strict=True):
+                    h = layer(h, cos, sin, meta, kv_cache)
+            logits = model.compute_logits(model.model.norm(h))
+        input_ids = choose(logits, i)
         if input_ids is None:  # the steps left would change nothing
             return

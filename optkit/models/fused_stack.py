@@ -113,6 +113,10 @@ class Steps:
         """Step i: h [B, hidden] through every layer -> the last layer's output."""
         return cpu_decode.decode_stack_w4a8(h, self.stack, self.step_args[i])
 
+    def logits(self, input_ids: torch.Tensor, tail: cpu_decode.W4A8Tail, i: int) -> torch.Tensor:
+        """Step i from its tokens: input_ids long [B] -> float32 logits [B, vocab] (models/fused_tail.py)."""
+        return cpu_decode.decode_token_w4a8(input_ids, tail, self.stack, self.step_args[i])
+
 
 def _takes(kept: _Kept, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[tuple]) -> bool:
     """Whether the fused call takes these attentions, RoPE tables and caches (as

@@ -277,13 +277,14 @@ def stack_and_layers() -> list[tuple[object, str]]:
     return [(fused_stack, "decode"), (DecoderLayer, "decode_in_one_call")]
 
 
-def w4_artifact(family: str, tmp_path, small_dir):
-    """A 4-bit RTN artifact (groups of 32) of the family's tiny model: its linears take the W4A8 kernel."""
+def w4_artifact(family: str, tmp_path, small_dir, head: str = "auto"):
+    """A 4-bit RTN artifact (groups of 32) of the family's tiny model: its linears take the W4A8 kernel
+    (and its head, with head="int4")."""
     from optkit.quant.quantize import QuantizeOptions, quantize_model
     from optkit.weights.schemes import WeightScheme
     from tests.tiny_families import save_tiny_family
 
-    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32))
+    options = QuantizeOptions(method="rtn", weights=WeightScheme(bits=4, group_size=32), head=head)
     quantize_model(save_tiny_family(family, tmp_path / family, small_dir), tmp_path / "w4", options)
     return tmp_path / "w4"
 
