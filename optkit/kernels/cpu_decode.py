@@ -246,35 +246,12 @@ class W4A8Stack:
         return cls((*linears, columns[5][0], *map(list, columns[6:12]), *(column[0] for column in columns[12:16])))
 
 
-@dataclass(frozen=True)
-class StackStep:
-    """A decode-only step's attention in every layer of a stack, as decode_stack_w4a8 takes it: RoPE
-    tables (cos, signed sin [B, 1, R]) and KV cache groups (slot_mapping, block tables, lens), each
-    layer's caches and the index of its table and group; every layer num_heads query heads."""
-
-    rope: list[tuple[torch.Tensor, torch.Tensor]]
-    rope_index: list[int]
-    caches: list[tuple[torch.Tensor, torch.Tensor]]
-    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    group_index: list[int]
-    num_heads: int
-    scale: float
-    windows: list[int]
-
-    def op_args(self) -> tuple:
-        """The operator's trailing arguments, in its schema's order."""
-        cos, sin = zip(*self.rope, strict=True)
-        k_caches, v_caches = zip(*self.caches, strict=True)
-        slots, tables, lens = zip(*self.groups, strict=True)
-        return (
-            list(cos), list(sin), self.rope_index, list(k_caches), list(v_caches), list(slots), list(tables),
-            list(lens), self.group_index, self.num_heads, self.scale, self.windows, avx512(),
-        )  # fmt: skip
-
-
 def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step_args: tuple) -> torch.Tensor:
     """`decode_layer_w4a8` through every layer of the stack in turn, in one call, the same bits: h
-    [B, hidden] -> the last layer's output [B, hidden]; `step_args`: the step's StackStep.op_args()."""
+    [B, hidden] -> the last layer's output [B, hidden]; `step_args`: the step's attention in every
+    layer, in the schema's order (models/fused_stack.py's _Layout.step_args): RoPE tables (cos and
+    signed sin [B, 1, R]) and rope_index, each layer's caches, the KV cache groups' slot mappings,
+    block tables and lens and each layer's group_index, num_heads, scale, windows, avx512."""
     try:
         return torch.ops.optkit_cpu.decode_stack_w4a8(h, *stack.args, *step_args)
     except ValueError as e:

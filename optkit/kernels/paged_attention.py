@@ -81,6 +81,13 @@ class AttentionMetadata:
         return self._plans[block_size]
 
     def _make_plan(self, block_size: int) -> Plan:
+        num_seqs = len(self.query_lens)
+        if self.max_query_len == 1 and len(self.slot_mapping) == num_seqs > 0:  # every sequence one decode
+            num_blocks = math.ceil(self.max_context_len / block_size)  # as below, without its lists
+            tables, lens = self.block_tables[:, :num_blocks].long(), self.context_lens.long()
+            return Plan(
+                DecodeGroup(rows=slice(0, num_seqs), block_tables=tables, lens=lens, block_size=block_size), [], []
+            )
         starts = [0]
         for n in self.query_lens:
             starts.append(starts[-1] + n)

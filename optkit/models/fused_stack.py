@@ -8,6 +8,7 @@ stand (models/derived.py); a forward hook on any layer or part of one is looked 
 """
 
 from collections.abc import Callable
+from operator import is_
 
 import torch
 from torch import nn
@@ -94,12 +95,13 @@ def decode_steps(
     kept = _weights(layers, fusable, h)
     if kept is None or not _takes(kept, h, rope[0], kv_caches):
         return None
+    layout = _Layout(kept, rope_index, metas[0], kv_caches)
     steps = []
     for step_rope, step_metas in zip(rope, metas, strict=True):
-        step = _step(kept, h, step_rope, rope_index, step_metas, kv_caches)
-        if step is None:
+        step_args = layout.step_args(h, step_rope, step_metas)
+        if step_args is None:
             return None
-        steps.append(step.op_args())
+        steps.append(step_args)
     return Steps(kept.stack, steps)
 
 
@@ -132,28 +134,49 @@ def _takes(kept: _Kept, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Te
     return not any(isinstance(t, QuantizedKVCache) or t.dtype != h.dtype or not t.is_contiguous() for t in caches)
 
 
-def _step(
-    kept: _Kept,
-    h: torch.Tensor,
-    rope: list[tuple[torch.Tensor, torch.Tensor]],
-    rope_index: list[int],
-    metas: list[AttentionMetadata],
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-) -> cpu_decode.StackStep | None:
-    """This step's attention arguments for every layer, once `_takes` holds (None where a KV cache
-    group's tables are not a decode-only step's)."""
-    groups, group_of = [], {}  # one entry per distinct metadata (a KV cache group's block tables)
-    group_index = []
-    for meta, (k_cache, _) in zip(metas, kv_caches, strict=True):
-        key = (id(meta), k_cache.shape[1])
-        if key not in group_of:
-            found = decode_tables(meta, k_cache.shape[1], h.shape[0])
+class _Layout:
+    """What every step of a `decode_steps` call passes alike: each layer's caches, window and KV cache
+    group (the layers that share step 0's metadata object share a group), the heads and scale; a
+    step's arguments then take only its RoPE tables and each group's tables (`step_args`)."""
+
+    def __init__(
+        self,
+        kept: _Kept,
+        rope_index: list[int],
+        metas: list[AttentionMetadata],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ):
+        group_of, self.firsts, self.group_index = {}, [], []  # firsts: each group's first layer
+        for layer, (meta, (k_cache, _)) in enumerate(zip(metas, kv_caches, strict=True)):
+            key = (id(meta), k_cache.shape[1])
+            if key not in group_of:
+                group_of[key] = len(self.firsts)
+                self.firsts.append(layer)
+            self.group_index.append(group_of[key])
+        self.block_sizes = [kv_caches[layer][0].shape[1] for layer in self.firsts]
+        attentions = kept.attentions
+        self.windows = [a.window or 0 for a in attentions]
+        self.num_heads, self.scale, self.rope_index = attentions[0].num_heads, attentions[0].scale, rope_index
+        self.k_caches, self.v_caches = (list(caches) for caches in zip(*kv_caches, strict=True))
+
+    def step_args(
+        self, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]
+    ) -> tuple | None:
+        """A step's arguments of decode_stack_w4a8 (StackStep.op_args' order); None where a group's
+        tables are not a decode-only step's, or the step's layers share metadata otherwise than step 0's."""
+        group_metas = [metas[layer] for layer in self.firsts]
+        if not all(map(is_, (group_metas[g] for g in self.group_index), metas)):
+            return None
+        slots, tables, lens = [], [], []
+        for meta, block_size in zip(group_metas, self.block_sizes, strict=True):
+            found = decode_tables(meta, block_size, h.shape[0])
             if found is None:
                 return None
-            group_of[key] = len(groups)
-            groups.append(found)
-        group_index.append(group_of[key])
-    attentions = kept.attentions
-    windows = [a.window or 0 for a in attentions]
-    num_heads, scale = attentions[0].num_heads, attentions[0].scale
-    return cpu_decode.StackStep(rope, rope_index, kv_caches, groups, group_index, num_heads, scale, windows)
+            slots.append(found[0])
+            tables.append(found[1])
+            lens.append(found[2])
+        cos, sin = (list(tables) for tables in zip(*rope, strict=True))
+        return (
+            cos, sin, self.rope_index, self.k_caches, self.v_caches, slots, tables, lens, self.group_index,
+            self.num_heads, self.scale, self.windows, cpu_decode.avx512(),
+        )  # fmt: skip

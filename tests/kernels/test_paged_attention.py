@@ -96,6 +96,22 @@ def test_build_pads_block_tables_and_locates_queries():
     assert (meta.max_query_len, meta.max_context_len, meta.context_lens_list) == (3, 9, [3, 9, 6])
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_decode_only_steps_plan_is_the_general_plans(block_size):
+    """Every sequence one decode (a multi-step's steps): the plan's short path gives the plan the
+    general path makes of the same step, tables and lens alike."""
+    import dataclasses
+
+    meta = AttentionMetadata.build([1, 1, 1], [5, 40, 17], [[4, 1], [0, 2, 5, 6, 7], [1, 3]], [9, 33, 60])
+    fast = meta.plan(block_size)
+    general = AttentionMetadata._make_plan(dataclasses.replace(meta, max_query_len=2), block_size)
+    assert fast.chunks == general.chunks == [] and fast.short == general.short == []
+    assert fast.decode.rows == general.decode.rows == slice(0, 3)
+    assert fast.decode.block_size == general.decode.block_size == block_size
+    for got, want in [(fast.decode.block_tables, general.decode.block_tables), (fast.decode.lens, general.decode.lens)]:
+        assert got.dtype == want.dtype == torch.long and torch.equal(got, want)
+
+
 def test_bfloat16_caches():
     q, _, _, k_cache, v_cache, meta = random_step([1, 5, 1], [7, 12, 3], 4, dtype=torch.bfloat16)
     out = paged_attention(q, k_cache, v_cache, meta, D**-0.5)
