@@ -1,6 +1,6 @@
 """bf16 on the CPU (issue 20), A/B in one process: the engine in fp32, in bf16 with oneDNN's packed
 weights (kernels/cpu_bf16.py, what `--dtype bfloat16` loads), in plain bf16 (`F.linear`,
-load_runtime_model(pack_bf16=False)), and transformers `generate` in fp32, on bench/cpu_decode.py's
+load_runtime_model(pack=False)), and transformers `generate` in fp32, on bench/cpu_decode.py's
 random shapes and prompts (batch 1: one 64-token prompt; batch 16: 16-64 tokens; 32 new tokens).
 First step by step (each engine's prefill and 32 decode steps in turn, ratios of speed: the median
 over rounds of the ratio within a round), then whole runs with transformers: interleaved repeats,
@@ -153,7 +153,7 @@ def exactness() -> None:
     windows = torch.tensor([ids[i * 128 : (i + 1) * 128] for i in range(16)])
     ref = PagedLM(load_runtime_model(path, dtype=torch.float32))(windows).logits
     for name, pack in (("bf16 packed", True), ("bf16 plain", False)):
-        got = PagedLM(load_runtime_model(path, dtype=torch.bfloat16, pack_bf16=pack))(windows).logits
+        got = PagedLM(load_runtime_model(path, dtype=torch.bfloat16, pack=pack))(windows).logits
         rel = ((got - ref).norm() / ref.norm()).item()
         same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
         kld = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()

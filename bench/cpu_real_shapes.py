@@ -175,7 +175,7 @@ def decode_step_bytes(path: Path, dtype: str) -> int:
     from optkit.models.loader import load_runtime_model
     from optkit.runtime.benchmark import weight_bytes
 
-    model = load_runtime_model(path, dtype=getattr(torch, dtype), pack_bf16=False)  # packed copies: the same bytes
+    model = load_runtime_model(path, dtype=getattr(torch, dtype), pack=False)  # packed copies: the same bytes
     embedding = model.get_input_embeddings().weight
     untied = model.lm_head is not None
     return weight_bytes(model) - (embedding.numel() * embedding.element_size() if untied else 0)

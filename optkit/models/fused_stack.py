@@ -162,7 +162,7 @@ class _Layout:
     def step_args(
         self, h: torch.Tensor, rope: list[tuple[torch.Tensor, torch.Tensor]], metas: list[AttentionMetadata]
     ) -> tuple | None:
-        """A step's arguments of decode_stack_w4a8 (StackStep.op_args' order); None where a group's
+        """A step's trailing arguments of decode_stack_w4a8, in its schema's order; None where a group's
         tables are not a decode-only step's, or the step's layers share metadata otherwise than step 0's."""
         group_metas = [metas[layer] for layer in self.firsts]
         if not all(map(is_, (group_metas[g] for g in self.group_index), metas)):

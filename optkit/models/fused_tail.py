@@ -21,6 +21,15 @@ if TYPE_CHECKING:
 
 # W4A8Stack.args' eps, cast_first and offset (the rule every norm of the stack shares)
 _STACK_NORM_RULE = slice(12, 15)
+_enabled = True
+
+
+def one_call(on: bool) -> bool:
+    """Whether decode steps take the one call where they can (on unless set off here); the previous
+    setting. For A/B runs in one process (bench/cpu_stack_region.py --compare token-call)."""
+    global _enabled
+    previous, _enabled = _enabled, on
+    return previous
 
 
 class _Kept:
@@ -34,7 +43,7 @@ def tail(model: "CausalLM", h: torch.Tensor, stack: cpu_decode.W4A8Stack) -> cpu
     """The tail of a decode step whose stack is `stack` and whose embedded input is h [B, hidden], as
     decode_token_w4a8 takes it; None where the model's own calls must compute it."""
     config = model.config
-    if config.logits_scaling != 1.0 or config.final_logit_softcapping is not None:
+    if not _enabled or config.logits_scaling != 1.0 or config.final_logit_softcapping is not None:
         return None
     kept = _weights(model, h)
     if kept is None or (kept.norm.eps, kept.norm.cast_first, kept.norm.offset) != stack.args[_STACK_NORM_RULE]:

@@ -15,7 +15,7 @@ from torch import nn
 from optkit.errors import OptkitError
 from optkit.families import family_for
 from optkit.json_strict import read_object
-from optkit.kernels import cpu_bf16
+from optkit.kernels import cpu_bf16, cpu_fp32
 from optkit.kernels.nf4 import NF4Linear
 from optkit.kernels.packed_int import PackedIntLinear
 from optkit.kernels.w8a8 import W8A8Linear
@@ -37,13 +37,14 @@ def load_runtime_model(
     *,
     fuse: bool = True,
     prepare: bool = True,
-    pack_bf16: bool = True,
+    pack: bool = True,
 ) -> CausalLM:
     """A reference model name (`small`, `draft`) or a model directory, ready to run on `device`.
     `fuse`: q/k/v and gate/up as one matmul each where their layouts agree (models/fusion.py).
     `prepare`: repack quantized layers for this device's kernel now rather than at their first call
     (serving wants it at load; an evaluation of long windows never calls the decode kernel).
-    `pack_bf16`: in bf16 on the CPU, linears through oneDNN with packed weights (`pack_bf16_linears`)."""
+    `pack`: on the CPU, bf16 linears through oneDNN with packed weights (`pack_bf16_linears`), and fp32
+    ones where MKL's fp32 GEMM is slow at few rows (kernels/cpu_fp32.py)."""
     path = resolve_model_dir(name_or_path)
     verify_weights(path)
     config_dict = read_config(path)
@@ -75,8 +76,10 @@ def load_runtime_model(
     model = model.to(device).eval().requires_grad_(False)
     if fuse:
         fuse_projections(model)
-    if pack_bf16 and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+    if pack and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         pack_bf16_linears(model)
+    if pack and dtype == torch.float32 and torch.device(device).type == "cpu":
+        cpu_fp32.pack_linears(model)
     for module in model.modules() if prepare else ():  # quantized layers repack once for this device's kernel
         if hasattr(module, "prepare"):
             module.prepare()

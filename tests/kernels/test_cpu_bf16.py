@@ -114,7 +114,7 @@ def test_pack_linears_swaps_only_bf16_cpu_linears():
 @fast_linear
 def test_bf16_runtime_model_packs_its_linears_and_head_and_matches_the_plain_model(small_dir):
     packed = load_runtime_model(small_dir, dtype=torch.bfloat16)
-    plain = load_runtime_model(small_dir, dtype=torch.bfloat16, fuse=True, pack_bf16=False)
+    plain = load_runtime_model(small_dir, dtype=torch.bfloat16, fuse=True, pack=False)
     linear_class = cpu_bf16.fast_linear_class()
     layers = [m for m in packed.modules() if isinstance(m, linear_class)]
     config = packed.config
