@@ -1,11 +1,11 @@
-"""fp32 linears on the CPU: PyTorch's `F.linear` (MKL) against kernels/cpu_fp32.py's oneDNN inner
-product over the weight packed once, A/B in one process, at the row counts of decode steps and
-prefills.
+"""fp32 linears on the CPU: PyTorch's `F.linear` (MKL) against kernels/cpu_fp32.py's PackedFp32Linear
+(oneDNN's inner product over the weight packed once into its blocked layout) and against oneDNN's
+inner product over the plain row-major weight, A/B in one process, at the row counts of decode steps
+and prefill chunks.
 
 Per shape, the four linears of one decoder layer (q|k|v, o, gate|up, down; random fp32 weights) at
-each row count: both ways alternate within each repeat; printed are the layer's four calls' summed
-median time each way and the ratio (> 1: oneDNN faster), and whether PackedFp32Linear takes the packed
-weight at that row count (up to PACKED_ROWS) or F.linear on the weight unpacked for the call.
+each row count: the three ways rotate within each repeat; printed are the layer's four calls' summed
+median times and the ratios against MKL (> 1: faster than MKL).
   a        bench/cpu_decode.py's shape (a): hidden 768, MLP 2048, 12 heads of 64
   smollm2  hidden 576, MLP 1536, 9 heads / 3 KV heads of 64
 
@@ -53,22 +53,30 @@ def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"threads {args.threads}; PACKED_ROWS {cpu_fp32.PACKED_ROWS}; CPU vendor {cpu_fp32.cpu_vendor() or '?'}")
-    print(f"{'shape':8} {'rows':>5} {'MKL ms':>8} {'oneDNN ms':>9} {'ratio':>6}  path")
+    print(f"threads {args.threads}; CPU vendor {cpu_fp32.cpu_vendor() or '?'}")
+    print(f"{'shape':8} {'rows':>5} {'MKL ms':>8} {'packed ms':>9} {'ratio':>6} {'plain ms':>8} {'ratio':>6}")
     generator = torch.Generator().manual_seed(0)
+    pointwise = torch.ops.mkldnn._linear_pointwise
     for shape, linears in SHAPES.items():
         weights = [torch.randn(n, k, generator=generator) * 0.05 for k, n in linears]
         packed = [cpu_fp32.PackedFp32Linear(w) for w in weights]
         for rows in rows_list:
             inputs = [torch.randn(rows, k, generator=generator) for k, _ in linears]
-            mkl, onednn = [], []
+            ways = {
+                "mkl": [lambda x, w=w: F.linear(x, w) for w in weights],
+                "packed": packed,
+                "plain": [lambda x, w=w: pointwise(x, w, None, "none", [], "") for w in weights],
+            }
+            times = {name: [] for name in ways}
             for r in range(args.repeats):
-                ways = [(mkl, [lambda x, w=w: F.linear(x, w) for w in weights]), (onednn, packed)]
-                for times, calls in ways if r % 2 == 0 else ways[::-1]:
-                    times.append(sum(seconds(call, x) for call, x in zip(calls, inputs, strict=True)))
-            a, b = statistics.median(mkl), statistics.median(onednn)
-            path = "packed" if rows <= cpu_fp32.PACKED_ROWS else "F.linear, unpacked"
-            print(f"{shape:8} {rows:>5} {a * 1e3:>8.3f} {b * 1e3:>9.3f} {a / b:>5.2f}x  {path}")
+                order = list(ways)[r % len(ways) :] + list(ways)[: r % len(ways)]  # rotate
+                for name in order:
+                    times[name].append(sum(seconds(call, x) for call, x in zip(ways[name], inputs, strict=True)))
+            mkl, blocked, row_major = (statistics.median(times[name]) for name in ways)
+            print(
+                f"{shape:8} {rows:>5} {mkl * 1e3:>8.3f} {blocked * 1e3:>9.3f} {mkl / blocked:>5.2f}x"
+                f" {row_major * 1e3:>8.3f} {mkl / row_major:>5.2f}x"
+            )
 
 
 if __name__ == "__main__":

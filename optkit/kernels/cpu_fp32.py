@@ -2,14 +2,13 @@
 GEMM is slow at the few rows of a decode step.
 
 PyTorch runs an fp32 `F.linear` on the CPU through MKL. On CPUs not made by Intel MKL takes a generic
-code path: on an AMD Zen 3 its GEMM ran at 0.3-0.9x oneDNN's inner product over the same weight
-reordered into oneDNN's blocked layout at 1 to 32 rows (`bench/cpu_fp32_linear.py`), the rows of a
-decode step, while from ~256 rows (a prefill) MKL is 5-25% faster. `PackedFp32Linear` keeps only the
-packed weight (no second copy), runs up to PACKED_ROWS rows through it, and more rows through
-`F.linear` on the weight unpacked for that call (one oneDNN reorder, a few % of such a GEMM). Each
-output is an fp32 dot product summed in another order than MKL's: within float32 rounding of
-transformers' logits, not bit for bit. Unlike MKL's, a row's output does not depend on how many rows
-the call has.
+code path: on an AMD Zen 3 its GEMM at 1 to 64 rows (a decode step's) ran at 0.3-0.9x oneDNN's inner
+product over the same weight reordered into oneDNN's blocked layout, and at a prefill chunk's 256-640
+rows at 0.9-1.15x (`bench/cpu_fp32_linear.py`). `PackedFp32Linear` keeps only the packed weight (no
+second copy: unpacking it for MKL at every call cost more than the GEMM at 64 rows) and runs every
+row count through it. Each output is an fp32 dot product summed in another order than MKL's: within
+float32 rounding of transformers' logits, not bit for bit; unlike MKL's, a row's output does not
+depend on how many rows share the call.
 
 `pack_linears` swaps each fp32 CPU `nn.Linear` of a model for it where `chosen()`: on CPUs not made by
 Intel; OPTKIT_CPU_FP32_GEMM=onednn or =mkl sets the choice (A/B runs, or a CPU where the other wins).
@@ -26,8 +25,6 @@ from torch import nn
 from optkit.errors import OptkitError
 
 NAME = "oneDNN fp32 inner product (weight packed at load)"
-UNPACKED_NAME = "MKL fp32 GEMM on the weight unpacked for the call (many rows)"
-PACKED_ROWS = 32  # up to this many rows through the packed weight (measured crossover: 64)
 CHOICES = ("onednn", "mkl")
 
 
@@ -81,12 +78,12 @@ class PackedFp32Linear(nn.Module):
         return self.packed.to_dense()  # fp32 [out, in], bit for bit the weight that was packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.numel() > PACKED_ROWS * self.in_features:
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if x.dtype != torch.float32:  # the module's weight is fp32: as nn.Linear, the dtypes must agree
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def kernel_for(self, device: torch.device | str, rows: int = 1) -> str:
-        return UNPACKED_NAME if rows > PACKED_ROWS else NAME
+        return NAME
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

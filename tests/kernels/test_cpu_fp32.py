@@ -1,6 +1,6 @@
 """fp32 CPU linears through oneDNN's packed weights (kernels/cpu_fp32.py): within float32 rounding of
-F.linear at every row count, a row's output independent of the call's rows up to PACKED_ROWS, the
-weight kept once and read back bit for bit, and the choice set by OPTKIT_CPU_FP32_GEMM."""
+F.linear at every row count, a row's output independent of the call's other rows, the weight kept
+once and read back bit for bit, and the choice set by OPTKIT_CPU_FP32_GEMM or the CPU's vendor."""
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ def linear(out_features=96, in_features=80, bias=True) -> nn.Linear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 3, cpu_fp32.PACKED_ROWS, cpu_fp32.PACKED_ROWS + 1, 200])
+@pytest.mark.parametrize("rows", [1, 3, 32, 200])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_packed_linear_computes_f_linear_within_float32_rounding(rows, bias):
     plain = linear(bias=bias)
@@ -29,14 +29,15 @@ def test_the_packed_linear_computes_f_linear_within_float32_rounding(rows, bias)
     got, want = packed(x), F.linear(x, plain.weight, plain.bias)
     assert got.dtype == torch.float32 and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(packed(x), torch.zeros_like(want))
+    three_d = packed(x[None])  # [1, rows, in]: any leading dims, as nn.Linear takes
+    torch.testing.assert_close(three_d[0], want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_rows_output_does_not_depend_on_the_calls_other_rows():
     packed = cpu_fp32.PackedFp32Linear.from_linear(linear())
-    x = torch.randn(cpu_fp32.PACKED_ROWS, packed.in_features, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(200, packed.in_features, generator=torch.Generator().manual_seed(1))
     batched = packed(x)
-    for i in (0, 5, cpu_fp32.PACKED_ROWS - 1):
+    for i in (0, 5, 199):
         assert torch.equal(packed(x[i : i + 1]), batched[i : i + 1])
 
 
