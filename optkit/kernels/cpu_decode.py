@@ -260,9 +260,9 @@ def decode_stack_w4a8(h: torch.Tensor, stack: W4A8Stack, step_args: tuple) -> to
 
 @dataclass(frozen=True)
 class W4A8Tail:
-    """What a decode step computes around its W4A8 stack, as decode_token_w4a8 takes it: the float32
-    embedding table [vocab, hidden] and the factor its rows are scaled by (1.0: none), the final
-    norm's weight (its eps, cast and offset the stack's) and the W4A8 head (no bias)."""
+    """What a decode step computes around its W4A8 stack, as decode_token_w4a8 takes it: the embedding
+    table [vocab, hidden] of the activations' dtype and the factor its rows are scaled by (1.0: none),
+    the final norm's weight (its eps, cast and offset the stack's) and the W4A8 head (no bias)."""
 
     args: tuple
 

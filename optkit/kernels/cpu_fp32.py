@@ -12,7 +12,10 @@ depend on how many rows share the call.
 
 `pack_linears` swaps each fp32 CPU `nn.Linear` of a model for it where `chosen()`: on CPUs not made by
 Intel; OPTKIT_CPU_FP32_GEMM=onednn or =mkl sets the choice (A/B runs, or a CPU where the other wins).
-A tied head stays on `F.linear` over the embedding (a packed copy would cost vocab x hidden x 4 bytes).
+The loader does so for a model that serves (`prepare`), not for the gate's evaluation of long
+windows, whose 512-2048 rows a call MKL runs as fast or faster (and there, bit for bit as
+transformers). A tied head stays on `F.linear` over the embedding (a packed copy would cost vocab x
+hidden x 4 bytes).
 """
 
 import functools

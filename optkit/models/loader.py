@@ -43,8 +43,9 @@ def load_runtime_model(
     `fuse`: q/k/v and gate/up as one matmul each where their layouts agree (models/fusion.py).
     `prepare`: repack quantized layers for this device's kernel now rather than at their first call
     (serving wants it at load; an evaluation of long windows never calls the decode kernel).
-    `pack`: on the CPU, bf16 linears through oneDNN with packed weights (`pack_bf16_linears`), and fp32
-    ones where MKL's fp32 GEMM is slow at few rows (kernels/cpu_fp32.py)."""
+    `pack`: on the CPU, bf16 linears through oneDNN with packed weights (`pack_bf16_linears`), and with
+    `prepare` fp32 ones where MKL's fp32 GEMM is slow at a decode step's rows (kernels/cpu_fp32.py; an
+    evaluation of long windows keeps MKL, as fast or faster at their rows)."""
     path = resolve_model_dir(name_or_path)
     verify_weights(path)
     config_dict = read_config(path)
@@ -78,7 +79,7 @@ def load_runtime_model(
         fuse_projections(model)
     if pack and dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         pack_bf16_linears(model)
-    if pack and dtype == torch.float32 and torch.device(device).type == "cpu":
+    if pack and prepare and dtype == torch.float32 and torch.device(device).type == "cpu":
         cpu_fp32.pack_linears(model)
     for module in model.modules() if prepare else ():  # quantized layers repack once for this device's kernel
         if hasattr(module, "prepare"):
