@@ -48,7 +48,7 @@ def run(
     stack, tail = None, None
     for i in range(num_steps):
         if i == 0:  # a 4-bit artifact on the CPU: every step's stack call prepared at once
-            h = model.embed(input_ids)
+            h = model.embed(input_ids)  # its rows and dtype choose the calls (the one call embeds again)
             stack = fused_stack.decode_steps(layers, fusable, h, tables, rope_index, layer_metas, kv_caches)
             tail = None if stack is None else fused_tail.tail(model, h, stack.stack)
         if tail is not None:  # the whole step in one call

@@ -3,9 +3,9 @@ to it in one C++ call (kernels/cpu_decode.py's decode_token_w4a8): the embedding
 config says, then the stack, the final norm and the W4A8 head. At batch 1 the Python of those calls
 cost a 30-layer model ~0.3-0.6 ms a token, for each Python object they touch is a cache miss after
 the step has streamed the model's weights (docs/results.md). Taken where the embedding is a plain
-table of the activations' dtype, the final norm rounds as the stack's norms, the head is a
-W4A8 layer without a bias and the logits are neither scaled nor capped; the model's modules run
-elsewhere. Kept, as the stack's weights are, while the modules and tensors it comes from stand.
+table of the activations' dtype, the final norm rounds as the stack's norms, the head is a W4A8 layer
+without a bias and the logits are neither scaled nor capped; elsewhere the model's own calls run.
+Kept, as the stack's weights are, while the modules and tensors it comes from stand.
 """
 
 from typing import TYPE_CHECKING
