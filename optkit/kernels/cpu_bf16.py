@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.kernels import cpu_bf16_gemv
+from optkit.kernels.module_swap import swap_modules
 
 NAME = "oneDNN bf16 inner product (weight packed at load)"
 UPCAST_NAME = "fp32 GEMM on the weight unpacked to fp32 (many rows)"
@@ -113,15 +114,7 @@ def pack_linears(model: nn.Module) -> int:
     linear_class = fast_linear_class()
     if linear_class is None:
         return 0
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if packable(child)
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, linear_class.from_linear(child))
-    return len(swaps)
+    return swap_modules(model, packable, linear_class.from_linear)
 
 
 def head_linear(embedding: torch.Tensor) -> nn.Module:

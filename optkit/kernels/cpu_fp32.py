@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from optkit.errors import OptkitError
+from optkit.kernels.module_swap import swap_modules
 
 NAME = "oneDNN fp32 inner product (weight packed at load)"
 CHOICES = ("onednn", "mkl")
@@ -108,12 +109,4 @@ def pack_linears(model: nn.Module) -> int:
     `chosen()`; how many."""
     if not chosen():
         return 0
-    swaps = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if packable(child)
-    ]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedFp32Linear.from_linear(child))
-    return len(swaps)
+    return swap_modules(model, packable, PackedFp32Linear.from_linear)

@@ -207,7 +207,7 @@ def test_attribution_ranks_the_head_and_repair_keeps_or_raises_it(run_cli, tmp_p
     # the head itself to full precision: the base's (tied) weight, stored untied
     full = tmp_path / "full-head"
     write_mixed_artifact(head8, draft_dir, {"lm_head": 16}, full, {})
-    model = load_runtime_model(full)
+    model = load_runtime_model(full, pack=False)  # the artifact's head, not the CPU's packing of it
     assert type(model.lm_head) is torch.nn.Linear
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
